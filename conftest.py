@@ -1,0 +1,85 @@
+"""Test-suite wiring: markers, arch gating, CPU/interpreter mode, xdist GPU pinning, failure reports.
+
+Arch gating lives here and only here: `sm90` means compute capability major == 9 exactly, `sm100`
+major == 10, `multi_gpu` two or more GPUs. Every skip carries its reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+# xdist: pin each worker to one GPU before anything initialises CUDA.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    _gpus = os.environ.get("MOE_VERIFY_NUM_GPUS")
+    if _gpus and int(_gpus) > 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker[2:]) % int(_gpus))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Without a GPU, Triton kernels run under its interpreter; the flag must be set before triton is
+# imported anywhere, and the interpreter's wrong FP8 cast is replaced (ENVIRONMENT.md).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moe_verify.device import cuda_arch_major, interpreter_mode  # noqa: E402
+
+if interpreter_mode():
+    from optimized.triton_compat import install_interpreter_fp8_fix
+
+    install_interpreter_fp8_fix()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+    parser.addoption("--run-bench", action="store_true", help="also run benchmarks (marked bench)")
+
+
+def _gate_reason(item: pytest.Item, config: pytest.Config) -> str | None:
+    major = cuda_arch_major()
+    if item.get_closest_marker("sm90") and major != 9:
+        return f"needs an SM90 (Hopper) GPU; this machine has {_describe(major)}"
+    if item.get_closest_marker("sm100") and major != 10:
+        return f"needs an SM100 (Blackwell) GPU; this machine has {_describe(major)}"
+    if item.get_closest_marker("multi_gpu"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < 2:
+            return f"needs >= 2 GPUs; this machine has {n}"
+    if item.get_closest_marker("slow") and not config.getoption("--run-slow"):
+        return "slow test: pass --run-slow to run it"
+    if item.get_closest_marker("bench") and not config.getoption("--run-bench"):
+        return "benchmark, not a test: pass --run-bench (or use `moe-verify bench`)"
+    return None
+
+
+def _describe(major: int | None) -> str:
+    return "no GPU" if major is None else f"compute capability {major}.x"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        reason = _gate_reason(item, config)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """On failure, print the stage table of any verification report the test recorded."""
+    report = yield
+    if report.when == "call" and report.failed:
+        for moe_report in getattr(item, "moe_reports", []):
+            report.sections.append(("moe-verify report", moe_report.to_table()))
+    return report
+
+
+@pytest.fixture
+def record_report(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Call with a Report; if the test then fails, its stage table is shown in the failure."""
+
+    def record(report):  # type: ignore[no-untyped-def]
+        request.node.moe_reports = [*getattr(request.node, "moe_reports", []), report]
+        return report
+
+    return record

@@ -1,0 +1,586 @@
+"""The shared vocabulary: recipes, scale formats, topologies, the problem, inputs and the Trace.
+
+Every backend (the golden in `reference/`, the DeepGEMM path in `optimized/`, a user's own kernels)
+speaks these types, so traces from any two of them compare stage by stage. Nothing here computes
+MoE math; it only names things and validates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+# Stage names of one rank's staged forward, in order (DESIGN.md "stage contract").
+STAGES: tuple[str, ...] = (
+    "route",
+    "quant_input",
+    "align",
+    "permute",
+    "gemm1",
+    "act_quant",
+    "gemm2",
+    "gather",
+)
+# The batched low-latency layout (ep:N+ll) replaces align + permute by one dispatch stage.
+LL_STAGES: tuple[str, ...] = (
+    "route",
+    "quant_input",
+    "dispatch",
+    "gemm1",
+    "act_quant",
+    "gemm2",
+    "gather",
+)
+# Cross-rank stage, produced by the topology runner from every rank's trace.
+REDUCE_STAGE = "reduce"
+
+FP8_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+class Recipe(str, enum.Enum):
+    """Quantization recipe of one MoE layer (DESIGN.md "Recipes and scale formats")."""
+
+    FP8_BLOCK = "fp8_block"  # e4m3 activations 1x128, e4m3 weights 128x128 blocks
+    MXFP8 = "mxfp8"  # e4m3 activations and weights, 1x32 groups, E8M0 scales
+    MXFP4_W4A8 = "mxfp4_w4a8"  # e4m3 activations 1x128, E2M1 weights 1x32 with E8M0 scales
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def act_group(self) -> int:
+        """K elements sharing one activation scale."""
+        return 32 if self is Recipe.MXFP8 else 128
+
+    @property
+    def weight_block(self) -> tuple[int, int]:
+        """(rows, K elements) sharing one weight scale."""
+        return (128, 128) if self is Recipe.FP8_BLOCK else (1, 32)
+
+    @property
+    def fp4_weights(self) -> bool:
+        return self is Recipe.MXFP4_W4A8
+
+    @property
+    def allowed_scale_fmts(self) -> tuple[ScaleFmt, ...]:
+        if self is Recipe.FP8_BLOCK:
+            return (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED)
+        if self is Recipe.MXFP8:
+            # MX activations carry E8M0 bytes; the GEMM consumes them packed four per int32.
+            return (ScaleFmt.UE8M0_PACKED,)
+        return (ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED)
+
+
+class ScaleFmt(str, enum.Enum):
+    """How activation scales are stored (vLLM's DeepGemmQuantScaleFMT)."""
+
+    FLOAT32 = "float32"  # plain fp32 amax/448
+    FLOAT32_CEIL_UE8M0 = "float32_ceil_ue8m0"  # fp32 storage, rounded up to a power of two (SM90)
+    UE8M0_PACKED = "ue8m0_packed"  # exponent bytes, 4 per int32, MN-major TMA-aligned (SM100)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_ue8m0(self) -> bool:
+        """True when every scale is a power of two (weights are requantized to UE8M0 too)."""
+        return self is not ScaleFmt.FLOAT32
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Gated activation on [gate | up] halves of GEMM1's output (gate = first half).
+
+    silu:      y = silu(g) * u
+    swigluoai: y = (u + beta) * g * sigmoid(alpha * g)
+    With `limit`, the gate is clamped from above only and up on both sides, before the activation.
+    """
+
+    kind: str = "silu"
+    alpha: float = 1.0
+    beta: float = 0.0
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("silu", "swigluoai"):
+            raise ValueError(f"activation kind must be 'silu' or 'swigluoai', got {self.kind!r}")
+        if self.kind == "silu" and (self.alpha != 1.0 or self.beta != 0.0):
+            raise ValueError(
+                f"silu has alpha=1, beta=0; got alpha={self.alpha}, beta={self.beta} "
+                "(use kind='swigluoai')"
+            )
+        if self.limit is not None and not self.limit > 0:
+            raise ValueError(f"activation clamp limit must be > 0, got {self.limit}")
+
+    @property
+    def tag(self) -> str:
+        if self.kind == "silu" and self.limit is None:
+            return "silu"
+        parts = [self.kind]
+        if self.kind == "swigluoai":
+            parts.append(f"a{self.alpha:g}b{self.beta:g}")
+        if self.limit is not None:
+            parts.append(f"L{self.limit:g}")
+        return "-".join(parts)
+
+    @staticmethod
+    def parse(text: str) -> Activation:
+        """'silu', 'silu:L7', 'swigluoai', 'swigluoai:1.702:1.0:7.0' (alpha:beta:limit)."""
+        kind, _, rest = text.partition(":")
+        args = [a for a in rest.split(":") if a] if rest else []
+        if kind == "silu":
+            if len(args) > 1 or (args and not args[0].startswith("L")):
+                raise ValueError(f"activation {text!r}: silu takes only a limit, as 'silu:L7'")
+            return Activation("silu", limit=float(args[0][1:]) if args else None)
+        if kind == "swigluoai":
+            vals = [float(a) for a in args]
+            alpha, beta, limit = (vals + [1.702, 1.0, 7.0][len(vals) :])[:3]
+            return Activation("swigluoai", alpha, beta, limit)
+        raise ValueError(f"activation {text!r}: expected 'silu[:L<limit>]' or 'swigluoai[:a:b:L]'")
+
+
+class Routing(str, enum.Enum):
+    """How topk ids and weights are produced by `make_inputs` (each names the edge it exercises)."""
+
+    SOFTMAX = "softmax"  # softmax top-k over random logits, renormalized
+    GROUPED = "grouped"  # DeepSeek-V3: sigmoid + correction bias, top groups, routed scaling
+    UNIFORM = "uniform"  # every expert gets (almost) the same number of slots
+    SKEW = "skew"  # one hot expert takes about half of all slots
+    EMPTY_FIRST = "empty_first"  # expert 0 receives nothing
+    EMPTY_MIDDLE = "empty_middle"  # expert E//2 receives nothing
+    EMPTY_LAST = "empty_last"  # expert E-1 receives nothing
+    ONE_EXPERT = "one_expert"  # every token's first slot goes to one expert, the rest are -1
+    INVALID_SLOTS = "invalid_slots"  # about a quarter of the slots are -1, some tokens entirely
+    DUPLICATES = "duplicates"  # ids drawn with replacement: a token may hit one expert twice
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TopologyKind(str, enum.Enum):
+    TP = "tp"  # intermediate split across ranks; partial outputs summed
+    EP = "ep"  # experts split across ranks (expert_map); every rank sees every token
+    EP_HT = "ep+ht"  # DeepEP high-throughput: tokens dispatched to owners, exact counts
+    EP_LL = "ep+ll"  # DeepEP low-latency: batched [E_local, max_tokens, H] + masked_m
+
+
+class Placement(str, enum.Enum):
+    LINEAR = "linear"  # contiguous slices; the first E % N ranks get one more expert
+    ROUND_ROBIN = "round_robin"  # expert e lives on rank e % N
+    EXPLICIT = "explicit"  # given per-rank lists of logical experts (replicas allowed)
+
+
+_TOPOLOGY_RE = re.compile(r"^(tp|ep):(\d+)(?::(linear|round_robin))?(\+ht|\+ll)?$")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Parallel layout of one MoE layer, emulated in one process or run for real.
+
+    `explicit` (Placement.EXPLICIT only) lists, per rank, the logical experts that rank hosts; an
+    expert listed on several ranks is a redundant (EPLB-style) replica.
+    """
+
+    kind: TopologyKind = TopologyKind.TP
+    size: int = 1
+    placement: Placement = Placement.LINEAR
+    explicit: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"topology size must be >= 1, got {self.size}")
+        if self.kind is TopologyKind.TP and self.placement is not Placement.LINEAR:
+            raise ValueError("tp topologies have no expert placement")
+        if (self.placement is Placement.EXPLICIT) != (self.explicit is not None):
+            raise ValueError("placement 'explicit' and an explicit expert list go together")
+        if self.explicit is not None and len(self.explicit) != self.size:
+            raise ValueError(
+                f"explicit placement lists {len(self.explicit)} ranks, topology has {self.size}"
+            )
+        if self.kind is TopologyKind.EP_HT and self.placement is not Placement.LINEAR:
+            # vLLM downgrades HT to linear: its -1 remap assumes contiguous expert slices.
+            raise ValueError("ep+ht supports linear placement only (as vLLM's DeepEP HT)")
+
+    @staticmethod
+    def parse(text: str) -> Topology:
+        """'tp:N', 'ep:N', 'ep:N:round_robin', 'ep:N+ht', 'ep:N+ll'; 'single' means tp:1."""
+        if text in ("single", "1"):
+            return Topology()
+        m = _TOPOLOGY_RE.match(text.strip())
+        if m is None:
+            raise ValueError(
+                f"topology {text!r}: expected tp:N, ep:N, ep:N:round_robin, ep:N+ht or ep:N+ll"
+            )
+        base, size, placement, suffix = m.groups()
+        if base == "tp" and (placement or suffix):
+            raise ValueError(f"topology {text!r}: placement and +ht/+ll apply to ep only")
+        kind = {None: TopologyKind.EP, "+ht": TopologyKind.EP_HT, "+ll": TopologyKind.EP_LL}[
+            suffix
+        ]
+        if base == "tp":
+            kind = TopologyKind.TP
+        return Topology(kind, int(size), Placement(placement or "linear"))
+
+    @staticmethod
+    def explicit_ep(ranks: list[list[int]] | tuple[tuple[int, ...], ...]) -> Topology:
+        lists = tuple(tuple(int(e) for e in r) for r in ranks)
+        return Topology(TopologyKind.EP, len(lists), Placement.EXPLICIT, lists)
+
+    @property
+    def is_ep(self) -> bool:
+        return self.kind is not TopologyKind.TP
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return LL_STAGES if self.kind is TopologyKind.EP_LL else STAGES
+
+    def __str__(self) -> str:
+        if self.kind is TopologyKind.TP:
+            return f"tp{self.size}"
+        if self.placement is Placement.EXPLICIT:
+            return f"ep{self.size}-explicit"
+        text = f"ep{self.size}"
+        if self.placement is Placement.ROUND_ROBIN:
+            text += "-rr"
+        if self.kind is TopologyKind.EP_HT:
+            text += "-ht"
+        if self.kind is TopologyKind.EP_LL:
+            text += "-ll"
+        return text
+
+
+@dataclass(frozen=True)
+class MoEProblem:
+    """One MoE layer to verify: shapes, recipe, routing, topology and seed.
+
+    `alignment` is the per-expert row padding A of the contiguous layout (DeepGEMM's BLOCK_M);
+    `provenance` replaces random values with tagged ones that survive quantization, so a wrong
+    row names the token and expert it came from.
+    """
+
+    tokens: int = 64
+    hidden: int = 256
+    intermediate: int = 256
+    num_experts: int = 8
+    topk: int = 2
+    recipe: Recipe = Recipe.FP8_BLOCK
+    scale_fmt: ScaleFmt = ScaleFmt.FLOAT32
+    activation: Activation = field(default_factory=Activation)
+    routing: Routing = Routing.SOFTMAX
+    topology: Topology = field(default_factory=Topology)
+    seed: int = 0
+    alignment: int = 128
+    provenance: bool = False
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    num_expert_group: int = 1
+    topk_group: int = 1
+
+    def __post_init__(self) -> None:
+        # Accept plain strings for the enum fields (CLI, JSON round trips).
+        for name, typ in (("recipe", Recipe), ("scale_fmt", ScaleFmt), ("routing", Routing)):
+            value = getattr(self, name)
+            if not isinstance(value, typ):
+                try:
+                    object.__setattr__(self, name, typ(value))
+                except ValueError:
+                    allowed = ", ".join(v.value for v in typ)
+                    raise ValueError(f"{name} must be one of {allowed}; got {value!r}") from None
+        if isinstance(self.topology, str):
+            object.__setattr__(self, "topology", Topology.parse(self.topology))
+        if isinstance(self.activation, str):
+            object.__setattr__(self, "activation", Activation.parse(self.activation))
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"MoEProblem: {msg}")
+
+        need(self.tokens >= 0, f"tokens must be >= 0, got {self.tokens}")
+        need(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
+        need(
+            1 <= self.topk <= self.num_experts,
+            f"topk must be in [1, num_experts={self.num_experts}], got {self.topk}",
+        )
+        need(self.alignment >= 1, f"alignment must be >= 1, got {self.alignment}")
+        need(
+            self.scale_fmt in self.recipe.allowed_scale_fmts,
+            f"recipe {self.recipe} takes scale_fmt in "
+            f"{[str(f) for f in self.recipe.allowed_scale_fmts]}, got {self.scale_fmt}",
+        )
+        g = self.recipe.act_group
+        need(self.hidden % g == 0, f"hidden={self.hidden} must be a multiple of {g} ({self.recipe})")
+        bm, bk = self.recipe.weight_block
+        tp = self.topology.size if self.topology.kind is TopologyKind.TP else 1
+        need(
+            self.intermediate % tp == 0,
+            f"intermediate={self.intermediate} must split evenly over tp={tp}",
+        )
+        ip = self.intermediate // tp
+        # GEMM2 reduces over I_p, grouped by the activation group; weight blocks must not straddle
+        # a TP shard, or each rank would see half a 128x128 block.
+        step = max(g, bk, bm if self.recipe is Recipe.FP8_BLOCK else 1)
+        need(
+            ip % step == 0,
+            f"intermediate per rank={ip} must be a multiple of {step} for {self.recipe}",
+        )
+        need(self.hidden % bm == 0 or bm == 1, f"hidden={self.hidden} must be a multiple of {bm}")
+        if self.routing is Routing.GROUPED:
+            need(
+                self.num_expert_group >= 1 and self.num_experts % self.num_expert_group == 0,
+                f"num_experts={self.num_experts} must divide into num_expert_group="
+                f"{self.num_expert_group}",
+            )
+            need(
+                1 <= self.topk_group <= self.num_expert_group,
+                f"topk_group={self.topk_group} must be in [1, {self.num_expert_group}]",
+            )
+            need(
+                self.topk <= self.topk_group * (self.num_experts // self.num_expert_group),
+                "topk exceeds the experts left after keeping topk_group groups",
+            )
+        if self.topology.placement is Placement.EXPLICIT:
+            hosted = {e for r in self.topology.explicit or () for e in r}
+            need(
+                hosted == set(range(self.num_experts)),
+                "explicit placement must host every expert 0..E-1 at least once",
+            )
+
+    @property
+    def intermediate_per_rank(self) -> int:
+        tp = self.topology.size if self.topology.kind is TopologyKind.TP else 1
+        return self.intermediate // tp
+
+    @property
+    def id(self) -> str:
+        """Readable case id, e.g. fp8_block-ep4-T512-H2048-I768-E64-k8-skew."""
+        parts = [
+            str(self.recipe),
+            str(self.topology),
+            f"T{self.tokens}",
+            f"H{self.hidden}",
+            f"I{self.intermediate}",
+            f"E{self.num_experts}",
+            f"k{self.topk}",
+            str(self.routing),
+        ]
+        if self.scale_fmt is not self.recipe.allowed_scale_fmts[0]:
+            parts.append(
+                {"float32_ceil_ue8m0": "ceil", "ue8m0_packed": "packed"}.get(
+                    self.scale_fmt.value, self.scale_fmt.value
+                )
+            )
+        if self.activation.tag != "silu":
+            parts.append(self.activation.tag)
+        if self.alignment != 128:
+            parts.append(f"A{self.alignment}")
+        if self.provenance:
+            parts.append("prov")
+        if self.seed:
+            parts.append(f"s{self.seed}")
+        return "-".join(parts)
+
+    def replace(self, **changes: object) -> MoEProblem:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, object]:
+        topo = self.topology
+        return {
+            "tokens": self.tokens,
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "num_experts": self.num_experts,
+            "topk": self.topk,
+            "recipe": self.recipe.value,
+            "scale_fmt": self.scale_fmt.value,
+            "activation": dataclasses.asdict(self.activation),
+            "routing": self.routing.value,
+            "topology": {
+                "kind": topo.kind.value,
+                "size": topo.size,
+                "placement": topo.placement.value,
+                "explicit": [list(r) for r in topo.explicit] if topo.explicit else None,
+            },
+            "seed": self.seed,
+            "alignment": self.alignment,
+            "provenance": self.provenance,
+            "renormalize": self.renormalize,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "num_expert_group": self.num_expert_group,
+            "topk_group": self.topk_group,
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, object]) -> MoEProblem:
+        d = dict(d)
+        topo = d.pop("topology")
+        if isinstance(topo, Mapping):
+            explicit = topo.get("explicit")
+            topo = Topology(
+                TopologyKind(topo["kind"]),
+                int(topo["size"]),
+                Placement(topo["placement"]),
+                tuple(tuple(r) for r in explicit) if explicit else None,
+            )
+        act = d.pop("activation")
+        if isinstance(act, Mapping):
+            act = Activation(**act)
+        return MoEProblem(topology=topo, activation=act, **d)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A stack of expert weights exactly as the kernel sees them (logical layout).
+
+    q:      fp8 e4m3 [E, N, K], or uint8 [E, N, K/2] holding two E2M1 codes per byte
+            (even element in the low nibble) when `fp4`.
+    scale:  fp32 [E, N/128, K/128] for 128x128 blocks, or uint8 E8M0 bytes [E, N, K/32].
+    block:  (rows, K elements) covered by one scale.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def fp4(self) -> bool:
+        return self.q.dtype == torch.uint8
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Logical [E, N, K]."""
+        e, n, k = self.q.shape
+        return (e, n, 2 * k if self.fp4 else k)
+
+    def select(self, experts: torch.Tensor | list[int]) -> QuantizedWeight:
+        idx = torch.as_tensor(experts, dtype=torch.long, device=self.q.device)
+        return QuantizedWeight(self.q.index_select(0, idx), self.scale.index_select(0, idx), self.block)
+
+
+@dataclass(frozen=True)
+class MoEInputs:
+    """Everything a backend needs to run one problem; built by `moe_verify.make_inputs`.
+
+    hidden_states   bf16 [T, H]
+    router_logits   fp32 [T, E]
+    score_bias      fp32 [E] (DeepSeek e_score_correction_bias) or None
+    topk_ids        int32 [T, k] when the routing mode fixes ids directly, else None
+    topk_weights    fp32 [T, k] alongside topk_ids, else None
+    w13, w2         bf16 master weights [E, 2I, H] (gate rows first) and [E, H, I]
+    w13_q, w2_q     the quantized, post-processed weights the kernel sees
+    w13_ckpt, w2_ckpt  the checkpoint before UE8M0 requantization (None when no requant happened)
+    """
+
+    hidden_states: torch.Tensor
+    router_logits: torch.Tensor
+    score_bias: torch.Tensor | None
+    topk_ids: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_q: QuantizedWeight
+    w2_q: QuantizedWeight
+    w13_ckpt: QuantizedWeight | None = None
+    w2_ckpt: QuantizedWeight | None = None
+
+    def to(self, device: torch.device | str) -> MoEInputs:
+        def mv(x: object) -> object:
+            if isinstance(x, torch.Tensor):
+                return x.to(device)
+            if isinstance(x, QuantizedWeight):
+                return QuantizedWeight(x.q.to(device), x.scale.to(device), x.block)
+            return x
+
+        return MoEInputs(**{f.name: mv(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+class Trace:
+    """Ordered mapping stage name -> named tensors (and host ints), one rank's staged forward.
+
+    `trace["permute"]["m_indices"]`. Stages are appended in execution order; a stage may carry
+    extra named entries (e.g. "engine" on GEMM stages). Non-tensor values (ints, strings) are
+    allowed for host-side facts such as M_sum or the GEMM engine used.
+    """
+
+    def __init__(self, backend: str, rank: int = 0) -> None:
+        self.backend = backend
+        self.rank = rank
+        self._stages: dict[str, dict[str, object]] = {}
+
+    def add(self, stage: str, outputs: Mapping[str, object]) -> None:
+        if stage in self._stages:
+            raise ValueError(f"trace of {self.backend!r} already has stage {stage!r}")
+        self._stages[stage] = dict(outputs)
+
+    def __getitem__(self, stage: str) -> dict[str, object]:
+        try:
+            return self._stages[stage]
+        except KeyError:
+            raise KeyError(
+                f"trace of {self.backend!r} (rank {self.rank}) has no stage {stage!r}; "
+                f"it has {list(self._stages)}"
+            ) from None
+
+    def __contains__(self, stage: object) -> bool:
+        return stage in self._stages
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stages)
+
+    def __len__(self) -> int:
+        return len(self._stages)
+
+    def items(self) -> Iterator[tuple[str, dict[str, object]]]:
+        return iter(self._stages.items())
+
+    @property
+    def stages(self) -> list[str]:
+        return list(self._stages)
+
+    def upto(self, stage: str) -> Trace:
+        """A copy holding only the stages before `stage` (the `upstream` of that stage)."""
+        out = Trace(self.backend, self.rank)
+        for name, outs in self._stages.items():
+            if name == stage:
+                break
+            out.add(name, outs)
+        return out
+
+    def __repr__(self) -> str:
+        return f"Trace({self.backend!r}, rank={self.rank}, stages={self.stages})"
+
+
+class StageSkipped(Exception):
+    """Raised by a backend for a stage it cannot run here (the reason says why, e.g. SM100 only).
+
+    The comparison reports the stage as skipped with this reason; it is never silently replaced.
+    """
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every MoE implementation under test provides (DESIGN.md "Public surface")."""
+
+    name: str
+
+    def run_stage(
+        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> dict[str, object]: ...
+
+    def run(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Trace: ...
+
+
+def run_stages(backend: Backend, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Trace:
+    """Chain `backend.run_stage` over the topology's stages (the default `run`)."""
+    trace = Trace(backend.name, rank)
+    for stage in problem.topology.stages:
+        trace.add(stage, backend.run_stage(stage, problem, inputs, trace, rank))
+    return trace
