@@ -1,0 +1,11 @@
+"""The golden: an independent pure-PyTorch MoE, staged like the kernels, readable like the math.
+
+Never imports triton, deep_gemm or `optimized` (a golden that shares code with the kernel shares
+its bugs). Runs on CPU or GPU.
+"""
+
+from __future__ import annotations
+
+from reference.moe import ReferenceBackend, run
+
+__all__ = ["ReferenceBackend", "run"]

@@ -1,0 +1,227 @@
+"""OptimizedBackend: the DeepGEMM MoE path (Triton kernels + DeepGEMM grouped GEMMs), staged.
+
+Stage for stage it mirrors reference/moe.py, so the two read side by side. GEMM stages pick an
+engine like vLLM's TritonOrDeepGemmExperts and record which one ran, and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moe_verify.spec import (
+    MoEInputs,
+    MoEProblem,
+    QuantizedWeight,
+    Recipe,
+    StageSkipped,
+    TopologyKind,
+    Trace,
+    run_stages,
+)
+from optimized import deepgemm
+from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter
+from optimized.routing import select_experts
+from optimized.topology import Shard, shard
+
+Outputs = dict[str, object]
+ENGINES = ("auto", "deepgemm", "triton")
+# vLLM _valid_deep_gemm: below this intermediate size Triton is preferred for speed.
+_DEEP_GEMM_MIN_INTERMEDIATE = 512
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    engine: str  # "deepgemm" or "triton"
+    reason: str
+
+
+def choose_engine(problem: MoEProblem, num_tokens: int, override: str = "auto") -> EngineChoice:
+    """TritonOrDeepGemm: DeepGEMM when E8M0 is in use or the shape is valid for it, else Triton.
+
+    `override="deepgemm"` demands DeepGEMM (a stage it cannot run is skipped with the reason,
+    never silently replaced); `"triton"` forces the Triton engine.
+    """
+    if override not in ENGINES:
+        raise ValueError(f"engine: expected one of {ENGINES}, got {override!r}")
+    if override == "triton":
+        return EngineChoice("triton", "engine forced to triton")
+    ok, why = deepgemm.support(problem)
+    if override == "deepgemm":
+        if not ok:
+            raise StageSkipped(f"DeepGEMM demanded but cannot run here: {why}")
+        return EngineChoice("deepgemm", f"engine forced to deepgemm ({why})")
+    if not ok:
+        return EngineChoice("triton", f"TritonOrDeepGemm fallback: {why}")
+    if problem.scale_fmt.is_ue8m0:
+        return EngineChoice("deepgemm", "E8M0 scales in use: DeepGEMM regardless of shape")
+    a, ip, h = problem.alignment, problem.intermediate_per_rank, problem.hidden
+    if num_tokens >= a and ip % a == 0 and h % a == 0 and ip > _DEEP_GEMM_MIN_INTERMEDIATE:
+        return EngineChoice("deepgemm", "shape valid for DeepGEMM (_valid_deep_gemm)")
+    return EngineChoice(
+        "triton",
+        f"_valid_deep_gemm fails (M={num_tokens} >= A={a}, I_p={ip} % A, H={h} % A, "
+        f"I_p > {_DEEP_GEMM_MIN_INTERMEDIATE}): Triton",
+    )
+
+
+class OptimizedBackend:
+    """The path under test. `engine` selects the GEMM engine: auto, deepgemm or triton."""
+
+    name = "optimized"
+
+    def __init__(self, engine: str = "auto") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
+        self.engine = engine
+        self._shards: dict[tuple[int, int], Shard] = {}
+        self._dg_scales: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    def run(self, problem: MoEProblem, inputs: MoEInputs, rank: int = 0) -> Trace:
+        return run_stages(self, problem, inputs, rank)
+
+    def run_stage(
+        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs:
+        method: Callable[..., Outputs] | None = getattr(self, f"_{stage}", None)
+        if method is None:
+            raise ValueError(f"stage {stage!r} is not a stage of the optimized MoE")
+        return method(problem, inputs, upstream, rank)
+
+    def shard(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Shard:
+        key = (id(inputs), rank)
+        if key not in self._shards:
+            self._shards = {k: v for k, v in self._shards.items() if k[0] == id(inputs)}
+            self._shards[key] = shard(problem, inputs.w13_q, inputs.w2_q, rank)
+        return self._shards[key]
+
+    # -- stages ----------------------------------------------------------------------------------
+
+    def _route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        ids, weights = select_experts(p, x)
+        if p.topology.kind is not TopologyKind.EP_HT:
+            return {"topk_ids": ids, "topk_weights": weights}
+        expert_map = self.shard(p, x, rank).expert_map
+        assert expert_map is not None
+        local = torch.where(ids >= 0, expert_map[ids.long().clamp(min=0)], -1)
+        received = (local >= 0).any(dim=1).nonzero().squeeze(1)
+        return {
+            "topk_ids": ids[received].to(torch.int64),
+            "topk_weights": weights[received],
+            "token_index": received,
+        }
+
+    def _quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        hidden = x.hidden_states
+        if p.topology.kind is TopologyKind.EP_HT:
+            hidden = hidden[up["route"]["token_index"]]
+        if p.recipe is Recipe.MXFP8:
+            q, s = quant.quantize_mxfp8(hidden, 32)
+        else:
+            q, s = quant.quantize_fp8_groups(hidden, 128, p.scale_fmt)
+        return {"a1q": q, "a1q_scale": s}
+
+    def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        sh = self.shard(p, x, rank)
+        ids = up["route"]["topk_ids"]
+        counts = scatter.count_expert_tokens(ids, sh.num_local_experts, sh.expert_map)
+        if p.topology.kind is TopologyKind.EP_HT:
+            m_sum = scatter.aligned_m_sum_exact(counts, p.alignment)
+        else:
+            m_sum = scatter.aligned_m_sum_upper_bound(
+                ids.shape[0], ids.shape[1], sh.num_local_experts, p.alignment
+            )
+        return {"M_sum": m_sum, "alignment": p.alignment, "counts": counts}
+
+    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        sh = self.shard(p, x, rank)
+        align = up["align"]
+        a_perm, a_scale_perm, m_indices, inv_perm, expert_start = scatter.ep_scatter(
+            up["quant_input"]["a1q"],
+            up["quant_input"]["a1q_scale"],
+            up["route"]["topk_ids"],
+            align["counts"],
+            sh.num_local_experts,
+            align["alignment"],
+            align["M_sum"],
+            sh.expert_map,
+        )
+        return {
+            "a_perm": a_perm,
+            "a_scale_perm": a_scale_perm,
+            "m_indices": m_indices,
+            "inv_perm": inv_perm,
+            "expert_start": expert_start,
+        }
+
+    def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        perm = up["permute"]
+        choice = choose_engine(p, up["route"]["topk_ids"].shape[0], self.engine)
+        w = self.shard(p, x, rank).w13
+        mm1 = self._grouped_gemm(
+            choice, p, x, rank, "w13", perm["a_perm"], perm["a_scale_perm"],
+            p.recipe.act_group, w, perm["m_indices"],
+        )
+        return {"mm1": mm1, "engine": choice.engine, "engine_reason": choice.reason}
+
+    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        if p.recipe is Recipe.MXFP4_W4A8 and p.activation.kind != "silu":
+            raise ValueError("mxfp4_w4a8: the FP4 experts support silu (with optional clamp) only")
+        q, s = act_quant.silu_mul_quant(up["gemm1"]["mm1"], p.activation, _act_group(p),
+                                        p.scale_fmt)
+        return {"a2q": q, "a2q_scale": s}
+
+    def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        act = up["act_quant"]
+        choice = choose_engine(p, up["route"]["topk_ids"].shape[0], self.engine)
+        w = self.shard(p, x, rank).w2
+        mm2 = self._grouped_gemm(
+            choice, p, x, rank, "w2", act["a2q"], act["a2q_scale"], _act_group(p), w,
+            up["permute"]["m_indices"],
+        )
+        return {"mm2": mm2, "engine": choice.engine, "engine_reason": choice.reason}
+
+    def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        route = up["route"]
+        out = gather.ep_gather(
+            up["gemm2"]["mm2"],
+            route["topk_ids"],
+            route["topk_weights"],
+            up["permute"]["inv_perm"],
+            self.shard(p, x, rank).expert_map,
+        )
+        return {"out": out}
+
+    # -- engines ---------------------------------------------------------------------------------
+
+    def _grouped_gemm(
+        self,
+        choice: EngineChoice,
+        p: MoEProblem,
+        x: MoEInputs,
+        rank: int,
+        which: str,
+        a: torch.Tensor,
+        a_scale: torch.Tensor,
+        a_group: int,
+        w: QuantizedWeight,
+        m_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        if choice.engine == "triton":
+            return grouped_gemm.grouped_gemm(
+                a, a_scale, a_group, w.q, w.scale, w.block, m_indices, p.alignment
+            )
+        key = (id(x), rank, which)
+        if key not in self._dg_scales:
+            self._dg_scales[key] = deepgemm.prepare_weight_scales(w, p.scale_fmt.is_ue8m0)
+        return deepgemm.m_grouped_gemm(
+            a, a_scale, w, self._dg_scales[key], m_indices, p.alignment, a_group,
+            p.scale_fmt.is_ue8m0,
+        )
+
+
+def _act_group(problem: MoEProblem) -> int:
+    """GEMM2's activation group: 32 for MXFP8; 128 otherwise (FP4 experts requant at 128)."""
+    return 32 if problem.recipe is Recipe.MXFP8 else 128

@@ -1,0 +1,265 @@
+"""The only module that imports deep_gemm (lazily): capability probe, alignment scope, GEMM calls.
+
+DeepGEMM is optional. Every entry point says clearly why it cannot run here: deep_gemm missing,
+the unusable PyPI 1.0 package (old API names, no CUDA headers), a version below 2.6, no GPU, or an
+arch that cannot run the recipe (everything UE8M0-packed, per-32 or FP4 is SM100-only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from moe_verify.spec import MoEProblem, QuantizedWeight, Recipe, ScaleFmt
+
+MIN_VERSION = (2, 6)
+# Names our calls need; their absence means an old or partial build.
+REQUIRED_API = (
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
+    "get_mk_alignment_for_contiguous_layout",
+    "set_mk_alignment_for_contiguous_layout",
+    "transform_sf_into_required_layout",
+)
+# SM90 1D2D kernels need BLOCK_M in {64, 128, 256} (deepgemm-api §1.8).
+SM90_LEGAL_ALIGNMENTS = (64, 128, 256)
+LIBSTDCXX = "/lib/x86_64-linux-gnu/libstdc++.so.6"
+
+
+class DeepGemmUnavailable(RuntimeError):
+    """deep_gemm cannot run this call here; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class DeepGemmStatus:
+    usable: bool
+    reason: str
+    version: str | None = None
+    arch_major: int | None = None
+    module: ModuleType | None = None
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+@functools.cache
+def probe() -> DeepGemmStatus:
+    """Import deep_gemm and check version, API names and the GPU arch (cached)."""
+    if not torch.cuda.is_available():
+        return DeepGemmStatus(False, "no CUDA GPU: DeepGEMM runs on SM90/SM100 only")
+    major = torch.cuda.get_device_capability()[0]
+    try:
+        dg = importlib.import_module("deep_gemm")
+    except ImportError as exc:
+        return DeepGemmStatus(
+            False,
+            f"deep_gemm is not installed ({exc}); install DeepGEMM >= 2.6 from source "
+            "(github.com/deepseek-ai/DeepGEMM, with its cutlass and fmt submodules)",
+            arch_major=major,
+        )
+    version = getattr(dg, "__version__", None)
+    missing = [name for name in REQUIRED_API if not hasattr(dg, name)]
+    if version is None or _parse_version(version) < MIN_VERSION or missing:
+        hint = (
+            " This looks like the PyPI 'deep-gemm 1.0' package (Feb 2025 API, no CUDA headers),"
+            " which cannot run these kernels."
+            if missing and hasattr(dg, "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous")
+            else ""
+        )
+        return DeepGemmStatus(
+            False,
+            f"deep_gemm {version or '(no __version__)'} is unusable: need >= "
+            f"{'.'.join(map(str, MIN_VERSION))} with {', '.join(missing) or 'the 2.6 API'}.{hint}",
+            version,
+            major,
+        )
+    if major not in (9, 10):
+        return DeepGemmStatus(
+            False, f"DeepGEMM supports SM90 and SM100; this GPU is SM{major}x", version, major
+        )
+    return DeepGemmStatus(True, f"deep_gemm {version} on SM{major}x", version, major, dg)
+
+
+def module() -> ModuleType:
+    status = probe()
+    if not status.usable or status.module is None:
+        raise DeepGemmUnavailable(status.reason)
+    return status.module
+
+
+def support(problem: MoEProblem) -> tuple[bool, str]:
+    """Can DeepGEMM run this problem's GEMMs on this machine? (yes/no, and why)."""
+    status = probe()
+    if not status.usable:
+        return False, status.reason
+    major = status.arch_major
+    if problem.recipe is not Recipe.FP8_BLOCK and major != 10:
+        return False, f"{problem.recipe} GEMMs (per-32 / FP4, packed UE8M0) are SM100-only"
+    if problem.scale_fmt is ScaleFmt.UE8M0_PACKED and major != 10:
+        return False, "packed UE8M0 scales feed SM100 GEMMs only (SM90 reads fp32 scales)"
+    if problem.scale_fmt is ScaleFmt.FLOAT32 and major == 10:
+        return False, "SM100 FP8 GEMMs take UE8M0 scales; plain float32 scales need SM90"
+    if major == 9 and problem.alignment not in SM90_LEGAL_ALIGNMENTS:
+        return False, (
+            f"alignment {problem.alignment} is not a legal SM90 BLOCK_M "
+            f"{SM90_LEGAL_ALIGNMENTS}"
+        )
+    return True, status.reason
+
+
+@contextlib.contextmanager
+def alignment_scope(value: int) -> Iterator[None]:
+    """Set DeepGEMM's process-global contiguous-layout alignment (its BLOCK_M) for one call.
+
+    The per-expert padding of the workspace must equal the kernel's BLOCK_M, or the scheduler
+    reads the expert of a block from the wrong row (silent misrouting or an IMA, §2.4). Always
+    restores the previous value.
+    """
+    dg = module()
+    previous = dg.get_mk_alignment_for_contiguous_layout()
+    if isinstance(previous, (tuple, list)):
+        previous = previous[0]
+    dg.set_mk_alignment_for_contiguous_layout(value)
+    try:
+        yield
+    finally:
+        dg.set_mk_alignment_for_contiguous_layout(previous)
+
+
+def current_alignment() -> int:
+    value = module().get_mk_alignment_for_contiguous_layout()
+    return int(value[0] if isinstance(value, (tuple, list)) else value)
+
+
+def _weight_recipe(w: QuantizedWeight) -> tuple[int, int, int]:
+    return (1, w.block[0], w.block[1])
+
+
+def prepare_weight_scales(w: QuantizedWeight, use_ue8m0: bool) -> torch.Tensor:
+    """The weight scales in the layout this arch's kernel reads.
+
+    SM90: fp32 [E, N/128, K/128] as-is. SM100: DeepGEMM packs fp32 powers of two (or upcast E8M0
+    bytes) into int32 UE8M0, per row, MN-major, TMA-aligned.
+    """
+    dg = module()
+    e, n, k = w.shape
+    scale = w.scale
+    if scale.dtype == torch.uint8:
+        # E8M0 bytes -> fp32 powers of two by placing the byte in the exponent field.
+        scale = (scale.to(torch.int32) << 23).view(torch.float32)
+    if probe().arch_major == 9:
+        return scale.contiguous()
+    return dg.transform_sf_into_required_layout(
+        scale.contiguous(),
+        mn=n,
+        k=k,
+        recipe=_weight_recipe(w),
+        num_groups=e,
+        is_sfa=False,
+        disable_ue8m0_cast=not use_ue8m0,
+    )
+
+
+def m_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: QuantizedWeight,
+    w_scale: torch.Tensor,
+    m_indices: torch.Tensor,
+    alignment: int,
+    act_group: int,
+    use_ue8m0: bool,
+) -> torch.Tensor:
+    """d = A @ B[m_indices]^T in bf16 through m_grouped_fp8(_fp4)_gemm_nt_contiguous."""
+    dg = module()
+    m_sum = a.shape[0]
+    n = w.shape[1]
+    d = torch.empty(m_sum, n, dtype=torch.bfloat16, device=a.device)
+    if m_sum == 0:
+        return d
+    b = w.q.view(torch.int8) if w.fp4 else w.q
+    kwargs: dict[str, object] = {"disable_ue8m0_cast": not use_ue8m0}
+    if w.fp4 or w.block != (128, 128):
+        kwargs["recipe_a"] = (1, act_group)
+        kwargs["recipe_b"] = (1, w.block[1])
+    with alignment_scope(alignment):
+        if w.fp4:
+            dg.m_grouped_fp8_fp4_gemm_nt_contiguous((a, a_scale), (b, w_scale), d, m_indices,
+                                                    **kwargs)
+        else:
+            dg.m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (b, w_scale), d, m_indices, **kwargs)
+    return d
+
+
+def m_grouped_gemm_masked(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: QuantizedWeight,
+    w_scale: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+    use_ue8m0: bool,
+) -> torch.Tensor:
+    """d[e, :masked_m[e]] = A[e] @ B[e]^T through m_grouped_fp8_gemm_nt_masked."""
+    dg = module()
+    e, max_m, _ = a.shape
+    d = torch.empty(e, max_m, w.shape[1], dtype=torch.bfloat16, device=a.device)
+    dg.m_grouped_fp8_gemm_nt_masked(
+        (a, a_scale), (w.q, w_scale), d, masked_m, expected_m, disable_ue8m0_cast=not use_ue8m0
+    )
+    return d
+
+
+_PROBE_SCRIPT = """
+import torch, deep_gemm as dg
+g, m, n, k = 1, 128, 256, 256
+a = torch.randn(m, k, device='cuda').to(torch.float8_e4m3fn)
+sa = torch.ones(m, k // 128, device='cuda')
+b = torch.randn(g, n, k, device='cuda').to(torch.float8_e4m3fn)
+sb = torch.ones(g, n // 128, k // 128, device='cuda')
+d = torch.empty(m, n, device='cuda', dtype=torch.bfloat16)
+dg.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, torch.zeros(m, dtype=torch.int32,
+                                    device='cuda'))
+torch.cuda.synchronize()
+print('ok')
+"""
+
+
+def probe_first_call(timeout_s: float = 300.0) -> tuple[bool, str]:
+    """Run one tiny GEMM in a subprocess, so a crash in DeepGEMM's JIT is reported, not fatal.
+
+    Known trap: with some builds the first GEMM segfaults inside std::regex (DeepGEMM's include
+    parser) from a libstdc++ symbol clash; preloading the system libstdc++ fixes it.
+    """
+    env = dict(os.environ)
+    env.setdefault("CUDA_HOME", "/usr/local/cuda")
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if proc.returncode == 0 and "ok" in proc.stdout:
+        return True, "first DeepGEMM call ran"
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    if proc.returncode in (-11, 139) and LIBSTDCXX not in env.get("LD_PRELOAD", ""):
+        return False, (
+            "the first DeepGEMM call crashed with SIGSEGV: the known libstdc++ clash in its JIT "
+            f"include parser. Start Python with LD_PRELOAD={LIBSTDCXX}"
+        )
+    return False, f"the first DeepGEMM call failed (exit {proc.returncode}): {' | '.join(tail)}"

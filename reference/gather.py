@@ -1,0 +1,35 @@
+"""Un-permute and reduce over top-k: the weighted fp32 gather with one final rounding (§6)."""
+
+from __future__ import annotations
+
+import torch
+
+from reference.checks import require
+from reference.layout import local_expert_ids
+
+
+def gather(
+    mm2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    inv_perm: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[t] = bf16( Σ_k over live slots, k ascending, fp32(mm2[inv_perm[t,k]]) · w[t,k] ).
+
+    A slot is live when its (mapped) expert id is >= 0. Tokens with no live slot are exact zeros.
+    """
+    require(
+        topk_weights.shape == topk_ids.shape == inv_perm.shape,
+        "topk_weights/topk_ids/inv_perm",
+        "equal [M, k] shapes",
+        f"{tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}, {tuple(inv_perm.shape)}",
+    )
+    live = local_expert_ids(topk_ids, expert_map) >= 0
+    num_tokens, topk = topk_ids.shape
+    acc = torch.zeros(num_tokens, mm2.shape[1], dtype=torch.float32, device=mm2.device)
+    for k in range(topk):  # fixed k order: the kernel's fp32 summation order
+        rows = inv_perm[:, k].long().clamp(min=0)
+        term = mm2[rows].float() * topk_weights[:, k].float().unsqueeze(1)
+        acc += torch.where(live[:, k].unsqueeze(1), term, torch.zeros_like(term))
+    return acc.to(torch.bfloat16)

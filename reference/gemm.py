@@ -1,0 +1,71 @@
+"""Grouped GEMM by dequantizing both operands to fp32 (the math DeepGEMM's kernels approximate).
+
+d[r, n] = bf16_RNE( Σ_k A[r,k]·SA(r,k) · B[e,n,k]·SB(e,n,k) ),  e = m_indices[r] >= 0.
+One expert is dequantized at a time, so a DeepSeek-V3-sized layer never holds every dequantized
+weight at once. Rows with m_indices == -1 (padding) are zero here; kernels leave them unspecified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_verify.spec import QuantizedWeight
+from reference import formats
+from reference.checks import require, require_dtype
+
+
+def dequantize_activations(a: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """fp8 [M, K] with fp32 [M, K/group] scales, or int32 packed UE8M0 scales -> fp32 [M, K]."""
+    require_dtype(a, "a", torch.float8_e4m3fn)
+    num_groups = a.shape[1] // group
+    if scale.dtype == torch.int32:
+        scale = formats.e8m0_to_fp32(formats.unpack_ue8m0(scale, num_groups))
+    require_dtype(scale, "a_scale", torch.float32, torch.int32)
+    require(
+        tuple(scale.shape) == (a.shape[0], num_groups),
+        "a_scale",
+        f"shape {(a.shape[0], num_groups)}",
+        f"{tuple(scale.shape)}",
+    )
+    return a.float() * scale.repeat_interleave(group, dim=1)
+
+
+def dequantize_weight(w: QuantizedWeight, expert: int) -> torch.Tensor:
+    """One expert's weight [N, K] in fp32, exactly as the kernel's scaled operand."""
+    q, s = w.q[expert], w.scale[expert]
+    if w.fp4:
+        return formats.dequantize_mxfp4(q, s, w.block[1])
+    if w.block == (128, 128):
+        return formats.dequantize_fp8_blocks(q, s, w.block)
+    return formats.dequantize_mxfp8(q, s, w.block[1])
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_group: int,
+    w: QuantizedWeight,
+    m_indices: torch.Tensor,
+    precision: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """bf16 [M_sum, N]: each live row times its expert's weight, one bf16 rounding at the end."""
+    num_experts, n, k = w.shape
+    require(a.shape[1] == k, "a", f"K = {k} columns (the weight's K)", f"{a.shape[1]}")
+    require(
+        m_indices.numel() == a.shape[0], "m_indices", f"{a.shape[0]} rows", f"{m_indices.numel()}"
+    )
+    out = torch.zeros(a.shape[0], n, dtype=torch.bfloat16, device=a.device)
+    if a.shape[0] == 0:
+        return out
+    require(
+        int(m_indices.max()) < num_experts and int(m_indices.min()) >= -1,
+        "m_indices",
+        f"values in [-1, {num_experts})",
+        f"range [{int(m_indices.min())}, {int(m_indices.max())}]",
+    )
+    a_deq = dequantize_activations(a, a_scale, a_group)
+    for e in torch.unique(m_indices[m_indices >= 0]).tolist():
+        rows = (m_indices == e).nonzero().squeeze(1)
+        b = dequantize_weight(w, e)
+        out[rows] = (a_deq[rows].to(precision) @ b.to(precision).T).to(torch.bfloat16)
+    return out

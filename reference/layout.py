@@ -1,0 +1,212 @@
+"""The expert-contiguous layouts: aligned M_sum, the permute plan, and the batched (masked) layout.
+
+Golden semantics of vLLM's compute_aligned_M / ep_scatter / batched dispatch
+(ref/vllm-deepgemm-path.md §2-§3, §9.3). Slots are placed in (token, k) order inside each expert's
+segment, which makes the golden deterministic; kernels may place them in any order, so
+comparisons go through each side's own inv_perm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reference.checks import require
+
+
+def round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def validate_topk_ids(
+    topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None
+) -> None:
+    """Ids must be signed, 2-D, and in range; -1 is the only negative id ever allowed."""
+    require(
+        topk_ids.dim() == 2, "topk_ids", "a 2-D [M, k] tensor", f"shape {tuple(topk_ids.shape)}"
+    )
+    require(
+        topk_ids.dtype in (torch.int32, torch.int64),
+        "topk_ids",
+        "signed int32/int64 (the scatter asserts is_signed; -1 means no expert)",
+        f"dtype {topk_ids.dtype}",
+    )
+    if topk_ids.numel() == 0:
+        return
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    bound = num_local_experts if expert_map is None else expert_map.numel()
+    what = "local experts" if expert_map is None else "global experts (expert_map length)"
+    require(lo >= -1, "topk_ids", "ids >= -1 (-1 = no expert)", f"min id {lo}")
+    require(hi < bound, "topk_ids", f"ids < {bound} {what}", f"max id {hi}")
+    if expert_map is not None:
+        require(expert_map.dim() == 1, "expert_map", "1-D [E_global]", f"{tuple(expert_map.shape)}")
+        mlo, mhi = int(expert_map.min()), int(expert_map.max())
+        require(
+            mlo >= -1 and mhi < num_local_experts,
+            "expert_map",
+            f"values in [-1, {num_local_experts})",
+            f"range [{mlo}, {mhi}]",
+        )
+
+
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """int64 [M, k]: each slot's local expert, -1 when the slot is empty or the expert is remote."""
+    ids = topk_ids.long()
+    if expert_map is None:
+        return ids.clamp(min=-1)
+    mapped = expert_map.long().to(ids.device)[ids.clamp(min=0)]
+    return torch.where(ids >= 0, mapped, torch.full_like(ids, -1))
+
+
+def expert_counts(local_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """int32 [E_l]: live (token, k) slots per local expert."""
+    live = local_ids[local_ids >= 0]
+    return torch.bincount(live, minlength=num_local_experts).to(torch.int32)
+
+
+def aligned_m_sum_exact(counts: torch.Tensor, alignment: int) -> int:
+    """Σ_e round_up(count_e, A): the exact-count path (DeepEP HT, CPU counts known)."""
+    c = counts.long()
+    return int(((c + alignment - 1) // alignment * alignment).sum())
+
+
+def aligned_m_sum_upper_bound(
+    num_tokens: int, topk: int, num_local_experts: int, alignment: int
+) -> int:
+    """round_up(M·k + min(M·k, E_l)·(A-1), A): the bound used when counts are not on the host.
+
+    Safe because Σ round_up(n_e, A) <= Σ n_e + #active·(A-1) and #active <= min(M·k, E_l).
+    """
+    slots = num_tokens * topk
+    return round_up(slots + min(slots, num_local_experts) * (alignment - 1), alignment)
+
+
+@dataclass(frozen=True)
+class PermutePlan:
+    """Where each (token, k) slot lives in the expert-contiguous buffer.
+
+    m_indices     int32 [m_sum]  local expert of each row, -1 on padding
+    inv_perm      int32 [M, k]   row of each live slot, -1 for skipped slots
+    expert_start  int32 [E_l]    first row of each expert's segment (multiple of alignment)
+    counts        int32 [E_l]    live slots per expert
+    """
+
+    m_indices: torch.Tensor
+    inv_perm: torch.Tensor
+    expert_start: torch.Tensor
+    counts: torch.Tensor
+    m_sum: int
+    alignment: int
+
+
+def permute_plan(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    alignment: int,
+    expert_map: torch.Tensor | None = None,
+    m_sum: int | None = None,
+) -> PermutePlan:
+    """Lay each expert's slots out contiguously, every segment starting on a multiple of A.
+
+    m_sum defaults to the upper bound (the path without host counts); pass the exact sum for the
+    HT path. Segment e spans [start_e, start_e + count_e); rows up to the next segment are padding.
+    """
+    require(alignment >= 1, "alignment", ">= 1", str(alignment))
+    validate_topk_ids(topk_ids, num_local_experts, expert_map)
+    num_tokens, topk = topk_ids.shape
+    local = local_expert_ids(topk_ids, expert_map)
+    counts = expert_counts(local, num_local_experts)
+    exact = aligned_m_sum_exact(counts, alignment)
+    if m_sum is None:
+        m_sum = aligned_m_sum_upper_bound(num_tokens, topk, num_local_experts, alignment)
+    require(m_sum % alignment == 0, "m_sum", f"a multiple of alignment {alignment}", str(m_sum))
+    require(m_sum >= exact, "m_sum", f">= Σ round_up(count_e, A) = {exact}", str(m_sum))
+
+    padded = (counts.long() + alignment - 1) // alignment * alignment
+    start = torch.cumsum(padded, 0) - padded  # exclusive prefix sum
+    device = topk_ids.device
+
+    flat = local.reshape(-1)
+    live = flat >= 0
+    # Rank of each live slot within its expert, in (token, k) order: a stable sort by expert.
+    order = torch.argsort(torch.where(live, flat, num_local_experts), stable=True)
+    sorted_experts = flat[order]
+    n_live = int(live.sum())
+    rank_in_expert = torch.arange(n_live, device=device) - _first_index(
+        sorted_experts[:n_live], counts.to(device)
+    )
+    rows = start.to(device)[sorted_experts[:n_live]] + rank_in_expert
+
+    inv_flat = torch.full((num_tokens * topk,), -1, dtype=torch.int64, device=device)
+    inv_flat[order[:n_live]] = rows
+    m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=device)
+    m_indices[rows] = sorted_experts[:n_live].to(torch.int32)
+    return PermutePlan(
+        m_indices=m_indices,
+        inv_perm=inv_flat.view(num_tokens, topk).to(torch.int32),
+        expert_start=start.to(torch.int32).to(device),
+        counts=counts.to(device),
+        m_sum=m_sum,
+        alignment=alignment,
+    )
+
+
+def _first_index(sorted_experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """For each entry of an expert-sorted list, the list position where its expert's run begins."""
+    run_start = torch.cumsum(counts.long(), 0) - counts.long()
+    return run_start[sorted_experts]
+
+
+def permute_rows(x: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
+    """[M, D] -> [m_sum, D]: row inv_perm[t,k] holds x[t]; padding rows are zero."""
+    out = torch.zeros((plan.m_sum, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    tokens = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(plan.inv_perm)
+    live = plan.inv_perm >= 0
+    if x.dtype.is_floating_point and x.element_size() == 1:
+        out.view(torch.uint8)[plan.inv_perm[live].long()] = x.view(torch.uint8)[tokens[live]]
+    else:
+        out[plan.inv_perm[live].long()] = x[tokens[live]]
+    return out
+
+
+@dataclass(frozen=True)
+class BatchedPlan:
+    """The masked layout of DeepEP low-latency dispatch: one [max_tokens, ...] batch per expert.
+
+    masked_m  int32 [E_l]    rows used in each expert's batch
+    slot      int32 [M, k]   row of (t, k) inside its expert's batch, -1 for skipped slots
+    """
+
+    masked_m: torch.Tensor
+    slot: torch.Tensor
+    local_ids: torch.Tensor
+    max_tokens: int
+
+
+def batched_plan(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    max_tokens: int,
+    expert_map: torch.Tensor | None = None,
+) -> BatchedPlan:
+    """Slots of each local expert numbered 0.. in (token, k) order; must fit in max_tokens."""
+    validate_topk_ids(topk_ids, num_local_experts, expert_map)
+    local = local_expert_ids(topk_ids, expert_map)
+    counts = expert_counts(local, num_local_experts)
+    busiest = int(counts.max()) if counts.numel() else 0
+    require(
+        busiest <= max_tokens,
+        "max_tokens",
+        f">= the busiest expert's {busiest} slots",
+        str(max_tokens),
+    )
+    flat = local.reshape(-1)
+    live = flat >= 0
+    order = torch.argsort(torch.where(live, flat, num_local_experts), stable=True)
+    n_live = int(live.sum())
+    sorted_experts = flat[order][:n_live]
+    rank = torch.arange(n_live, device=flat.device) - _first_index(sorted_experts, counts)
+    slot = torch.full_like(flat, -1)
+    slot[order[:n_live]] = rank
+    return BatchedPlan(counts, slot.view_as(local).to(torch.int32), local, max_tokens)
