@@ -221,9 +221,7 @@ class Topology:
         base, size, placement, suffix = m.groups()
         if base == "tp" and (placement or suffix):
             raise ValueError(f"topology {text!r}: placement and +ht/+ll apply to ep only")
-        kind = {None: TopologyKind.EP, "+ht": TopologyKind.EP_HT, "+ll": TopologyKind.EP_LL}[
-            suffix
-        ]
+        kind = {None: TopologyKind.EP, "+ht": TopologyKind.EP_HT, "+ll": TopologyKind.EP_LL}[suffix]
         if base == "tp":
             kind = TopologyKind.TP
         return Topology(kind, int(size), Placement(placement or "linear"))
@@ -317,7 +315,9 @@ class MoEProblem:
             f"{[str(f) for f in self.recipe.allowed_scale_fmts]}, got {self.scale_fmt}",
         )
         g = self.recipe.act_group
-        need(self.hidden % g == 0, f"hidden={self.hidden} must be a multiple of {g} ({self.recipe})")
+        need(
+            self.hidden % g == 0, f"hidden={self.hidden} must be a multiple of {g} ({self.recipe})"
+        )
         bm, bk = self.recipe.weight_block
         tp = self.topology.size if self.topology.kind is TopologyKind.TP else 1
         need(
@@ -462,7 +462,9 @@ class QuantizedWeight:
 
     def select(self, experts: torch.Tensor | list[int]) -> QuantizedWeight:
         idx = torch.as_tensor(experts, dtype=torch.long, device=self.q.device)
-        return QuantizedWeight(self.q.index_select(0, idx), self.scale.index_select(0, idx), self.block)
+        return QuantizedWeight(
+            self.q.index_select(0, idx), self.scale.index_select(0, idx), self.block
+        )
 
 
 @dataclass(frozen=True)

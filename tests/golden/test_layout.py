@@ -36,8 +36,9 @@ CASES = [
 
 def _ids(case: tuple[int, int, int, int, Routing]) -> torch.Tensor:
     t, e, k, a, routing = case
-    p = MoEProblem(tokens=t, num_experts=e, topk=k, routing=routing, alignment=a, hidden=128,
-                   intermediate=128)
+    p = MoEProblem(
+        tokens=t, num_experts=e, topk=k, routing=routing, alignment=a, hidden=128, intermediate=128
+    )
     return ReferenceBackend().run_stage("route", p, make_inputs(p, "cpu"), None, 0)["topk_ids"]  # type: ignore[arg-type]
 
 

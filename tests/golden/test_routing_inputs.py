@@ -27,8 +27,15 @@ def test_grouped_topk_keeps_best_groups_and_unbiased_weights() -> None:
     # 4 experts in 2 groups; the bias makes group 1 win although expert 0 has the top score.
     logits = torch.tensor([[3.0, -3.0, 0.0, 0.5]])
     bias = torch.tensor([0.0, 0.0, 1.0, 1.0])
-    ids, w = grouped_topk(logits, bias, 2, num_expert_group=2, topk_group=1,
-                          renormalize=False, routed_scaling_factor=2.5)
+    ids, w = grouped_topk(
+        logits,
+        bias,
+        2,
+        num_expert_group=2,
+        topk_group=1,
+        renormalize=False,
+        routed_scaling_factor=2.5,
+    )
     assert sorted(ids[0].tolist()) == [2, 3]
     s = torch.sigmoid(logits)[0]
     expect = {2: s[2].item() * 2.5, 3: s[3].item() * 2.5}
@@ -38,8 +45,16 @@ def test_grouped_topk_keeps_best_groups_and_unbiased_weights() -> None:
 
 @pytest.mark.parametrize("routing", list(Routing), ids=str)
 def test_make_inputs_is_deterministic_per_seed(routing: Routing) -> None:
-    p = MoEProblem(tokens=24, hidden=128, intermediate=128, num_experts=8, topk=2,
-                   routing=routing, num_expert_group=4, topk_group=2)
+    p = MoEProblem(
+        tokens=24,
+        hidden=128,
+        intermediate=128,
+        num_experts=8,
+        topk=2,
+        routing=routing,
+        num_expert_group=4,
+        topk_group=2,
+    )
     a, b = make_inputs(p, "cpu"), make_inputs(p, "cpu")
     assert torch.equal(a.hidden_states, b.hidden_states)
     assert torch.equal(a.w13_q.q.view(torch.uint8), b.w13_q.q.view(torch.uint8))
@@ -75,8 +90,15 @@ def test_invalid_slots_mode_has_empty_tokens() -> None:
 
 
 def test_grouped_routing_weights_carry_the_scaling_factor() -> None:
-    p = MoEProblem(tokens=16, num_experts=16, topk=4, routing=Routing.GROUPED,
-                   num_expert_group=4, topk_group=2, routed_scaling_factor=2.5)
+    p = MoEProblem(
+        tokens=16,
+        num_experts=16,
+        topk=4,
+        routing=Routing.GROUPED,
+        num_expert_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+    )
     route = ReferenceBackend().run_stage("route", p, make_inputs(p, "cpu"), None, 0)  # type: ignore[arg-type]
     sums = route["topk_weights"].sum(-1)
     assert torch.allclose(sums, torch.full_like(sums, 2.5))
@@ -109,8 +131,16 @@ def test_problem_validation(kwargs: dict, message: str) -> None:
 
 
 def test_problem_id_and_round_trip() -> None:
-    p = MoEProblem(tokens=512, hidden=2048, intermediate=768, num_experts=64, topk=8,
-                   routing=Routing.SKEW, topology=Topology.parse("ep:4"),
-                   recipe=Recipe.FP8_BLOCK, activation=Activation("silu", limit=7.0))
+    p = MoEProblem(
+        tokens=512,
+        hidden=2048,
+        intermediate=768,
+        num_experts=64,
+        topk=8,
+        routing=Routing.SKEW,
+        topology=Topology.parse("ep:4"),
+        recipe=Recipe.FP8_BLOCK,
+        activation=Activation("silu", limit=7.0),
+    )
     assert p.id == "fp8_block-ep4-T512-H2048-I768-E64-k8-skew-silu-L7"
     assert MoEProblem.from_dict(p.to_dict()) == p

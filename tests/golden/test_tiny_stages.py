@@ -17,7 +17,7 @@ from reference.moe import ReferenceBackend
 
 pytestmark = pytest.mark.cpu
 
-H = I = 128
+H = I = 128  # noqa: E741 - the paper names: hidden, intermediate
 FP8 = torch.float8_e4m3fn
 
 
@@ -32,10 +32,17 @@ def _identity_stack(scale: list[float], rows: int, cols: int) -> QuantizedWeight
     return QuantizedWeight(q.to(FP8), s, (128, 128))
 
 
-def _tiny_case(topk_ids: list[list[int]], weights: list[list[float]]) -> tuple[MoEProblem, MoEInputs]:
+def _tiny_case(
+    topk_ids: list[list[int]], weights: list[list[float]]
+) -> tuple[MoEProblem, MoEInputs]:
     problem = MoEProblem(
-        tokens=2, hidden=H, intermediate=I, num_experts=2, topk=len(topk_ids[0]),
-        routing=Routing.UNIFORM, activation=Activation(),
+        tokens=2,
+        hidden=H,
+        intermediate=I,
+        num_experts=2,
+        topk=len(topk_ids[0]),
+        routing=Routing.UNIFORM,
+        activation=Activation(),
     )
     x = torch.ones(2, H)
     x[0, 0] = 448.0  # token 0: amax 448 -> scale exactly 1
@@ -91,7 +98,9 @@ def test_permute_layout(trace_k1) -> None:  # type: ignore[no-untyped-def]
     assert perm["m_indices"].tolist() == expected
     assert perm["inv_perm"].tolist() == [[128], [0]]  # token 0 -> expert 1's segment
     assert perm["expert_start"].tolist() == [0, 128]
-    assert torch.equal(perm["a_perm"][128].view(torch.uint8), t["quant_input"]["a1q"][0].view(torch.uint8))
+    assert torch.equal(
+        perm["a_perm"][128].view(torch.uint8), t["quant_input"]["a1q"][0].view(torch.uint8)
+    )
     assert perm["a_scale_perm"][1:128].abs().sum().item() == 0.0  # padding scales exactly zero
 
 

@@ -1,0 +1,134 @@
+"""Curated case lists. Each row names the edge it exercises; ids come from MoEProblem.id."""
+
+from __future__ import annotations
+
+from moe_verify.spec import Activation, MoEProblem, Recipe, Routing, ScaleFmt, Topology
+
+P = MoEProblem
+SWIGLU = Activation("swigluoai", 1.702, 1.0, 7.0)
+
+# Small shapes that run in seconds on a CPU under the Triton interpreter.
+SMOKE: list[MoEProblem] = [
+    P(tokens=16, hidden=256, intermediate=256, num_experts=4, topk=2),  # plain fp8_block, fp32
+    P(tokens=1, hidden=128, intermediate=128, num_experts=4, topk=2),  # T = 1
+    P(tokens=9, hidden=256, intermediate=128, num_experts=8, topk=8, routing=Routing.UNIFORM),
+    # ^ topk == E
+    P(
+        tokens=24,
+        hidden=128,
+        intermediate=128,
+        num_experts=6,
+        topk=2,
+        routing=Routing.EMPTY_MIDDLE,
+        scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
+    ),  # empty expert, ceil
+    P(
+        tokens=20,
+        hidden=128,
+        intermediate=256,
+        num_experts=4,
+        topk=3,
+        routing=Routing.INVALID_SLOTS,
+        scale_fmt=ScaleFmt.UE8M0_PACKED,
+    ),  # -1 slots, packed scales
+    P(
+        tokens=12,
+        hidden=128,
+        intermediate=128,
+        num_experts=4,
+        topk=2,
+        routing=Routing.DUPLICATES,
+        alignment=32,
+    ),  # duplicate ids, A < 128
+    P(
+        tokens=16,
+        hidden=128,
+        intermediate=128,
+        num_experts=4,
+        topk=2,
+        recipe=Recipe.MXFP8,
+        scale_fmt=ScaleFmt.UE8M0_PACKED,
+    ),  # MXFP8 1x32
+    P(
+        tokens=16,
+        hidden=128,
+        intermediate=128,
+        num_experts=4,
+        topk=2,
+        recipe=Recipe.MXFP4_W4A8,
+        scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
+    ),  # FP4 weights
+    P(tokens=16, hidden=128, intermediate=128, num_experts=4, topk=2, activation=SWIGLU),
+    # ^ swigluoai with alpha, beta, clamp
+    P(
+        tokens=16,
+        hidden=128,
+        intermediate=256,
+        num_experts=5,
+        topk=2,
+        topology=Topology.parse("ep:2"),
+    ),  # EP, E not divisible by ranks
+    P(
+        tokens=16,
+        hidden=128,
+        intermediate=256,
+        num_experts=4,
+        topk=2,
+        topology=Topology.parse("tp:2"),
+    ),  # TP split of I
+]
+
+# GPU nightly: the shapes vLLM runs (issue 3), FP8 block through DeepGEMM, both SM90 formats.
+DSV3_LOCAL = dict(hidden=7168, intermediate=2048, num_experts=32, topk=8)
+QWEN3 = dict(hidden=4096, intermediate=1536, num_experts=128, topk=8)
+
+
+def nightly() -> list[MoEProblem]:
+    cases: list[MoEProblem] = []
+    for fmt in (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0):
+        for tokens in (1, 7, 128, 1000, 4096):  # decode .. prefill, DeepSeek-V3 EP8-local
+            cases.append(P(tokens=tokens, scale_fmt=fmt, **DSV3_LOCAL))  # type: ignore[arg-type]
+        cases.append(P(tokens=512, scale_fmt=fmt, **QWEN3))  # type: ignore[arg-type]
+        cases.append(
+            P(tokens=256, hidden=2048, intermediate=256, num_experts=16, topk=4, scale_fmt=fmt)
+        )  # small I: Triton by _valid_deep_gemm unless E8M0
+        cases.append(
+            P(tokens=300, hidden=3584, intermediate=1024, num_experts=32, topk=4, scale_fmt=fmt)
+        )  # H not a multiple of 1024 (gather BLOCK_D = 512)
+    for recipe, fmt in (
+        (Recipe.MXFP8, ScaleFmt.UE8M0_PACKED),
+        (Recipe.MXFP4_W4A8, ScaleFmt.FLOAT32_CEIL_UE8M0),
+    ):
+        cases.append(
+            P(
+                tokens=512,
+                hidden=4096,
+                intermediate=1536,
+                num_experts=32,
+                topk=8,
+                recipe=recipe,
+                scale_fmt=fmt,
+            )
+        )  # MX recipes: Triton GEMMs on SM90
+    # H = 2880 (GPT-OSS) is not a multiple of 128, so only the 1x32 recipe takes it unpadded.
+    cases.append(
+        P(
+            tokens=300,
+            hidden=2880,
+            intermediate=2880,
+            num_experts=32,
+            topk=4,
+            recipe=Recipe.MXFP8,
+            scale_fmt=ScaleFmt.UE8M0_PACKED,
+        )
+    )  # gather BLOCK_D = 64
+    return cases
+
+
+PRESETS = {"smoke": lambda: list(SMOKE), "nightly": nightly}
+
+
+def preset(name: str) -> list[MoEProblem]:
+    if name not in PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+    return PRESETS[name]()

@@ -1,0 +1,244 @@
+"""`moe-verify`: run one case, sweep a preset, calibrate tolerances, replay a dump, check DeepGEMM.
+
+Exit codes: 0 every check passed, 1 a check failed, 2 an error (bad arguments, crash, missing
+dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+
+def _prepare_triton() -> None:
+    """Without a usable GPU, Triton kernels run under its interpreter (set before import)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from moe_verify.device import interpreter_mode
+
+    if interpreter_mode():
+        from optimized.triton_compat import install_interpreter_fp8_fix
+
+        install_interpreter_fp8_fix()
+
+
+def _add_problem_args(p: argparse.ArgumentParser) -> None:
+    from moe_verify.spec import MoEProblem, Recipe, Routing, ScaleFmt
+
+    d = MoEProblem()
+    p.add_argument("--tokens", "-T", type=int, default=d.tokens)
+    p.add_argument("--hidden", "-H", type=int, default=d.hidden)
+    p.add_argument("--intermediate", "-I", type=int, default=d.intermediate)
+    p.add_argument("--num-experts", "-E", type=int, default=d.num_experts)
+    p.add_argument("--topk", "-k", type=int, default=d.topk)
+    p.add_argument("--recipe", choices=[r.value for r in Recipe], default=d.recipe.value)
+    p.add_argument(
+        "--scale-fmt",
+        choices=[f.value for f in ScaleFmt],
+        default=None,
+        help="default: the recipe's first allowed format",
+    )
+    p.add_argument(
+        "--activation", default="silu", help="silu | silu:L<limit> | swigluoai[:alpha:beta:limit]"
+    )
+    p.add_argument("--routing", choices=[r.value for r in Routing], default=d.routing.value)
+    p.add_argument(
+        "--topology", default="tp:1", help="tp:N | ep:N | ep:N:round_robin | ep:N+ht | ep:N+ll"
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--alignment", type=int, default=d.alignment)
+    p.add_argument("--provenance", action="store_true")
+    p.add_argument("--no-renormalize", action="store_true")
+    p.add_argument("--routed-scaling-factor", type=float, default=d.routed_scaling_factor)
+    p.add_argument("--num-expert-group", type=int, default=d.num_expert_group)
+    p.add_argument("--topk-group", type=int, default=d.topk_group)
+
+
+def _problem_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from moe_verify.spec import MoEProblem, Recipe
+
+    recipe = Recipe(args.recipe)
+    return MoEProblem(
+        tokens=args.tokens,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        num_experts=args.num_experts,
+        topk=args.topk,
+        recipe=recipe,
+        scale_fmt=args.scale_fmt or recipe.allowed_scale_fmts[0],
+        activation=args.activation,
+        routing=args.routing,
+        topology=args.topology,
+        seed=args.seed,
+        alignment=args.alignment,
+        provenance=args.provenance,
+        renormalize=not args.no_renormalize,
+        routed_scaling_factor=args.routed_scaling_factor,
+        num_expert_group=args.num_expert_group,
+        topk_group=args.topk_group,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    _prepare_triton()
+    from moe_verify.verify import verify
+
+    problem = _problem_from(args)
+    report = verify(
+        problem,
+        backend=args.backend,
+        mode=args.mode,
+        engine=args.engine,
+        dump_dir=Path(args.dump_dir) if args.dump_dir else None,
+    )
+    print(report.to_table())
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+    if args.markdown:
+        Path(args.markdown).write_text(report.to_markdown())
+    return EXIT_PASS if report.passed else EXIT_FAIL
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    _prepare_triton()
+    from moe_verify.sweep import sweep
+
+    summary = sweep(
+        args.preset,
+        backend=args.backend,
+        mode=args.mode,
+        engine=args.engine,
+        out_dir=Path(args.out),
+        isolate=args.isolate,
+        filter_text=args.filter,
+    )
+    return EXIT_PASS if summary.passed else EXIT_FAIL
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    _prepare_triton()
+    from moe_verify.dump import replay
+
+    report = replay(Path(args.dump), backend=args.backend, engine=args.engine, mode=args.mode)
+    print(report.to_table())
+    return EXIT_PASS if report.passed else EXIT_FAIL
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    _prepare_triton()
+    from moe_verify.calibrate import calibrate
+
+    result = calibrate(seeds=args.seeds, out=Path(args.out) if args.out else None)
+    print(result.to_markdown())
+    return EXIT_PASS
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """What this machine can run: torch, triton mode, GPU arch, DeepGEMM and its first call."""
+    import torch
+
+    from optimized import deepgemm
+
+    info: dict[str, object] = {
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    status = deepgemm.probe()
+    info["deep_gemm"] = {
+        "usable": status.usable,
+        "version": status.version,
+        "reason": status.reason,
+    }
+    if status.usable and args.first_call:
+        ok, why = deepgemm.probe_first_call()
+        info["deep_gemm_first_call"] = {"ok": ok, "detail": why}
+    print(json.dumps(info, indent=2))
+    return EXIT_PASS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-verify", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="verify one case stage by stage (the default command)")
+    _add_problem_args(run)
+    _add_backend_args(run)
+    run.add_argument("--json", help="write the report as JSON here")
+    run.add_argument("--markdown", help="write the report as markdown here")
+    run.add_argument("--dump-dir", help="on failure, dump inputs and both traces here")
+    run.set_defaults(func=cmd_run)
+
+    sw = sub.add_parser("sweep", help="run a preset case list; junit XML, JSON, markdown")
+    sw.add_argument("--preset", default="smoke", help="smoke | nightly")
+    sw.add_argument("--out", default="moe-verify-out", help="directory for the summaries")
+    sw.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each case in a subprocess (a crash/IMA takes down one case only)",
+    )
+    sw.add_argument("--filter", default=None, help="only cases whose id contains this text")
+    _add_backend_args(sw)
+    sw.set_defaults(func=cmd_sweep)
+
+    rp = sub.add_parser("replay", help="re-run a dumped failing case")
+    rp.add_argument("dump")
+    _add_backend_args(rp)
+    rp.set_defaults(func=cmd_replay)
+
+    cal = sub.add_parser("calibrate", help="measure the noise floor per stage and recipe")
+    cal.add_argument("--seeds", type=int, default=5)
+    cal.add_argument("--out", default=None, help="write the markdown table here")
+    cal.set_defaults(func=cmd_calibrate)
+
+    doc = sub.add_parser("doctor", help="what this machine can run")
+    doc.add_argument(
+        "--first-call", action="store_true", help="also run one DeepGEMM GEMM in a subprocess"
+    )
+    doc.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def _add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend",
+        default="optimized",
+        help="optimized | golden | module:Class (your own Backend)",
+    )
+    p.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "deepgemm", "triton"],
+        help="GEMM engine of the optimized backend",
+    )
+    p.add_argument("--mode", default="both", choices=["isolated", "chained", "both"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv = ["run", *argv]  # `moe-verify` alone runs the small default case
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as exc:
+        print(f"moe-verify: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
