@@ -1,0 +1,96 @@
+"""`verify(problem)`: run the golden and a backend on every rank, compare stage by stage, report.
+
+mode "isolated" feeds each tested stage the golden's upstream, so the first failing stage is the
+culprit; "chained" runs the tested backend end to end, which is what a user gets; "both" reports
+the two side by side (the table shows the isolated culprit with the chained result beside it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from moe_verify.inputs import make_inputs
+from moe_verify.runner import RankRun, reduce_ranks, resolve_backend, run_all_ranks
+from moe_verify.spec import REDUCE_STAGE, Backend, MoEInputs, MoEProblem, Trace
+from tolerance.compare import StageResult, compare, compare_stage
+from tolerance.report import Report
+
+_MODES = {"isolated": ("isolated",), "chained": ("chained",), "both": ("isolated", "chained")}
+
+
+def verify(
+    problem: MoEProblem,
+    backend: str | Backend = "optimized",
+    mode: str = "isolated",
+    *,
+    inputs: MoEInputs | None = None,
+    device: torch.device | str | None = None,
+    engine: str = "auto",
+    dump_dir: Path | None = None,
+) -> Report:
+    """Verify `backend` against the golden on `problem`; see the module docstring for modes.
+
+    `backend` is "optimized", "golden", "module:Class", or a Backend instance. On failure with
+    `dump_dir`, the inputs and every trace are written there for `moe-verify replay`.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode: expected one of {sorted(_MODES)}, got {mode!r}")
+    modes = _MODES[mode]
+    tested = resolve_backend(backend, engine)
+    golden = resolve_backend("golden")
+    if inputs is None:
+        inputs = make_inputs(problem, device)
+    runs = run_all_ranks(problem, inputs, tested, golden, modes)
+    results = {m: _compare_mode(problem, runs, m) for m in modes}
+    report = Report(
+        problem,
+        tested.name,
+        modes[0],
+        isolated=results.get("isolated"),
+        chained=results.get("chained"),
+        golden=golden.name,
+    )
+    if dump_dir is not None and not report.passed:
+        from moe_verify.dump import dump_case
+
+        dump_case(Path(dump_dir), problem, inputs, runs, report)
+    return report
+
+
+def _compare_mode(problem: MoEProblem, runs: list[RankRun], mode: str) -> list[StageResult]:
+    """Per stage, every rank's result (ranks tagged when there are several), then `reduce`."""
+    multi = len(runs) > 1
+    per_rank: list[list[StageResult]] = []
+    for run in runs:
+        other: Trace = getattr(run, mode)
+        results = compare(run.golden, other, problem, list(problem.topology.stages), mode=mode)
+        per_rank.append(
+            [
+                dataclasses.replace(
+                    r,
+                    rank=run.rank if multi else None,
+                    engine=_engine_of(other, r.stage),
+                )
+                for r in results
+            ]
+        )
+    ordered = [results[i] for i in range(len(per_rank[0])) for results in per_rank]
+    if multi:
+        ordered.append(_compare_reduce(problem, runs, mode))
+    return ordered
+
+
+def _engine_of(trace: Trace, stage: str) -> str | None:
+    engine = trace[stage].get("engine") if stage in trace else None
+    return engine if isinstance(engine, str) else None
+
+
+def _compare_reduce(problem: MoEProblem, runs: list[RankRun], mode: str) -> StageResult:
+    golden = Trace("golden")
+    golden.add(REDUCE_STAGE, reduce_ranks([r.golden for r in runs], problem))
+    other = Trace(getattr(runs[0], mode).backend)
+    other.add(REDUCE_STAGE, reduce_ranks([getattr(r, mode) for r in runs], problem))
+    return compare_stage(REDUCE_STAGE, golden, other, problem, mode=mode)

@@ -1,0 +1,91 @@
+"""SM90 tier: the whole FP8-block pipeline through DeepGEMM against the golden, stage by stage.
+
+Each case runs isolated (every optimized stage fed the golden's inputs) and chained. GEMM stages
+must report that DeepGEMM really ran where TritonOrDeepGemm selects it (a path assertion: a
+silent fallback to Triton would otherwise pass). MX recipes run every stage natively with their
+GEMMs on the Triton engine; DeepGEMM's MX GEMMs are SM100-only and are checked to skip with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_verify.cases import nightly
+from moe_verify.spec import MoEProblem, Recipe
+from moe_verify.verify import verify
+
+pytestmark = pytest.mark.sm90
+
+CASES = nightly()
+
+
+def _expected_engine(problem: MoEProblem) -> str:
+    """What vLLM's TritonOrDeepGemmExperts picks on SM90 for this case."""
+    from optimized.backend import choose_engine
+
+    return choose_engine(problem, problem.tokens).engine
+
+
+@pytest.mark.parametrize("problem", CASES, ids=lambda p: p.id)
+def test_pipeline_matches_golden(problem: MoEProblem, record_report) -> None:  # type: ignore[no-untyped-def]
+    from optimized.backend import OptimizedBackend
+
+    engine = "triton" if problem.recipe is not Recipe.FP8_BLOCK else "auto"
+    report = record_report(verify(problem, backend=OptimizedBackend(engine=engine), mode="both"))
+    assert report.passed, report.summary_line()
+    expected = "triton" if engine == "triton" else _expected_engine(problem)
+    for mode in ("isolated", "chained"):
+        for stage in ("gemm1", "gemm2"):
+            assert report.engine(stage, mode) == expected, (
+                f"{problem.id} {mode} {stage}: ran {report.engine(stage, mode)}, "
+                f"TritonOrDeepGemm selects {expected}"
+            )
+
+
+@pytest.mark.parametrize("recipe", [Recipe.MXFP8, Recipe.MXFP4_W4A8], ids=str)
+def test_deepgemm_mx_gemms_skip_on_sm90_with_the_reason(recipe: Recipe) -> None:
+    from optimized.backend import OptimizedBackend
+
+    fmt = recipe.allowed_scale_fmts[0]
+    problem = MoEProblem(tokens=64, hidden=512, intermediate=512, num_experts=4, topk=2,
+                         recipe=recipe, scale_fmt=fmt)
+    report = verify(problem, backend=OptimizedBackend(engine="deepgemm"), mode="isolated")
+    status = {r.stage: r for r in report.isolated}
+    assert status["gemm1"].status == "skip" and "SM100-only" in status["gemm1"].reason
+    assert status["quant_input"].status == "pass" and status["act_quant"].status == "pass"
+
+
+def test_our_ue8m0_packing_matches_deepgemms_packer() -> None:
+    from optimized import deepgemm
+    from optimized.kernels.quant import pack_ue8m0_from_fp32
+    from reference.formats import pack_ue8m0, ue8m0_bytes
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for mn, groups in ((1, 4), (5, 7), (130, 56), (4096, 18)):
+        exps = torch.randint(100, 140, (mn, groups), generator=gen, device="cuda")
+        scale = torch.pow(2.0, (exps - 127).float())
+        theirs = deepgemm.pack_ue8m0_reference(scale)
+        ours = pack_ue8m0_from_fp32(scale)
+        golden = pack_ue8m0(ue8m0_bytes(scale))
+        assert theirs.stride() == ours.stride() == golden.stride(), (mn, groups)
+        assert torch.equal(theirs, ours) and torch.equal(theirs, golden), (mn, groups)
+
+
+def test_alignment_scope_restores_the_global_value() -> None:
+    from optimized import deepgemm
+
+    before = deepgemm.current_alignment()
+    with deepgemm.alignment_scope(64):
+        assert deepgemm.current_alignment() == 64
+    assert deepgemm.current_alignment() == before
+    with pytest.raises(RuntimeError, match="boom"), deepgemm.alignment_scope(256):
+        raise RuntimeError("boom")
+    assert deepgemm.current_alignment() == before
+
+
+def test_first_deepgemm_call_runs_in_a_subprocess() -> None:
+    from optimized import deepgemm
+
+    ok, why = deepgemm.probe_first_call()
+    assert ok, why

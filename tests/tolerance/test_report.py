@@ -1,0 +1,162 @@
+"""Report: verdict, culprit stage, and renderings carrying what STYLE.md failure messages need."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_verify.spec import MoEProblem, Trace
+from tests.tolerance import build_golden, clone_trace, replace_stage, slot_row, tiny_problem
+from tolerance import SKIP_KEY, CheckResult, Report, StageResult, compare
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture
+def problem() -> MoEProblem:
+    return tiny_problem()
+
+
+@pytest.fixture
+def golden(problem: MoEProblem) -> Trace:
+    return build_golden(problem)
+
+
+def _permute_broken(golden: Trace) -> Trace:
+    """m_indices padding 0 instead of -1: permute fails; everything else passes."""
+    other = clone_trace(golden)
+    m = other["permute"]["m_indices"]
+    m[m == -1] = 0
+    return other
+
+
+def _gemm2_nan(golden: Trace) -> Trace:
+    other = clone_trace(golden)
+    other["gemm2"]["mm2"][slot_row(golden, 2, 1), 9] = float("nan")
+    return other
+
+
+def _report(problem: MoEProblem, golden: Trace, isolated: Trace, chained: Trace | None = None):
+    return Report(
+        problem,
+        "candidate",
+        "isolated",
+        isolated=compare(golden, isolated, problem, mode="isolated"),
+        chained=None if chained is None else compare(golden, chained, problem, mode="chained"),
+    )
+
+
+def test_passing_report(problem: MoEProblem, golden: Trace) -> None:
+    report = _report(problem, golden, clone_trace(golden), clone_trace(golden))
+    assert report.passed
+    assert report.first_failure is None
+    assert report.summary_line().startswith(f"PASS {problem.id} [candidate, isolated]")
+
+
+def test_first_failure_prefers_isolated_mode(problem: MoEProblem, golden: Trace) -> None:
+    report = _report(problem, golden, _gemm2_nan(golden), _permute_broken(golden))
+    assert not report.passed
+    assert report.first_failure == "gemm2"
+
+
+def test_first_failure_falls_back_to_chained(problem: MoEProblem, golden: Trace) -> None:
+    report = _report(problem, golden, clone_trace(golden), _permute_broken(golden))
+    assert report.first_failure == "permute"
+
+
+def test_skipped_stage_does_not_pass_or_fail_the_case(problem: MoEProblem, golden: Trace) -> None:
+    other = replace_stage(clone_trace(golden), "gemm1", {SKIP_KEY: "needs SM100"})
+    report = _report(problem, golden, other)
+    assert report.passed
+    assert report.counts()["skip"] == 1 and report.counts()["pass"] == 8
+    assert "1 skip" in report.summary_line()
+    assert "needs SM100" in report.to_table()
+
+
+def test_error_stage_fails_the_case(problem: MoEProblem) -> None:
+    results = [StageResult("route", "pass", []), StageResult("permute", "error", [], "Boom: x")]
+    report = Report(problem, "candidate", "isolated", isolated=results)
+    assert not report.passed
+    assert report.first_failure == "permute"
+    assert "ERROR Boom: x" in "\n".join(report.failure_messages())
+
+
+def test_json_round_trips(problem: MoEProblem, golden: Trace) -> None:
+    report = _report(problem, golden, _gemm2_nan(golden), _permute_broken(golden))
+    data = json.loads(report.to_json())
+    assert data["case"] == problem.id
+    assert data["first_failure"] == "gemm2"
+    assert data["passed"] is False
+    assert [s["stage"] for s in data["isolated"]][:2] == ["route", "quant_input"]
+    assert Report.from_dict(data).to_dict() == report.to_dict()
+
+
+def test_json_is_strict_with_non_finite_values(problem: MoEProblem, golden: Trace) -> None:
+    # A NaN in a live GEMM row makes calc_diff NaN: it must serialize without bare NaN tokens.
+    report = _report(problem, golden, _gemm2_nan(golden))
+    text = report.to_json()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert '"nan"' in text
+
+
+def test_table_names_case_first_failure_and_coordinates(problem: MoEProblem, golden: Trace) -> None:
+    table = _report(problem, golden, _gemm2_nan(golden)).to_table()
+    assert problem.id in table
+    assert "first failure: gemm2" in table
+    header = table.splitlines()[2]
+    for column in ("stage", "status", "check", "value", "limit", "worst coordinates", "reason"):
+        assert column in header
+    assert "t=2 k=1 e=2 r=0 col=9" in table
+
+
+def test_failure_message_carries_everything_style_asks(problem: MoEProblem, golden: Trace) -> None:
+    report = _report(problem, golden, _gemm2_nan(golden))
+    message = next(m for m in report.failure_messages() if "check nan_inf" in m)
+    assert problem.id in message
+    assert "stage gemm2" in message
+    assert "limit 0" in message and "always fails" in message  # limit and its reason
+    assert "(token 2, k 1, expert 2, rank 0, column 9)" in message
+    assert "golden" in message and "other nan" in message  # both values
+    assert "candidate: 1 NaN, 0 Inf; golden: 0 NaN, 0 Inf" in message
+
+
+def test_failure_message_of_bitwise_stage_names_slot(problem: MoEProblem, golden: Trace) -> None:
+    other = clone_trace(golden)
+    a = other["permute"]["a_perm"].view(torch.uint8)
+    r0, r1 = slot_row(golden, 0, 0), slot_row(golden, 1, 0)
+    a[[r0, r1]] = a[[r1, r0]].clone()
+    report = _report(problem, golden, other)
+    message = next(m for m in report.failure_messages() if "a_perm rows" in m)
+    assert "(token 0, k 0, expert 0, rank 0, column" in message
+    assert "slot (token 0, k 0)" in message
+    assert "NaN/Inf: not counted" in message
+
+
+def test_markdown_has_tables_per_mode_and_failures(problem: MoEProblem, golden: Trace) -> None:
+    md = _report(problem, golden, _gemm2_nan(golden), _permute_broken(golden)).to_markdown()
+    assert md.startswith(f"## {problem.id}: FAIL")
+    assert "### isolated" in md and "### chained" in md and "### failures" in md
+    assert "| stage | status | check |" in md
+
+
+def test_summary_line_names_culprit_check_and_coordinates(
+    problem: MoEProblem, golden: Trace
+) -> None:
+    line = _report(problem, golden, _gemm2_nan(golden)).summary_line()
+    assert line.startswith(f"FAIL {problem.id} [candidate, isolated] first failure: gemm2 (nan_inf")
+    assert "(token 2, k 1, expert 2, rank 0, column 9)" in line
+
+
+def test_report_rejects_unknown_mode(problem: MoEProblem) -> None:
+    with pytest.raises(ValueError, match="mode"):
+        Report(problem, "candidate", "sideways")
+
+
+def test_report_results_follow_primary_mode(problem: MoEProblem) -> None:
+    chained = [StageResult("route", "fail", [CheckResult("topk_ids", False, 1, 0, "r")])]
+    report = Report(problem, "candidate", "chained", chained=chained)
+    assert report.results is chained
+    assert report.isolated is None
+    assert report.first_failure == "route"

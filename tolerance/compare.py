@@ -1,0 +1,1107 @@
+"""Stage-by-stage comparison of one backend's Trace against the golden's, per the policy table.
+
+Each stage is compared as docs/stage-contract.md names it, with the Check that
+`policy_for(stage, problem, mode)` returns. Permuted buffers are never compared by absolute row:
+rows are keyed by (token, k). The permute stage is read through each side's own `inv_perm`. For
+the stages after it (gemm1, act_quant, gemm2) the key is the permute the stage *consumed*: in
+isolated mode the backend ran on the golden's upstream, so its rows sit where the golden's
+`inv_perm` says; in chained mode they sit where the backend's own `inv_perm` says.
+
+Live slots are those with golden `inv_perm[t, k] >= 0`; padding rows are checked only for their
+contract values (m_indices -1, fp32 scales +0.0, packed scale bytes not 0xFF), never for data.
+A stage recorded as `{SKIP_KEY: reason}` (StageSkipped) is reported as skipped, one recorded as
+`{ERROR_KEY: message}` (the stage raised) as an error; neither is ever a pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
+
+import torch
+
+from moe_verify.spec import REDUCE_STAGE, MoEProblem, Trace
+from tolerance.metrics import (
+    Mismatch,
+    argmax_coords,
+    bf16_ulp_distance,
+    bits,
+    calc_diff,
+    e4m3_value,
+    excess_ratio,
+    first_true,
+    fp8_code_distance,
+    fp8_codes,
+    fp8_value_distance,
+    fp32_ulp_distance,
+    int_mismatch,
+    mismatch_of,
+    nan_inf_counts,
+    nonfinite,
+    row_max,
+    row_rel_error,
+)
+from tolerance.policy import CONTRACT_REASON, MODES, NONFINITE_REASON, Check, Limit, policy_for
+
+Status = Literal["pass", "fail", "skip", "error"]
+
+# The key a backend (or the runner, on StageSkipped) records as a stage's only output to mark it
+# skipped: trace.add(stage, {SKIP_KEY: "needs SM100 (m_grouped_fp8_fp4_gemm_nt_contiguous)"}).
+SKIP_KEY = "skipped"
+# The key the runner records when a stage raised: {ERROR_KEY: "RuntimeError: ... (at f.py:12)"}.
+ERROR_KEY = "error"
+# Stages of the batched low-latency layout not compared yet: the contract's `slot` gives a row
+# inside an expert batch but not which local expert's batch, so slots cannot be keyed.
+_LL_NOT_COMPARED = ("dispatch", "gemm1", "act_quant", "gemm2")
+_E8M0_NAN = 0xFF
+
+
+@dataclass(frozen=True)
+class Worst:
+    """Where the worst (or first) difference is, and the value on each side.
+
+    expert is the global expert id (the golden's topk_ids[token, k]) where known; row is the row
+    of the other side's permuted buffer for permuted-layout stages.
+    """
+
+    token: int | None = None
+    k: int | None = None
+    expert: int | None = None
+    rank: int | None = None
+    column: int | None = None
+    golden: float | int | None = None
+    other: float | int | None = None
+    row: int | None = None
+
+    def coords(self) -> str:
+        """'(token 2, k 1, expert 3, rank 0, column 17)', '-' where unknown."""
+        names = ("token", "k", "expert", "rank", "column")
+        parts = [f"{n} {'-' if getattr(self, n) is None else getattr(self, n)}" for n in names]
+        return "(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check of one stage: the measured value against its limit, with the limit's reason."""
+
+    name: str
+    passed: bool
+    value: float
+    limit: float
+    reason: str
+    worst: Worst | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """All checks of one stage. status: pass, fail, skip (reason says why) or error (the
+    comparison itself raised; reason holds the exception)."""
+
+    stage: str
+    status: Status
+    checks: list[CheckResult] = field(default_factory=list)
+    reason: str = ""
+    rank: int | None = None  # the rank whose trace this is (None: single rank or cross-rank)
+    engine: str | None = None  # the GEMM engine the tested side reported, for GEMM stages
+
+    @property
+    def label(self) -> str:
+        """'gemm1@r1 [deepgemm]': stage, rank when multi-rank, engine when reported."""
+        text = self.stage if self.rank is None else f"{self.stage}@r{self.rank}"
+        return text if self.engine is None else f"{text} [{self.engine}]"
+
+    @property
+    def failed_checks(self) -> list[CheckResult]:
+        return [c for c in self.checks if not c.passed]
+
+
+class ContractError(Exception):
+    """A trace's stage outputs break the stage contract (missing entry, wrong dtype or shape)."""
+
+
+# Layout decoders ---------------------------------------------------------------------------------
+
+
+def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """Exponent bytes of packed UE8M0 scales: int32 [R, P] -> int64 [R, groups].
+
+    Byte j (little-endian) of word p holds group 4p + j; any strides (MN-major TMA-aligned storage
+    is read through its logical view). Pad bytes past `groups` are dropped.
+    """
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ContractError(
+            f"packed UE8M0 scales must be int32 [R, P], got {packed.dtype} {tuple(packed.shape)}"
+        )
+    if 4 * packed.shape[1] < groups:
+        raise ContractError(
+            f"packed scales hold {4 * packed.shape[1]} groups per row, need {groups}"
+        )
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
+    data = (packed.to(torch.int64)[:, :, None] >> shifts) & 0xFF
+    return data.reshape(packed.shape[0], -1)[:, :groups]
+
+
+def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """float64 [...]: 2^(byte - 127); byte 0xFF is NaN (as the kernel reads it)."""
+    values = torch.exp2(codes.to(torch.float64) - 127.0)
+    return torch.where(codes == _E8M0_NAN, torch.full_like(values, float("nan")), values)
+
+
+def fp32_to_e8m0(values: torch.Tensor) -> torch.Tensor:
+    """int64 [...]: the exponent byte of each fp32 power of two (+0.0 -> 0), -1 where the value
+    has a sign or mantissa bit set, so it has no exact UE8M0 byte."""
+    raw = bits(values.to(torch.float32)).to(torch.int64) & 0xFFFFFFFF
+    exact = (raw & 0x807FFFFF) == 0
+    return torch.where(exact, raw >> 23, torch.full_like(raw, -1))
+
+
+def scale_codes(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, str]:
+    """Canonical bit-level form of one scale tensor: (int64 [R, groups], "fp32" | "e8m0").
+
+    fp32 [R, groups] -> raw bits; uint8 [R, groups] E8M0 bytes and int32 packed -> bytes.
+    """
+    if x.dtype == torch.int32:
+        return unpack_ue8m0(x, groups), "e8m0"
+    if x.dim() != 2 or x.shape[1] != groups:
+        raise ContractError(f"scales must be [rows, {groups}], got {x.dtype} {tuple(x.shape)}")
+    if x.dtype == torch.uint8:
+        return x.to(torch.int64), "e8m0"
+    if x.dtype == torch.float32:
+        return bits(x).to(torch.int64) & 0xFFFFFFFF, "fp32"
+    raise ContractError(f"scales must be fp32, uint8 E8M0 or int32 packed, got {x.dtype}")
+
+
+def comparable_scale_codes(
+    other: torch.Tensor, golden: torch.Tensor, groups: int
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Both sides' scales as int64 codes that are equal exactly when the scales are, and the code
+    kind ("fp32" raw bits, or "e8m0" bytes).
+
+    Same storage kind: raw bits / bytes. fp32 vs E8M0 bytes: the fp32 side becomes bytes, with -1
+    for a value that is not a power of two (it can then never match).
+    """
+    co, ko = scale_codes(other, groups)
+    cg, kg = scale_codes(golden, groups)
+    if ko == kg:
+        return co, cg, ko
+    co = fp32_to_e8m0(other) if ko == "fp32" else co
+    cg = fp32_to_e8m0(golden) if kg == "fp32" else cg
+    return co, cg, "e8m0"
+
+
+def scale_values(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """float64 [R, groups] dequantization scales from fp32, uint8 E8M0 or int32 packed storage."""
+    codes, kind = scale_codes(x, groups)
+    return x.to(torch.float64) if kind == "fp32" else e8m0_to_float(codes)
+
+
+# Comparison context ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    golden: Trace
+    other: Trace
+    problem: MoEProblem
+    check: Check
+    mode: str
+
+    @property
+    def rank(self) -> int:
+        return self.other.rank
+
+    @property
+    def name(self) -> str:
+        return self.other.backend
+
+    def token(self, t: int) -> int:
+        """Global token of local row t (ep+ht receives a subset, named by route.token_index)."""
+        route = self.golden["route"] if "route" in self.golden else {}
+        index = route.get("token_index")
+        return int(index[t]) if isinstance(index, torch.Tensor) else t
+
+    def token_note(self, t: int) -> str:
+        route = self.golden["route"] if "route" in self.golden else {}
+        ids = route.get("topk_ids")
+        if not isinstance(ids, torch.Tensor) or t >= ids.shape[0]:
+            return ""
+        return f"; golden routes token {self.token(t)} to experts {[int(e) for e in ids[t]]}"
+
+
+def _entry(trace: Trace, stage: str, name: str) -> object:
+    outs = trace[stage]
+    if name not in outs:
+        raise ContractError(f"{trace.backend} {stage} has no {name!r} (it has {sorted(outs)})")
+    return outs[name]
+
+
+def _tensor(trace: Trace, stage: str, name: str) -> torch.Tensor:
+    value = _entry(trace, stage, name)
+    if not isinstance(value, torch.Tensor):
+        raise ContractError(
+            f"{trace.backend} {stage}.{name} is {type(value).__name__}, not a tensor"
+        )
+    return value.detach().cpu()
+
+
+def _int(trace: Trace, stage: str, name: str) -> int:
+    value = _entry(trace, stage, name)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return int(value.item())
+    if isinstance(value, int):
+        return value
+    raise ContractError(f"{trace.backend} {stage}.{name} must be an int, got {value!r}")
+
+
+def _py(x: torch.Tensor) -> float | int:
+    """One element as a Python number."""
+    return float(x) if x.is_floating_point() else int(x)
+
+
+def _fp8(code: torch.Tensor) -> float:
+    return float(e4m3_value(code.reshape(1))[0])
+
+
+def _decode_scale(code: int, kind: str) -> float | int:
+    """A scale code for display: fp32 raw bits -> the float; E8M0 bytes stay bytes."""
+    if kind == "fp32":
+        return struct.unpack("<f", struct.pack("<I", code & 0xFFFFFFFF))[0]
+    return code
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[rows] with out-of-range rows clamped (callers mask them): [len(rows), *x.shape[1:]]."""
+    if x.shape[0] == 0:
+        return torch.zeros((rows.numel(), *x.shape[1:]), dtype=x.dtype)
+    return x[rows.clamp(0, x.shape[0] - 1)]
+
+
+def _bound(name: str, value: float, limit: Limit, worst: Worst | None, detail: str) -> CheckResult:
+    """value <= limit; the worst coordinates are dropped when nothing differs at all."""
+    worst = None if value == 0 else worst
+    return CheckResult(
+        name, bool(value <= limit.value), value, limit.value, limit.reason, worst, detail
+    )
+
+
+def _exact(
+    name: str, mism: Mismatch, what: str, reason: str, worst: Worst | None, note: str = ""
+) -> CheckResult:
+    """value = mismatch count, limit 0; detail '<count> of <total> <what><note>'."""
+    detail = f"{mism.count} of {mism.total} {what}{note if mism.count else ''}"
+    return CheckResult(
+        name, mism.count == 0, mism.count, 0, reason, worst if mism.count else None, detail
+    )
+
+
+def _shape_fail(ctx: _Ctx, name: str, other: torch.Tensor, golden: torch.Tensor) -> CheckResult:
+    return CheckResult(
+        f"{name} shape",
+        False,
+        1,
+        0,
+        CONTRACT_REASON,
+        None,
+        f"{ctx.name} {name} is {other.dtype} {tuple(other.shape)}, "
+        f"golden {golden.dtype} {tuple(golden.shape)}",
+    )
+
+
+# Live (token, k) slots ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """The golden's live (token, k) slots and their rows on each side.
+
+    tk [L, 2] (token, k); gold_rows / other_rows [L]; experts [L] global ids (-1 unknown).
+    """
+
+    tk: torch.Tensor
+    gold_rows: torch.Tensor
+    other_rows: torch.Tensor
+    experts: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tk.shape[0]
+
+    def select(self, keep: torch.Tensor) -> _Slots:
+        return _Slots(
+            self.tk[keep], self.gold_rows[keep], self.other_rows[keep], self.experts[keep]
+        )
+
+
+def _slots(golden: Trace, layout: Trace) -> _Slots:
+    """Live slots of the golden, with other rows read from `layout`'s permute.inv_perm."""
+    if "permute" in layout and not _ran(layout["permute"]):
+        raise ContractError(
+            f"{layout.backend}'s permute was skipped or raised, so its rows cannot be keyed by "
+            "(token, k)"
+        )
+    g_inv = _tensor(golden, "permute", "inv_perm").to(torch.int64)
+    o_inv = _tensor(layout, "permute", "inv_perm").to(torch.int64)
+    if o_inv.shape != g_inv.shape:
+        raise ContractError(
+            f"{layout.backend} permute.inv_perm is {tuple(o_inv.shape)}, "
+            f"golden {tuple(g_inv.shape)}"
+        )
+    live = g_inv >= 0
+    experts = torch.full(g_inv.shape, -1, dtype=torch.int64)
+    if "route" in golden and isinstance(golden["route"].get("topk_ids"), torch.Tensor):
+        ids = golden["route"]["topk_ids"].detach().cpu().to(torch.int64)
+        if ids.shape == g_inv.shape:
+            experts = ids
+    return _Slots(live.nonzero(), g_inv[live], o_inv[live], experts[live])
+
+
+def _downstream_slots(ctx: _Ctx) -> _Slots:
+    """Slots for a stage after permute: keyed by the permute that stage consumed."""
+    return _slots(ctx.golden, ctx.other if ctx.mode == "chained" else ctx.golden)
+
+
+def _slot_worst(ctx: _Ctx, s: _Slots, i: int, **values: object) -> Worst:
+    expert = int(s.experts[i])
+    return Worst(
+        token=ctx.token(int(s.tk[i, 0])),
+        k=int(s.tk[i, 1]),
+        expert=expert if expert >= 0 else None,
+        rank=ctx.rank,
+        row=int(s.other_rows[i]),
+        **values,  # type: ignore[arg-type]
+    )
+
+
+def _slot_name(ctx: _Ctx, s: _Slots, i: int) -> str:
+    return f"slot (token {ctx.token(int(s.tk[i, 0]))}, k {int(s.tk[i, 1])})"
+
+
+def _rows_in_range(
+    ctx: _Ctx, s: _Slots, n_rows: int, what: str
+) -> tuple[_Slots, CheckResult | None]:
+    """Keep slots whose other row indexes a tensor of n_rows rows; a failed check otherwise."""
+    ok = (s.other_rows >= 0) & (s.other_rows < n_rows)
+    if bool(ok.all()):
+        return s, None
+    i = int(torch.nonzero(~ok)[0, 0])
+    bad = int((~ok).sum())
+    result = CheckResult(
+        "row map",
+        False,
+        bad,
+        0,
+        CONTRACT_REASON,
+        _slot_worst(ctx, s, i),
+        f"{bad} of {len(s)} live slots map outside {ctx.name} {what} ({n_rows} rows); first: "
+        f"{_slot_name(ctx, s, i)} -> row {int(s.other_rows[i])}",
+    )
+    return s.select(ok), result
+
+
+# Shared bounded / ulp comparisons ----------------------------------------------------------------
+
+
+def _nonfinite_check(
+    ctx: _Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
+) -> CheckResult:
+    bad = nonfinite(a) | nonfinite(b)
+    na, ia = nan_inf_counts(a)
+    nb, ib = nan_inf_counts(b)
+    at = first_true(bad)
+    worst = None
+    if at is not None:
+        other = _fp8(a[at]) if a.dtype == torch.uint8 else _py(a[at])
+        golden = _fp8(b[at]) if b.dtype == torch.uint8 else _py(b[at])
+        worst = dataclasses.replace(locate(at[0]), column=at[1], golden=golden, other=other)
+    return CheckResult(
+        "nan_inf",
+        at is None,
+        na + ia + nb + ib,
+        0,
+        NONFINITE_REASON,
+        worst,
+        f"{ctx.name}: {na} NaN, {ia} Inf; golden: {nb} NaN, {ib} Inf (in {a.shape[0]} {rows})",
+    )
+
+
+def _per_row_check(
+    ctx: _Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
+) -> CheckResult:
+    limit = ctx.check.limit("row_err")
+    values, cols = row_rel_error(a, b)
+    at = argmax_coords(values)
+    if at is None:
+        return _bound("per-token", 0.0, limit, None, f"no {rows}")
+    r, c = at[0], int(cols[at[0]])
+    worst = dataclasses.replace(locate(r), column=c, golden=_py(b[r, c]), other=_py(a[r, c]))
+    over = int((~(values <= limit.value)).sum())
+    detail = (
+        f"{over} of {a.shape[0]} {rows} beyond max|a-b| <= {limit.value:g} x rowmax|golden|; "
+        f"worst row error {float(values[r]):.4g}"
+    )
+    return _bound("per-token", float(values[r]), limit, worst, detail)
+
+
+def _bounded_checks(
+    ctx: _Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
+) -> list[CheckResult]:
+    """gemm / reduce: NaN/Inf, per element (atol x rowmax + rtol), per row, calc_diff."""
+    check = ctx.check
+    atol, rtol, outliers = check.limit("atol"), check.limit("rtol"), check.limit("mismatch_frac")
+    out = [_nonfinite_check(ctx, a, b, locate, rows)]
+
+    ratio = excess_ratio(a, b, atol.value, rtol.value, row_max(b))
+    beyond = ~(ratio <= 1.0)
+    n_beyond, total = int(beyond.sum()), beyond.numel()
+    frac = n_beyond / total if total else 0.0
+    at = argmax_coords(ratio)
+    worst, note = None, ""
+    if at is not None and not bool(ratio[at] == 0):
+        worst = dataclasses.replace(
+            locate(at[0]), column=at[1], golden=_py(b[at]), other=_py(a[at])
+        )
+        err = abs(float(a[at]) - float(b[at]))
+        note = f"; worst |a-b| = {err:.4g}, {float(ratio[at]):.3g}x the allowed error"
+    out.append(
+        CheckResult(
+            "elementwise",
+            frac <= outliers.value,
+            frac,
+            outliers.value,
+            f"|a-b| <= {atol.value:g} x rowmax|golden| + {rtol.value:g} x |golden|: rtol: "
+            f"{rtol.reason}; atol: {atol.reason}; outliers: {outliers.reason}",
+            worst,
+            f"{n_beyond} of {total} elements beyond the bound{note}",
+        )
+    )
+    out.append(_per_row_check(ctx, a, b, locate, rows))
+    cd = check.limit("calc_diff")
+    value = calc_diff(a, b)
+    out.append(
+        _bound("calc_diff", value, cd, None, f"calc_diff over {total} elements = {value:.3g}")
+    )
+    return out
+
+
+def _ulp_checks(
+    ctx: _Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
+) -> list[CheckResult]:
+    """gather: NaN/Inf, per element bf16 ulps, per row."""
+    limit = ctx.check.limit("ulp")
+    out = [_nonfinite_check(ctx, a, b, locate, rows)]
+    ulp = bf16_ulp_distance(a, b)
+    at = argmax_coords(ulp)
+    value, worst, note = 0, None, ""
+    if at is not None:
+        value = int(ulp[at])
+        worst = dataclasses.replace(
+            locate(at[0]), column=at[1], golden=_py(b[at]), other=_py(a[at])
+        )
+        note = ctx.token_note(at[0]) if value > limit.value and worst.rank is not None else ""
+    over = int((ulp > limit.value).sum())
+    detail = (
+        f"{over} of {ulp.numel()} elements beyond {limit.value:g} bf16 ulp; max {value} ulp{note}"
+    )
+    out.append(_bound("ulp", value, limit, worst, detail))
+    out.append(_per_row_check(ctx, a, b, locate, rows))
+    return out
+
+
+# Stages ------------------------------------------------------------------------------------------
+
+
+def _canonical_route(
+    ids: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort each token's (id, weight) pairs by id, negatives last, ties by weight.
+
+    Returns (ids, weights, original k), each [M, k].
+    """
+    by_weight = torch.argsort(weights, dim=1, stable=True)
+    ids1, w1 = ids.gather(1, by_weight), weights.gather(1, by_weight)
+    key = torch.where(ids1 >= 0, ids1, (1 << 40) - ids1)
+    by_id = torch.argsort(key, dim=1, stable=True)
+    return ids1.gather(1, by_id), w1.gather(1, by_id), by_weight.gather(1, by_id)
+
+
+def _route(ctx: _Ctx) -> list[CheckResult]:
+    g_ids = _tensor(ctx.golden, "route", "topk_ids")
+    o_ids = _tensor(ctx.other, "route", "topk_ids")
+    if g_ids.shape != o_ids.shape:
+        return [_shape_fail(ctx, "topk_ids", o_ids, g_ids)]
+    g_w = _tensor(ctx.golden, "route", "topk_weights").to(torch.float32)
+    o_w = _tensor(ctx.other, "route", "topk_weights").to(torch.float32)
+    if g_w.shape != o_w.shape or g_w.shape != g_ids.shape:
+        return [_shape_fail(ctx, "topk_weights", o_w, g_w)]
+    gi, gw, gk = _canonical_route(g_ids.to(torch.int64), g_w)
+    oi, ow, _ = _canonical_route(o_ids.to(torch.int64), o_w)
+
+    out = []
+    differ = gi != oi
+    first = first_true(differ)
+    bad_tokens = int(differ.any(dim=1).sum())
+    worst, note = None, ""
+    if first is not None:
+        t, j = first
+        expert = int(gi[t, j])
+        worst = Worst(
+            token=ctx.token(t),
+            k=int(gk[t, j]),
+            expert=expert if expert >= 0 else None,
+            rank=ctx.rank,
+            golden=expert,
+            other=int(oi[t, j]),
+        )
+        note = f"; token {ctx.token(t)}: golden {gi[t].tolist()} vs {ctx.name} {oi[t].tolist()}"
+    out.append(
+        CheckResult(
+            "topk_ids",
+            first is None,
+            bad_tokens,
+            0,
+            ctx.check.reason,
+            worst,
+            f"{bad_tokens} of {gi.shape[0]} tokens route to a different expert set{note}",
+        )
+    )
+
+    comparable = (gi >= 0) & (gi == oi)
+    ulp = fp32_ulp_distance(ow, gw).masked_fill(~comparable, 0)
+    at = argmax_coords(ulp)
+    value, worst = 0, None
+    if at is not None:
+        value = int(ulp[at])
+        expert = int(gi[at])
+        worst = Worst(
+            token=ctx.token(at[0]),
+            k=int(gk[at]),
+            expert=expert if expert >= 0 else None,
+            rank=ctx.rank,
+            golden=float(gw[at]),
+            other=float(ow[at]),
+        )
+    out.append(
+        _bound(
+            "topk_weights",
+            value,
+            ctx.check.limit("ulp"),
+            worst,
+            f"max {value} fp32 ulp over {int(comparable.sum())} live slots with matching ids "
+            "(pairs sorted by id)",
+        )
+    )
+
+    if "token_index" in ctx.golden["route"]:
+        g_tok = _tensor(ctx.golden, "route", "token_index")
+        o_tok = _tensor(ctx.other, "route", "token_index")
+        if g_tok.shape != o_tok.shape:
+            out.append(_shape_fail(ctx, "token_index", o_tok, g_tok))
+        else:
+            mm = int_mismatch(o_tok, g_tok)
+            worst = None
+            if mm.first is not None:
+                (t,) = mm.first
+                worst = Worst(rank=ctx.rank, golden=int(g_tok[t]), other=int(o_tok[t]), row=t)
+            out.append(_exact("token_index", mm, "received rows differ", ctx.check.reason, worst))
+    return out
+
+
+def _quant_input(ctx: _Ctx) -> list[CheckResult]:
+    reason = ctx.check.reason
+    out = []
+    g_q = _tensor(ctx.golden, "quant_input", "a1q")
+    o_q = _tensor(ctx.other, "quant_input", "a1q")
+    if g_q.shape != o_q.shape:
+        out.append(_shape_fail(ctx, "a1q", o_q, g_q))
+    else:
+        gc, oc = fp8_codes(g_q), fp8_codes(o_q)
+        mm = mismatch_of(oc != gc)
+        worst, note = None, ""
+        if mm.first is not None:
+            t, c = mm.first
+            worst = Worst(
+                token=ctx.token(t),
+                rank=ctx.rank,
+                column=c,
+                golden=_fp8(gc[t, c]),
+                other=_fp8(oc[t, c]),
+            )
+            note = f"; first: code 0x{int(oc[t, c]):02x} vs golden 0x{int(gc[t, c]):02x}"
+        nan = nan_inf_counts(oc)[0]
+        what = f"fp8 codes differ ({nan} NaN codes on {ctx.name})"
+        out.append(_exact("a1q codes", mm, what, reason, worst, note))
+
+    hidden = g_q.shape[1]
+    group = ctx.problem.recipe.act_group
+    g_s = _tensor(ctx.golden, "quant_input", "a1q_scale")
+    o_s = _tensor(ctx.other, "quant_input", "a1q_scale")
+    if o_s.shape[0] != g_s.shape[0]:
+        out.append(_shape_fail(ctx, "a1q_scale", o_s, g_s))
+        return out
+    co, cg, kind = comparable_scale_codes(o_s, g_s, hidden // group)
+    mm = mismatch_of(co != cg)
+    worst = None
+    if mm.first is not None:
+        t, gi = mm.first
+        worst = Worst(
+            token=ctx.token(t),
+            rank=ctx.rank,
+            column=gi * group,
+            golden=_decode_scale(int(cg[t, gi]), kind),
+            other=_decode_scale(int(co[t, gi]), kind),
+        )
+    what = f"scale groups differ ({group} columns each; compared as {kind} bits)"
+    out.append(_exact("a1q_scale", mm, what, reason, worst))
+    return out
+
+
+def _align(ctx: _Ctx) -> list[CheckResult]:
+    reason = ctx.check.reason
+    out = []
+    for name in ("M_sum", "alignment"):
+        o, g = _int(ctx.other, "align", name), _int(ctx.golden, "align", name)
+        worst = None if o == g else Worst(rank=ctx.rank, golden=g, other=o)
+        out.append(
+            CheckResult(name, o == g, abs(o - g), 0, reason, worst, f"{ctx.name} {o}, golden {g}")
+        )
+
+    g_c = _tensor(ctx.golden, "align", "counts").to(torch.int64)
+    o_c = _tensor(ctx.other, "align", "counts").to(torch.int64)
+    if g_c.shape != o_c.shape:
+        out.append(_shape_fail(ctx, "counts", o_c, g_c))
+    else:
+        mm = int_mismatch(o_c, g_c)
+        worst, note = None, ""
+        if mm.first is not None:
+            (e,) = mm.first
+            worst = Worst(rank=ctx.rank, golden=int(g_c[e]), other=int(o_c[e]))
+            note = f"; first: local expert {e}: golden {int(g_c[e])}, {ctx.name} {int(o_c[e])}"
+        out.append(_exact("counts", mm, "local experts' counts differ", reason, worst, note))
+
+    m_sum, align = _int(ctx.other, "align", "M_sum"), _int(ctx.other, "align", "alignment")
+    if align < 1:
+        raise ContractError(f"{ctx.name} align.alignment must be >= 1, got {align}")
+    remainder = m_sum % align
+    out.append(
+        CheckResult(
+            "M_sum % alignment",
+            remainder == 0,
+            remainder,
+            0,
+            reason,
+            None,
+            f"{ctx.name} M_sum {m_sum} with alignment {align} leaves {remainder}",
+        )
+    )
+    need = int((((g_c + align - 1) // align) * align).sum())
+    out.append(
+        CheckResult(
+            "M_sum fits segments",
+            m_sum >= need,
+            max(0, need - m_sum),
+            0,
+            reason,
+            None,
+            f"{ctx.name} M_sum {m_sum} vs sum of round_up(count_e, {align}) = {need} over the "
+            "golden counts",
+        )
+    )
+    return out
+
+
+def _permute(ctx: _Ctx) -> list[CheckResult]:
+    reason = ctx.check.reason
+    G, B = ctx.golden, ctx.other
+    out = []
+    g_m = _tensor(G, "permute", "m_indices").to(torch.int64)
+    o_m = _tensor(B, "permute", "m_indices").to(torch.int64)
+    m_sum = o_m.numel()
+
+    if g_m.shape != o_m.shape:
+        out.append(_shape_fail(ctx, "m_indices", o_m, g_m))
+    else:
+        mm = int_mismatch(o_m, g_m)
+        worst = None
+        if mm.first is not None:
+            (r,) = mm.first
+            worst = Worst(rank=ctx.rank, golden=int(g_m[r]), other=int(o_m[r]), row=r)
+        out.append(_exact("m_indices", mm, "rows' local experts differ", reason, worst))
+    if "expert_start" in G["permute"]:
+        g_e = _tensor(G, "permute", "expert_start").to(torch.int64)
+        o_e = _tensor(B, "permute", "expert_start").to(torch.int64)
+        if g_e.shape != o_e.shape:
+            out.append(_shape_fail(ctx, "expert_start", o_e, g_e))
+        else:
+            mm = int_mismatch(o_e, g_e)
+            worst = None
+            if mm.first is not None:
+                (e,) = mm.first
+                worst = Worst(rank=ctx.rank, golden=int(g_e[e]), other=int(o_e[e]))
+            out.append(_exact("expert_start", mm, "segment starts differ", reason, worst))
+
+    # inv_perm: every live slot owns one distinct row inside [0, M_sum).
+    s = _slots(G, B)
+    rows = s.other_rows
+    in_range = (rows >= 0) & (rows < m_sum)
+    hits = _take(torch.bincount(rows[in_range], minlength=m_sum), rows)
+    shared = in_range & (hits > 1)
+    bad = ~in_range | shared
+    worst, note = None, ""
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        worst = _slot_worst(ctx, s, i, other=int(rows[i]), golden=int(s.gold_rows[i]))
+        why = "is shared with another slot" if bool(in_range[i]) else f"is outside [0, {m_sum})"
+        note = f"; first: {_slot_name(ctx, s, i)} -> row {int(rows[i])}, which {why}"
+    what = "live slots map to an invalid row"
+    out.append(_exact("inv_perm", mismatch_of(bad), what, reason, worst, note))
+    ok = ~bad
+
+    # a_perm: the row of each live slot holds the golden row's bytes.
+    g_a = fp8_codes(_tensor(G, "permute", "a_perm"))
+    o_a = fp8_codes(_tensor(B, "permute", "a_perm"))
+    if o_a.dim() != 2 or o_a.shape[1] != g_a.shape[1] or (m_sum and o_a.shape[0] != m_sum):
+        out.append(_shape_fail(ctx, "a_perm", o_a, g_a))
+    else:
+        gr, orow = g_a[s.gold_rows], _take(o_a, rows)
+        diff = (gr != orow) & ok[:, None]
+        out.append(_slot_rows_check(ctx, s, diff, "a_perm rows", reason, gr, orow, _fp8, "bytes"))
+
+    # a_scale_perm: same, on the scale groups that exist (pad bytes of packed words ignored).
+    hidden, group = g_a.shape[1], ctx.problem.recipe.act_group
+    groups = hidden // group
+    g_s = _tensor(G, "permute", "a_scale_perm")
+    o_s = _tensor(B, "permute", "a_scale_perm")
+    if m_sum and o_s.shape[0] != m_sum:
+        out.append(_shape_fail(ctx, "a_scale_perm", o_s, g_s))
+        o_codes = None
+    else:
+        o_codes, g_codes, kind = comparable_scale_codes(o_s, g_s, groups)
+        gr, orow = g_codes[s.gold_rows], _take(o_codes, rows)
+        diff = (gr != orow) & ok[:, None]
+        decode = partial(_decode_scale, kind=kind)
+        out.append(
+            _slot_rows_check(
+                ctx, s, diff, "a_scale_perm rows", reason, gr, orow, decode, "scale groups", group
+            )
+        )
+
+    # Per-expert row sets: each live slot sits in its expert's segment.
+    expected, got = g_m[s.gold_rows], _take(o_m, rows)
+    wrong = ok & (got != expected)
+    worst, note = None, ""
+    if bool(wrong.any()):
+        i = int(torch.nonzero(wrong)[0, 0])
+        worst = _slot_worst(ctx, s, i, golden=int(expected[i]), other=int(got[i]))
+        note = (
+            f"; first: {_slot_name(ctx, s, i)} sits in row {int(rows[i])} of local expert "
+            f"{int(got[i])}'s segment, golden local expert {int(expected[i])}"
+        )
+    what = "live slots sit in another expert's segment"
+    out.append(_exact("expert rows", mismatch_of(wrong), what, reason, worst, note))
+
+    # Padding contract on rows claimed by no live slot.
+    claimed = torch.zeros(m_sum, dtype=torch.bool)
+    claimed[rows[in_range]] = True
+    pad = ~claimed
+    bad_pad = pad & (o_m != -1)
+    worst, note = None, ""
+    if bool(bad_pad.any()):
+        r = int(torch.nonzero(bad_pad)[0, 0])
+        worst = Worst(rank=ctx.rank, golden=-1, other=int(o_m[r]), row=r)
+        note = f"; first: row {r} holds {int(o_m[r])}"
+    mism = Mismatch(int(bad_pad.sum()), int(pad.sum()), None)
+    what = "padding rows (claimed by no live slot) do not hold -1"
+    out.append(_exact("padding m_indices", mism, what, reason, worst, note))
+    if o_codes is not None:
+        out.append(_padding_scales(ctx, o_s, pad, groups, group, reason))
+    return out
+
+
+def _slot_rows_check(
+    ctx: _Ctx,
+    s: _Slots,
+    diff: torch.Tensor,
+    name: str,
+    reason: str,
+    golden_rows: torch.Tensor,
+    other_rows: torch.Tensor,
+    decode: Callable[[torch.Tensor], float | int],
+    unit: str,
+    column_step: int = 1,
+) -> CheckResult:
+    """Exact per-slot row comparison: diff [L, W] marks differing entries of live slots."""
+    bad_slots = diff.any(dim=1)
+    mism = mismatch_of(bad_slots)
+    worst, note = None, ""
+    if mism.first is not None:
+        (i,) = mism.first
+        c = int(torch.nonzero(diff[i])[0, 0])
+        worst = _slot_worst(
+            ctx,
+            s,
+            i,
+            column=c * column_step,
+            golden=decode(golden_rows[i, c]),
+            other=decode(other_rows[i, c]),
+        )
+        note = (
+            f"; first: {_slot_name(ctx, s, i)} -> {ctx.name} row {int(s.other_rows[i])} vs golden "
+            f"row {int(s.gold_rows[i])}: {int(diff[i].sum())} of {diff.shape[1]} {unit} differ"
+        )
+    return _exact(name, mism, "live slots' rows differ", reason, worst, note)
+
+
+def _padding_scales(
+    ctx: _Ctx, scales: torch.Tensor, pad: torch.Tensor, groups: int, group: int, reason: str
+) -> CheckResult:
+    """fp32 padding rows must be +0.0 (bitwise); packed padding bytes must not be 0xFF (NaN)."""
+    if scales.dtype == torch.int32:
+        codes = unpack_ue8m0(scales, groups)
+        bad = pad[:, None] & (codes == _E8M0_NAN)
+        want, what = None, "padding-row packed bytes are 0xFF (NaN to the kernel, ref §14.19)"
+    else:
+        codes = bits(scales.to(torch.float32)).to(torch.int64)
+        bad = pad[:, None] & (codes != 0)
+        want, what = 0.0, "padding-row fp32 scales are not +0.0"
+    mism = mismatch_of(bad)
+    worst, note = None, ""
+    if mism.first is not None:
+        r, c = mism.first
+        other = int(codes[r, c]) if scales.dtype == torch.int32 else float(scales[r, c])
+        worst = Worst(rank=ctx.rank, column=c * group, golden=want, other=other, row=r)
+        note = f"; first: row {r}, group {c} holds {other}"
+    return _exact("padding scales", mism, what, reason, worst, note)
+
+
+def _gemm(ctx: _Ctx, stage: str, name: str) -> list[CheckResult]:
+    s = _downstream_slots(ctx)
+    g = _tensor(ctx.golden, stage, name)
+    o = _tensor(ctx.other, stage, name)
+    if o.dim() != 2 or o.shape[1] != g.shape[1]:
+        return [_shape_fail(ctx, name, o, g)]
+    s, row_fail = _rows_in_range(ctx, s, o.shape[0], name)
+    a, b = o[s.other_rows], g[s.gold_rows]
+    checks = _bounded_checks(ctx, a, b, lambda i: _slot_worst(ctx, s, i), "live (token, k) rows")
+    return [row_fail, *checks] if row_fail else checks
+
+
+def _act_quant(ctx: _Ctx) -> list[CheckResult]:
+    check = ctx.check
+    s = _downstream_slots(ctx)
+    g_q = fp8_codes(_tensor(ctx.golden, "act_quant", "a2q"))
+    o_q = fp8_codes(_tensor(ctx.other, "act_quant", "a2q"))
+    if o_q.dim() != 2 or o_q.shape[1] != g_q.shape[1]:
+        return [_shape_fail(ctx, "a2q", o_q, g_q)]
+    group = ctx.problem.recipe.act_group
+    groups = g_q.shape[1] // group
+    g_s = scale_values(_tensor(ctx.golden, "act_quant", "a2q_scale"), groups)
+    o_s = scale_values(_tensor(ctx.other, "act_quant", "a2q_scale"), groups)
+    s, row_fail = _rows_in_range(ctx, s, min(o_q.shape[0], o_s.shape[0]), "a2q / a2q_scale")
+    qa, qb = o_q[s.other_rows], g_q[s.gold_rows]
+    sa, sb = o_s[s.other_rows], g_s[s.gold_rows]
+    out = [row_fail] if row_fail else []
+    locate = partial(_slot_worst, ctx, s)
+
+    # NaN codes, and scales that are NaN/Inf (an E8M0 0xFF byte reads as NaN).
+    nonfinite_check = _nonfinite_check(ctx, qa, qb, locate, "live (token, k) rows")
+    bad_scales = int((~torch.isfinite(sa)).sum() + (~torch.isfinite(sb)).sum())
+    if bad_scales:
+        nonfinite_check = dataclasses.replace(
+            nonfinite_check,
+            passed=False,
+            value=nonfinite_check.value + bad_scales,
+            detail=nonfinite_check.detail + f"; {bad_scales} non-finite scales",
+        )
+    out.append(nonfinite_check)
+
+    differ = ~(sa == sb)
+    n_groups = differ.numel()
+    flips = int(differ.sum())
+    at = first_true(differ)
+    worst = None
+    if at is not None:
+        worst = locate(at[0])
+        worst = dataclasses.replace(
+            worst, column=at[1] * group, golden=float(sb[at]), other=float(sa[at])
+        )
+    flip_limit = check.limit("scale_flip_frac")
+    out.append(
+        _bound(
+            "scale flips",
+            flips / n_groups if n_groups else 0.0,
+            flip_limit,
+            worst,
+            f"{flips} of {n_groups} live scale groups differ",
+        )
+    )
+    step = ((sa - sb).abs() / torch.minimum(sa, sb)).masked_fill(~differ, 0.0)
+    step = torch.where(differ & torch.isnan(step), torch.full_like(step, float("inf")), step)
+    at = argmax_coords(step)
+    value, worst = 0.0, None
+    if at is not None and flips:
+        value = float(step[at])
+        worst = dataclasses.replace(
+            locate(at[0]), column=at[1] * group, golden=float(sb[at]), other=float(sa[at])
+        )
+    out.append(
+        _bound(
+            "scale step",
+            value,
+            check.limit("scale_step"),
+            worst,
+            f"largest |s_a - s_b| / min(s_a, s_b) over differing groups: {value:.4g}",
+        )
+    )
+
+    same_scale = (~differ).repeat_interleave(group, dim=1)
+    sa_el, sb_el = sa.repeat_interleave(group, dim=1), sb.repeat_interleave(group, dim=1)
+    dist = torch.where(
+        same_scale,
+        fp8_code_distance(qa, qb).to(torch.float64),
+        fp8_value_distance(qa, sa_el, qb, sb_el),
+    )
+    at = argmax_coords(dist)
+    value, worst, note = 0.0, None, ""
+    if at is not None:
+        value = float(dist[at])
+        worst = dataclasses.replace(
+            locate(at[0]),
+            column=at[1],
+            golden=_fp8(qb[at]) * float(sb_el[at]),
+            other=_fp8(qa[at]) * float(sa_el[at]),
+        )
+        note = (
+            f"; worst: code 0x{int(qa[at]):02x} vs golden 0x{int(qb[at]):02x} "
+            "(dequantized values shown)"
+        )
+    moved = int((~(dist == 0)).sum())
+    out.append(
+        _bound(
+            "code distance",
+            value,
+            check.limit("code_dist"),
+            worst,
+            f"max {value:.3g} e4m3 steps (ulps at the coarser scale where a scale flipped){note}",
+        )
+    )
+    total = dist.numel()
+    out.append(
+        _bound(
+            "code fraction",
+            moved / total if total else 0.0,
+            check.limit("code_frac"),
+            None,
+            f"{moved} of {total} live codes differ",
+        )
+    )
+    return out
+
+
+def _token_output(ctx: _Ctx, stage: str) -> list[CheckResult]:
+    """gather / reduce: out [M, H] per element and per token."""
+    g = _tensor(ctx.golden, stage, "out")
+    o = _tensor(ctx.other, stage, "out")
+    if o.shape != g.shape:
+        return [_shape_fail(ctx, "out", o, g)]
+    rank = None if stage == REDUCE_STAGE else ctx.rank
+
+    def locate(t: int) -> Worst:
+        return Worst(token=ctx.token(t) if rank is not None else t, rank=rank)
+
+    kind = ctx.check.kind
+    if kind == "gather":
+        return _ulp_checks(ctx, o, g, locate, "tokens")
+    if kind in ("gemm", "reduce"):
+        return _bounded_checks(ctx, o, g, locate, "tokens")
+    raise ValueError(f"policy gives {stage} a {kind!r} check; it takes gather, gemm or reduce")
+
+
+_COMPARERS: dict[str, Callable[[_Ctx], list[CheckResult]]] = {
+    "route": _route,
+    "quant_input": _quant_input,
+    "align": _align,
+    "permute": _permute,
+    "gemm1": partial(_gemm, stage="gemm1", name="mm1"),
+    "act_quant": _act_quant,
+    "gemm2": partial(_gemm, stage="gemm2", name="mm2"),
+    "gather": partial(_token_output, stage="gather"),
+    REDUCE_STAGE: partial(_token_output, stage=REDUCE_STAGE),
+}
+
+
+# Entry points ------------------------------------------------------------------------------------
+
+
+def default_stages(problem: MoEProblem, golden: Trace, other: Trace) -> list[str]:
+    """The topology's stages, plus `reduce` when either trace has it."""
+    names = list(problem.topology.stages)
+    if REDUCE_STAGE in golden or REDUCE_STAGE in other:
+        names.append(REDUCE_STAGE)
+    return names
+
+
+def _ran(outputs: dict[str, object]) -> bool:
+    return SKIP_KEY not in outputs and ERROR_KEY not in outputs
+
+
+def not_compared(stage: str, golden: Trace, other: Trace) -> StageResult | None:
+    """A skip (stage missing or skipped on either side) or error (a side raised in the stage)
+    result when `stage` cannot be compared; None when it can. The other side is checked first."""
+    for trace, who in ((other, other.backend), (golden, f"golden ({golden.backend})")):
+        if stage not in trace:
+            return StageResult(stage, "skip", [], f"{who} trace has no {stage!r} stage (not run)")
+        outs = trace[stage]
+        if ERROR_KEY in outs:
+            return StageResult(stage, "error", [], f"{who} raised in {stage}: {outs[ERROR_KEY]}")
+        if SKIP_KEY in outs:
+            return StageResult(stage, "skip", [], f"{who} skipped {stage}: {outs[SKIP_KEY]}")
+    if "dispatch" in golden and stage in _LL_NOT_COMPARED:
+        reason = (
+            "batched low-latency layout: not compared yet (the contract's `slot` does not name the "
+            "local expert of each (token, k), so rows cannot be keyed)"
+        )
+        return StageResult(stage, "skip", [], reason)
+    return None
+
+
+def compare_stage(
+    stage: str, golden: Trace, other: Trace, problem: MoEProblem, *, mode: str = "isolated"
+) -> StageResult:
+    """Compare one stage; never raises for a broken trace (status fail/skip/error instead)."""
+    early = not_compared(stage, golden, other)
+    if early is not None:
+        return early
+    comparer = _COMPARERS.get(stage)
+    if comparer is None:
+        return StageResult(stage, "error", [], f"no comparison is defined for stage {stage!r}")
+    try:
+        checks = comparer(_Ctx(golden, other, problem, policy_for(stage, problem, mode), mode))
+    except ContractError as exc:
+        contract = CheckResult("contract", False, 1, 0, CONTRACT_REASON, None, str(exc))
+        return StageResult(stage, "fail", [contract])
+    except Exception as exc:  # a comparison bug must not take the whole report down
+        return StageResult(stage, "error", [], f"{type(exc).__name__}: {exc}")
+    return StageResult(stage, "pass" if all(c.passed for c in checks) else "fail", checks)
+
+
+def compare(
+    golden: Trace,
+    other: Trace,
+    problem: MoEProblem,
+    stages: list[str] | None = None,
+    *,
+    mode: str = "isolated",
+) -> list[StageResult]:
+    """Compare `other` against `golden` stage by stage (all of `default_stages` unless given).
+
+    mode: "isolated" when each of `other`'s stages ran on the golden's upstream, "chained" when it
+    ran end to end on its own; it picks the policy rows and which inv_perm keys permuted rows.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    names = list(stages) if stages is not None else default_stages(problem, golden, other)
+    return [compare_stage(stage, golden, other, problem, mode=mode) for stage in names]

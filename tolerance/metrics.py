@@ -1,0 +1,365 @@
+"""Error metrics between a tested tensor `a` and its golden `b`: pure, vectorized functions.
+
+Conventions: the tested side comes first and the golden second, as in `assert_close(actual,
+expected)`; shapes must match exactly (no broadcasting hides a wrong layout); coordinates are
+tuples of ints in the tensors' logical (row-major) order. Nothing here knows about stages or
+thresholds: the policy table holds every tolerance, `compare` decides what to measure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Format facts (not tolerances): e4m3fn has 3 mantissa bits, smallest normal 2^-6, subnormal
+# step 2^-9, and codes 0x7F / 0xFF are NaN (no Inf).
+E4M3_MANTISSA_BITS = 3
+E4M3_MIN_NORMAL_EXP = -6
+E4M3_SUBNORMAL_STEP = 2.0**-9
+# Distance reported when exactly one side is NaN (larger than any real code or ulp distance).
+FP8_NAN_DISTANCE = 256
+BF16_NAN_DISTANCE = 1 << 16
+FP32_NAN_DISTANCE = 1 << 32
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FP8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """How many elements differ, out of how many, and where the first one is."""
+
+    count: int
+    total: int
+    first: tuple[int, ...] | None
+
+    @property
+    def equal(self) -> bool:
+        return self.count == 0
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    """Largest absolute and relative error, each with its coordinates (None when empty)."""
+
+    max_abs: float
+    abs_at: tuple[int, ...] | None
+    max_rel: float
+    rel_at: tuple[int, ...] | None
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs golden {tuple(b.shape)}")
+
+
+def unravel(flat_index: int, shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """Coordinates of a row-major flat index in `shape`."""
+    coords = []
+    for dim in reversed(tuple(shape)):
+        coords.append(flat_index % dim)
+        flat_index //= dim
+    return tuple(reversed(coords))
+
+
+def first_true(mask: torch.Tensor) -> tuple[int, ...] | None:
+    """Coordinates of the first True element of a bool tensor (row-major), or None."""
+    flat = mask.reshape(-1)
+    if flat.numel() == 0 or not bool(flat.any()):
+        return None
+    return unravel(int(torch.argmax(flat.to(torch.uint8))), mask.shape)
+
+
+def argmax_coords(x: torch.Tensor) -> tuple[int, ...] | None:
+    """Coordinates of the largest element (a NaN counts as largest), or None when empty."""
+    flat = x.reshape(-1)
+    if flat.numel() == 0:
+        return None
+    nan = torch.isnan(flat) if flat.is_floating_point() else None
+    if nan is not None and bool(nan.any()):
+        return first_true(nan.reshape(x.shape))
+    return unravel(int(torch.argmax(flat)), x.shape)
+
+
+def mismatch_of(mask: torch.Tensor) -> Mismatch:
+    """Summarize a bool 'differs' mask: count, total, first coordinates."""
+    return Mismatch(int(mask.sum()), mask.numel(), first_true(mask))
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern of a float tensor as signed ints of the same width (same shape).
+
+    fp8 -> uint8, bf16/fp16 -> int16, fp32 -> int32, fp64 -> int64; integer tensors unchanged.
+    """
+    if not (x.is_floating_point() or x.dtype in _FP8_DTYPES):
+        return x
+    return x.view(_INT_OF_SIZE[x.element_size()])
+
+
+def bitwise_mismatch(a: torch.Tensor, b: torch.Tensor) -> Mismatch:
+    """Bit-for-bit comparison of two same-shape, same-dtype tensors (-0.0 != +0.0; NaN == NaN
+    when the payloads match)."""
+    _same_shape(a, b)
+    if a.dtype != b.dtype:
+        raise ValueError(f"dtypes differ: {a.dtype} vs golden {b.dtype}")
+    return mismatch_of(bits(a) != bits(b))
+
+
+def int_mismatch(a: torch.Tensor, b: torch.Tensor) -> Mismatch:
+    """Exact integer equality after widening both to int64 (int32 vs int64 ids compare)."""
+    _same_shape(a, b)
+    return mismatch_of(a.to(torch.int64) != b.to(torch.int64))
+
+
+def fp8_codes(x: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of an fp8 tensor (or of a uint8 tensor holding codes), same shape."""
+    if x.dtype == torch.uint8:
+        return x
+    if x.dtype in _FP8_DTYPES:
+        return x.view(torch.uint8)
+    raise ValueError(f"expected fp8 codes (float8 or uint8), got {x.dtype}")
+
+
+def e4m3_value(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 value of e4m3fn codes [...] (NaN codes give NaN)."""
+    return fp8_codes(codes).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def e4m3_is_nan(codes: torch.Tensor) -> torch.Tensor:
+    """Bool [...]: the e4m3fn code is NaN (0x7F or 0xFF)."""
+    return (fp8_codes(codes) & 0x7F) == 0x7F
+
+
+def e4m3_ordered(codes: torch.Tensor) -> torch.Tensor:
+    """int32 [...]: e4m3 codes mapped onto integers in value order (+0 and -0 both map to 0)."""
+    c = fp8_codes(codes).to(torch.int32)
+    magnitude = c & 0x7F
+    return torch.where(c >= 0x80, -magnitude, magnitude)
+
+
+def fp8_code_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int32 [...]: how many representable e4m3 values lie between a and b (0 = same value).
+
+    Adjacent codes are 1 apart, the smallest positive and negative subnormals 2 apart. A NaN
+    code against a different code gives FP8_NAN_DISTANCE.
+    """
+    _same_shape(a, b)
+    ca, cb = fp8_codes(a), fp8_codes(b)
+    dist = (e4m3_ordered(ca) - e4m3_ordered(cb)).abs()
+    nan = (e4m3_is_nan(ca) | e4m3_is_nan(cb)) & (ca != cb)
+    return torch.where(nan, torch.full_like(dist, FP8_NAN_DISTANCE), dist)
+
+
+def e4m3_ulp(magnitude: torch.Tensor) -> torch.Tensor:
+    """float64 [...]: spacing of e4m3 values at |value| `magnitude` (the subnormal step below
+    the smallest normal)."""
+    m = magnitude.to(torch.float64).abs()
+    exponent = torch.floor(torch.log2(m.clamp_min(2.0**E4M3_MIN_NORMAL_EXP)))
+    return torch.where(
+        m < 2.0**E4M3_MIN_NORMAL_EXP,
+        torch.full_like(m, E4M3_SUBNORMAL_STEP),
+        torch.exp2(exponent - E4M3_MANTISSA_BITS),
+    )
+
+
+def fp8_value_distance(
+    qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor
+) -> torch.Tensor:
+    """float64 [...]: |qa*sa - qb*sb| in e4m3 ulps at the coarser of the two scales.
+
+    qa, qb: e4m3 codes [...]; sa, sb: their dequantization scales, broadcast to the same shape.
+    Where the scales are equal this is at most the code distance; where a UE8M0 exponent flipped
+    (sa = 2*sb), two correct roundings of nearby values are at most 1 apart.
+    """
+    va = e4m3_value(qa).double() * sa.double()
+    vb = e4m3_value(qb).double() * sb.double()
+    coarse = torch.maximum(sa.double(), sb.double())
+    ulp = e4m3_ulp(torch.maximum(va.abs(), vb.abs()) / coarse) * coarse
+    dist = (va - vb).abs() / ulp
+    return torch.where(va == vb, torch.zeros_like(dist), dist)
+
+
+def _ordered_ints(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """Sign-magnitude bit patterns (as unsigned, in int64) mapped onto integers in value order."""
+    sign = 1 << (width - 1)
+    magnitude = raw & (sign - 1)
+    return torch.where((raw & sign) != 0, -magnitude, magnitude)
+
+
+def bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int64 [...]: distance between a and b in bf16 ulps (both rounded to bf16 first, RNE).
+
+    +0 and -0 are 0 apart; the largest finite value and Inf are 1 apart; a NaN on either side
+    (unless both are NaN) gives BF16_NAN_DISTANCE.
+    """
+    _same_shape(a, b)
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    ra = bits(a16).to(torch.int64) & 0xFFFF
+    rb = bits(b16).to(torch.int64) & 0xFFFF
+    dist = (_ordered_ints(ra, 16) - _ordered_ints(rb, 16)).abs()
+    na, nb = torch.isnan(a16), torch.isnan(b16)
+    return torch.where(
+        na ^ nb, torch.full_like(dist, BF16_NAN_DISTANCE), dist.masked_fill(na & nb, 0)
+    )
+
+
+def fp32_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int64 [...]: distance between a and b in fp32 ulps (both cast to fp32 first).
+
+    NaN on exactly one side gives FP32_NAN_DISTANCE.
+    """
+    _same_shape(a, b)
+    a32, b32 = a.to(torch.float32), b.to(torch.float32)
+    ra = bits(a32).to(torch.int64) & 0xFFFFFFFF
+    rb = bits(b32).to(torch.int64) & 0xFFFFFFFF
+    dist = (_ordered_ints(ra, 32) - _ordered_ints(rb, 32)).abs()
+    na, nb = torch.isnan(a32), torch.isnan(b32)
+    return torch.where(
+        na ^ nb, torch.full_like(dist, FP32_NAN_DISTANCE), dist.masked_fill(na & nb, 0)
+    )
+
+
+def calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """1 - 2*sum(a*b) / sum(a^2 + b^2) over the whole tensor, in float64 (DeepGEMM's metric).
+
+    0 for identical tensors and when both are all zero; 2 for a == -b; NaN when either has NaN.
+    """
+    _same_shape(a, b)
+    x, y = a.to(torch.float64), b.to(torch.float64)
+    denominator = (x * x + y * y).sum()
+    if bool(denominator == 0):
+        return 0.0
+    return float(1.0 - 2.0 * (x * y).sum() / denominator)
+
+
+def abs_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 [...]: |a - b| (NaN where either is NaN)."""
+    _same_shape(a, b)
+    return (a.to(torch.float64) - b.to(torch.float64)).abs()
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 [...]: |a - b| / |b|; 0 where both are 0, Inf where only the golden b is 0."""
+    err = abs_error(a, b)
+    ref = b.to(torch.float64).abs()
+    rel = err / ref
+    return torch.where(err == 0, torch.zeros_like(rel), rel)
+
+
+def max_errors(a: torch.Tensor, b: torch.Tensor) -> ErrorStats:
+    """Largest |a-b| and |a-b|/|b| with their coordinates (a NaN counts as the worst)."""
+    err, rel = abs_error(a, b), rel_error(a, b)
+    abs_at, rel_at = argmax_coords(err), argmax_coords(rel)
+    return ErrorStats(
+        max_abs=float(err[abs_at]) if abs_at is not None else 0.0,
+        abs_at=abs_at,
+        max_rel=float(rel[rel_at]) if rel_at is not None else 0.0,
+        rel_at=rel_at,
+    )
+
+
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """float64 [R, 1]: max |x| of each row of a [R, N] tensor (NaN ignored; 0 for empty rows)."""
+    mag = x.to(torch.float64).abs().nan_to_num(nan=0.0)
+    if mag.shape[1] == 0:
+        return torch.zeros(mag.shape[0], 1, dtype=torch.float64)
+    return mag.amax(dim=1, keepdim=True)
+
+
+def row_worst(err: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row worst of an error matrix [R, N]: (values float64 [R], columns int64 [R]).
+
+    A NaN in a row makes it that row's worst.
+    """
+    e = err.to(torch.float64)
+    if e.shape[1] == 0:
+        return torch.zeros(e.shape[0], dtype=torch.float64), torch.zeros(
+            e.shape[0], dtype=torch.long
+        )
+    ranked = e.nan_to_num(nan=float("inf"))
+    cols = ranked.argmax(dim=1)
+    return e.gather(1, cols[:, None])[:, 0], cols
+
+
+def row_rel_error(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) worst error relative to the golden row's scale, for [R, N] inputs.
+
+    value[r] = max_j |a[r,j] - b[r,j]| / max_j |b[r,j]|  (0 where the row matches exactly,
+    Inf where the golden row is all zero and `a` is not). Returns (values float64 [R],
+    worst columns int64 [R]).
+    """
+    err = abs_error(a, b)
+    scaled = err / row_max(b)
+    scaled = torch.where(err == 0, torch.zeros_like(scaled), scaled)
+    return row_worst(scaled)
+
+
+def allowed_error(
+    b: torch.Tensor, atol: float, rtol: float, scale: torch.Tensor | float = 1.0
+) -> torch.Tensor:
+    """float64 [...]: the bound atol*scale + rtol*|b| (scale, e.g. a row max, broadcasts)."""
+    ref = b.to(torch.float64).abs()
+    return atol * torch.as_tensor(scale, dtype=torch.float64) + rtol * ref
+
+
+def beyond_tolerance(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    atol: float,
+    rtol: float,
+    scale: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """Bool [...]: |a-b| > atol*scale + rtol*|b| (NaN on either side counts as beyond)."""
+    err = abs_error(a, b)
+    return ~(err <= allowed_error(b, atol, rtol, scale))
+
+
+def excess_ratio(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    atol: float,
+    rtol: float,
+    scale: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """float64 [...]: |a-b| / (atol*scale + rtol*|b|); > 1 means beyond the bound.
+
+    0 where a == b, Inf where the bound is 0 but a != b, NaN where either side is NaN.
+    """
+    err = abs_error(a, b)
+    ratio = err / allowed_error(b, atol, rtol, scale)
+    return torch.where(err == 0, torch.zeros_like(ratio), ratio)
+
+
+def mismatch_fraction(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    atol: float,
+    rtol: float,
+    scale: torch.Tensor | float = 1.0,
+) -> float:
+    """Fraction of elements beyond atol*scale + rtol*|b| (0.0 for empty tensors)."""
+    beyond = beyond_tolerance(a, b, atol, rtol, scale)
+    return float(beyond.sum()) / beyond.numel() if beyond.numel() else 0.0
+
+
+def nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """Bool [...]: NaN or Inf (for fp8 codes: the NaN codes; e4m3fn has no Inf)."""
+    if x.dtype == torch.uint8 or x.dtype in _FP8_DTYPES:
+        return e4m3_is_nan(x)
+    if not x.is_floating_point():
+        return torch.zeros(x.shape, dtype=torch.bool)
+    return ~torch.isfinite(x)
+
+
+def nan_inf_counts(x: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, Inf count) of a float tensor; fp8 NaN codes count as NaN; ints give (0, 0)."""
+    if x.dtype == torch.uint8 or x.dtype in _FP8_DTYPES:
+        return int(e4m3_is_nan(x).sum()), 0
+    if not x.is_floating_point():
+        return 0, 0
+    return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())

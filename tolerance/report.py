@@ -1,0 +1,343 @@
+"""The verification Report: per-stage results of one case, its verdict, and its renderings.
+
+A Report holds the results of one mode or of both (`isolated`, `chained`). The culprit of a
+failing case is the first failing stage in isolated mode (a divergence there belongs to that stage
+alone); without isolated results, the first failing stage in chained mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moe_verify.spec import MoEProblem
+from tolerance.compare import CheckResult, StageResult, Worst
+
+_MODES = ("isolated", "chained")
+_FAILING = ("fail", "error")
+_COLUMNS = ("stage", "status", "check", "value", "limit", "worst coordinates", "reason")
+
+
+@dataclass
+class Report:
+    """One case's verification: the problem, the backend, and per-stage results per mode.
+
+    mode names the primary mode (the one `results` returns); the other list may be given too.
+    """
+
+    problem: MoEProblem
+    backend: str
+    mode: str = "isolated"
+    isolated: list[StageResult] | None = None
+    chained: list[StageResult] | None = None
+    golden: str = "reference"
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"Report mode must be one of {_MODES}, got {self.mode!r}")
+        if getattr(self, self.mode) is None:
+            setattr(self, self.mode, [])
+
+    @property
+    def case_id(self) -> str:
+        return self.problem.id
+
+    @property
+    def results(self) -> list[StageResult]:
+        """The stage results of the primary mode."""
+        return getattr(self, self.mode)
+
+    def modes(self) -> list[tuple[str, list[StageResult]]]:
+        """(mode, results) for each mode present, isolated first."""
+        return [(m, getattr(self, m)) for m in _MODES if getattr(self, m) is not None]
+
+    @property
+    def passed(self) -> bool:
+        """No stage failed or errored in any mode (skipped stages do not fail a case)."""
+        return all(r.status not in _FAILING for _, results in self.modes() for r in results)
+
+    @property
+    def first_failure(self) -> str | None:
+        """The first failing stage in isolated mode, else in chained mode; None if none fails."""
+        first = self.first_failing_result
+        return None if first is None else first.stage
+
+    @property
+    def first_failing_result(self) -> StageResult | None:
+        """The culprit's result (with its rank), isolated mode first."""
+        for _, results in self.modes():
+            for r in results:
+                if r.status in _FAILING:
+                    return r
+        return None
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        """Ranks with a failing stage in any mode (rank-dependent misrouting shows up here)."""
+        ranks = {
+            r.rank
+            for _, results in self.modes()
+            for r in results
+            if r.status in _FAILING and r.rank is not None
+        }
+        return sorted(ranks)
+
+    def engine(self, stage: str, mode: str | None = None) -> str | None:
+        """The engine the tested side reported for `stage` (first rank that ran it)."""
+        for r in getattr(self, mode or self.mode) or []:
+            if r.stage == stage and r.engine is not None:
+                return r.engine
+        return None
+
+    def counts(self, mode: str | None = None) -> dict[str, int]:
+        results = getattr(self, mode or self.mode) or []
+        out = {s: 0 for s in ("pass", "fail", "skip", "error")}
+        for r in results:
+            out[r.status] += 1
+        return out
+
+    # Failure text ----------------------------------------------------------------------------
+
+    def failure_messages(self) -> list[str]:
+        """One line per failed check (STYLE.md "Failure messages"), every mode, isolated first."""
+        lines = []
+        for mode, results in self.modes():
+            for r in results:
+                if r.status == "error":
+                    lines.append(f"{self.case_id} [{mode}] stage {r.label}: ERROR {r.reason}")
+                for c in r.failed_checks:
+                    lines.append(failure_message(self.case_id, mode, r, c))
+        return lines
+
+    def summary_line(self) -> str:
+        """'FAIL <case> [backend, mode] first failure: <stage> (<check>: value > limit) ...'."""
+        c = self.counts()
+        tally = ", ".join(f"{n} {s}" for s, n in c.items() if n)
+        head = f"{'PASS' if self.passed else 'FAIL'} {self.case_id} [{self.backend}, {self.mode}]"
+        if self.passed:
+            return f"{head} {tally or 'no stages'}"
+        result = self.first_failing_result
+        assert result is not None
+        stage = result.label
+        first = result.failed_checks[0] if result.failed_checks else None
+        what = (
+            f"{first.name}: {_fmt(first.value)} > {_fmt(first.limit)}"
+            if first
+            else f"error: {result.reason}"
+        )
+        where = f" at {first.worst.coords()}" if first and first.worst else ""
+        return f"{head} first failure: {stage} ({what}){where}; {tally}"
+
+    # Serialization ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict (non-finite floats become the strings 'nan', 'inf', '-inf')."""
+        return {
+            "case": self.case_id,
+            "backend": self.backend,
+            "golden": self.golden,
+            "mode": self.mode,
+            "passed": self.passed,
+            "first_failure": self.first_failure,
+            "failed_ranks": self.failed_ranks,
+            "problem": self.problem.to_dict(),
+            "isolated": _results_to_list(self.isolated),
+            "chained": _results_to_list(self.chained),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Report:
+        """Inverse of to_dict (the derived fields 'case', 'passed', 'first_failure' are ignored)."""
+        return Report(
+            problem=MoEProblem.from_dict(d["problem"]),
+            backend=d["backend"],
+            mode=d["mode"],
+            isolated=_results_from_list(d.get("isolated")),
+            chained=_results_from_list(d.get("chained")),
+            golden=d.get("golden", "reference"),
+        )
+
+    # Renderings ------------------------------------------------------------------------------
+
+    def to_table(self, reason_width: int = 60) -> str:
+        """Terminal table: stage | status | check | value | limit | worst coordinates | reason,
+        under a header naming the case and its first failure, over the full failure messages."""
+        lines = [self._header()]
+        for mode, results in self.modes():
+            rows = [_COLUMNS]
+            for r in results:
+                rows.extend(_stage_rows(r, reason_width))
+            widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+            lines.append(f"-- {mode} --")
+            for n, row in enumerate(rows):
+                lines.append(
+                    "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                )
+                if n == 0:
+                    lines.append("  ".join("-" * w for w in widths))
+        failures = self.failure_messages()
+        if failures:
+            lines.append("failures:")
+            lines.extend(f"  {m}" for m in failures)
+        return "\n".join(lines)
+
+    def to_markdown(self) -> str:
+        lines = [
+            f"## {self.case_id}: {'PASS' if self.passed else 'FAIL'}",
+            "",
+            f"- backend: `{self.backend}` vs golden `{self.golden}`, primary mode: {self.mode}",
+            f"- first failure: {self.first_failure or 'none'}",
+        ]
+        for mode, results in self.modes():
+            lines += ["", f"### {mode}", "", "| " + " | ".join(_COLUMNS) + " |"]
+            lines.append("|" + " --- |" * len(_COLUMNS))
+            for r in results:
+                for row in _stage_rows(r, reason_width=None):
+                    lines.append("| " + " | ".join(_md_cell(c) for c in row) + " |")
+        failures = self.failure_messages()
+        if failures:
+            lines += ["", "### failures", ""]
+            lines.extend(f"- {_md_cell(m)}" for m in failures)
+        return "\n".join(lines) + "\n"
+
+    def _header(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        first = self.first_failure or "none"
+        return (
+            f"case {self.case_id}  backend {self.backend} vs {self.golden}  mode {self.mode}  "
+            f"verdict {verdict}  first failure: {first}"
+        )
+
+
+def failure_message(case_id: str, mode: str, stage: StageResult, check: CheckResult) -> str:
+    """Case, stage, check, value vs limit and its reason, worst coordinates, both values, and the
+    stage's NaN/Inf counts."""
+    parts = [
+        f"{case_id} [{mode}] stage {stage.label}, check {check.name}: "
+        f"{_fmt(check.value)} > limit {_fmt(check.limit)} ({check.reason})"
+    ]
+    if check.worst is not None:
+        w = check.worst
+        row = f", row {w.row}" if w.row is not None else ""
+        parts.append(f"worst at {w.coords()}{row}: golden {_fmt(w.golden)}, other {_fmt(w.other)}")
+    if check.detail:
+        parts.append(check.detail)
+    nan_inf = next((c for c in stage.checks if c.name == "nan_inf"), None)
+    if nan_inf is None:
+        parts.append("NaN/Inf: not counted (bitwise stage)")
+    elif nan_inf is not check:
+        parts.append(f"NaN/Inf: {nan_inf.detail}")
+    return "; ".join(parts)
+
+
+def _stage_rows(r: StageResult, reason_width: int | None) -> list[tuple[str, ...]]:
+    if not r.checks:
+        return [(r.label, r.status, "-", "", "", "", _clip(r.reason, reason_width))]
+    rows = []
+    for n, c in enumerate(r.checks):
+        worst = ""
+        if c.worst is not None:
+            w = c.worst
+            worst = (
+                f"t={_dash(w.token)} k={_dash(w.k)} e={_dash(w.expert)} r={_dash(w.rank)} "
+                f"col={_dash(w.column)}: {_fmt(w.golden)} vs {_fmt(w.other)}"
+            )
+        rows.append(
+            (
+                r.label if n == 0 else "",
+                (r.status if n == 0 else "") if c.passed else "FAIL",
+                c.name,
+                _fmt(c.value),
+                _fmt(c.limit),
+                worst,
+                _clip(c.reason, reason_width),
+            )
+        )
+    return rows
+
+
+def _results_to_list(results: list[StageResult] | None) -> list[dict[str, Any]] | None:
+    if results is None:
+        return None
+    return [_json_safe(asdict(r)) for r in results]
+
+
+def _results_from_list(items: list[dict[str, Any]] | None) -> list[StageResult] | None:
+    if items is None:
+        return None
+    out = []
+    for item in items:
+        checks = []
+        for c in item["checks"]:
+            worst = c.get("worst")
+            checks.append(
+                CheckResult(
+                    name=c["name"],
+                    passed=c["passed"],
+                    value=_from_json_number(c["value"]),
+                    limit=_from_json_number(c["limit"]),
+                    reason=c["reason"],
+                    worst=None
+                    if worst is None
+                    else Worst(**{k: _from_json_number(v) for k, v in worst.items()}),
+                    detail=c["detail"],
+                )
+            )
+        out.append(
+            StageResult(
+                item["stage"],
+                item["status"],
+                checks,
+                item.get("reason", ""),
+                item.get("rank"),
+                item.get("engine"),
+            )
+        )
+    return out
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _from_json_number(x: Any) -> Any:
+    return float(x) if x in ("nan", "inf", "-inf") else x
+
+
+def _fmt(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isfinite(v) and abs(v) < 1e6 and v == int(v):
+            return str(int(v))
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _dash(v: object) -> str:
+    return "-" if v is None else str(v)
+
+
+def _clip(text: str, width: int | None) -> str:
+    if width is None or len(text) <= width:
+        return text
+    return text[: width - 3] + "..."
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
