@@ -90,7 +90,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     _prepare_triton()
     from moe_verify.verify import verify
 
-    problem = _problem_from(args)
+    if args.problem_json:
+        from moe_verify.spec import MoEProblem
+
+        problem = MoEProblem.from_dict(json.loads(Path(args.problem_json).read_text()))
+    else:
+        problem = _problem_from(args)
     report = verify(
         problem,
         backend=args.backend,
@@ -180,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", help="write the report as JSON here")
     run.add_argument("--markdown", help="write the report as markdown here")
     run.add_argument("--dump-dir", help="on failure, dump inputs and both traces here")
+    run.add_argument("--problem-json", help="read the whole problem from this JSON file "
+                     "(MoEProblem.to_dict); the problem flags are then ignored")
     run.set_defaults(func=cmd_run)
 
     sw = sub.add_parser("sweep", help="run a preset case list; junit XML, JSON, markdown")

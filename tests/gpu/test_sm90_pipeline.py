@@ -20,6 +20,19 @@ pytestmark = pytest.mark.sm90
 CASES = nightly()
 
 
+def _engines(problem: MoEProblem) -> list[str]:
+    """auto (what vLLM's TritonOrDeepGemm picks) for every case; for FP8-block cases that it
+    sends to Triton (T < A, I_p <= 512 with fp32 scales) also DeepGEMM forced, so the DeepGEMM
+    path is checked at every shape."""
+    if problem.recipe is not Recipe.FP8_BLOCK:
+        return ["triton"]
+    small = problem.tokens < problem.alignment or problem.intermediate_per_rank <= 512
+    return ["auto", "deepgemm"] if small and not problem.scale_fmt.is_ue8m0 else ["auto"]
+
+
+PARAMS = [pytest.param(p, e, id=f"{p.id}-{e}") for p in CASES for e in _engines(p)]
+
+
 def _expected_engine(problem: MoEProblem) -> str:
     """What vLLM's TritonOrDeepGemmExperts picks on SM90 for this case."""
     from optimized.backend import choose_engine
@@ -27,14 +40,13 @@ def _expected_engine(problem: MoEProblem) -> str:
     return choose_engine(problem, problem.tokens).engine
 
 
-@pytest.mark.parametrize("problem", CASES, ids=lambda p: p.id)
-def test_pipeline_matches_golden(problem: MoEProblem, record_report) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("problem", "engine"), PARAMS)
+def test_pipeline_matches_golden(problem: MoEProblem, engine: str, record_report) -> None:  # type: ignore[no-untyped-def]
     from optimized.backend import OptimizedBackend
 
-    engine = "triton" if problem.recipe is not Recipe.FP8_BLOCK else "auto"
     report = record_report(verify(problem, backend=OptimizedBackend(engine=engine), mode="both"))
     assert report.passed, report.summary_line()
-    expected = "triton" if engine == "triton" else _expected_engine(problem)
+    expected = engine if engine != "auto" else _expected_engine(problem)
     for mode in ("isolated", "chained"):
         for stage in ("gemm1", "gemm2"):
             assert report.engine(stage, mode) == expected, (
