@@ -263,3 +263,10 @@ def probe_first_call(timeout_s: float = 300.0) -> tuple[bool, str]:
             f"include parser. Start Python with LD_PRELOAD={LIBSTDCXX}"
         )
     return False, f"the first DeepGEMM call failed (exit {proc.returncode}): {' | '.join(tail)}"
+
+
+def pack_ue8m0_reference(scale: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM's own packer (get_mn_major_tma_aligned_packed_ue8m0_tensor): fp32 powers of two
+    [MN, G] -> int32 [MN, ceil(G/4)] MN-major TMA-aligned. It runs on SM90 too, so it
+    cross-checks our packing on a Hopper machine even though only SM100 GEMMs consume it."""
+    return module().get_mn_major_tma_aligned_packed_ue8m0_tensor(scale.contiguous())

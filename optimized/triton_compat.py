@@ -5,12 +5,23 @@ cut-off bit (not ties-to-even) and ORs a mantissa overflow into the exponent fie
 carrying it, so e.g. -124.12 -> e4m3 gives -64 instead of -128. Its fp32 -> bf16 path (rounding
 mode None) truncates. On GPUs these casts are RNE, saturating for e4m3 (`cvt.rn.satfinite`). This
 module replaces the downcasts we use with torch's conversions (RNE), so kernels under the
-interpreter produce the codes the GPU would. Other conversions keep the interpreter's own code.
+interpreter produce the codes the GPU would, and the float upcasts too (the interpreter's own
+flushes bf16 subnormals and decodes e4m3 NaN as a number; torch's are exact). Other conversions
+keep the interpreter's own code.
+The replaced function stays reachable (`unpatched_convert_float`), so a test can show it is wrong.
+
+`torch_exp_in_interpreter` is separate and opt-in: the interpreter evaluates `tl.exp` with numpy's
+float32 exp (up to ~2.4 ulp; about 40% of results differ from torch's), while the golden uses
+torch.exp. Neither is the GPU's `ex2.approx`-based `tl.exp`, so this is not a correctness fix: it
+lets a test check a kernel's rounding recipe bit for bit against the golden with the exp
+approximation held equal (the policy bounds what a different exp does, ref §5.3).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -32,10 +43,8 @@ def _torch_dtype_for(tl_dtype: object) -> torch.dtype | None:
     return table.get(tl_dtype)
 
 
-def _convert_float_via_torch(
-    data: np.ndarray, src: torch.dtype, dst: torch.dtype
-) -> np.ndarray:
-    """Bit patterns of `src` (as unsigned ints) -> bit patterns of `dst`, rounded to nearest even."""
+def _convert_float_via_torch(data: np.ndarray, src: torch.dtype, dst: torch.dtype) -> np.ndarray:
+    """Bit patterns of `src` (unsigned ints) -> bit patterns of `dst`, rounded to nearest even."""
     bits = torch.from_numpy(np.ascontiguousarray(data).view(f"uint{src.itemsize * 8}").copy())
     signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[src.itemsize]
     value = bits.view(signed).view(src).to(torch.float32)
@@ -69,4 +78,34 @@ def install_interpreter_fp8_fix() -> None:
         return original(input, input_dtype, output_dtype, rounding_mode)
 
     convert_float._moe_verify_fixed = True  # type: ignore[attr-defined]
+    convert_float._moe_verify_original = original  # type: ignore[attr-defined]
     interp._convert_float = convert_float
+
+
+def unpatched_convert_float() -> Callable[..., np.ndarray]:
+    """The interpreter's own `_convert_float` (the one `install_interpreter_fp8_fix` replaced)."""
+    import triton.runtime.interpreter as interp
+
+    return getattr(interp._convert_float, "_moe_verify_original", interp._convert_float)
+
+
+@contextlib.contextmanager
+def torch_exp_in_interpreter() -> Iterator[None]:
+    """Within the block, interpreted `tl.exp` on fp32/fp64 is torch.exp (the golden's exp)."""
+    import triton.runtime.interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    numpy_exp = builder.create_exp
+
+    def create_exp(self, arg):  # type: ignore[no-untyped-def]
+        data = arg.data
+        if data.dtype not in (np.float32, np.float64):
+            return numpy_exp(self, arg)
+        out = torch.exp(torch.from_numpy(np.ascontiguousarray(data))).numpy()
+        return interp.TensorHandle(out.reshape(data.shape), arg.dtype.scalar)
+
+    builder.create_exp = create_exp
+    try:
+        yield
+    finally:
+        builder.create_exp = numpy_exp

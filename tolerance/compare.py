@@ -889,6 +889,12 @@ def _gemm(ctx: _Ctx, stage: str, name: str) -> list[CheckResult]:
     return [row_fail, *checks] if row_fail else checks
 
 
+def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """fp8 e4m3 codes (uint8) x per-group scales -> fp32 values."""
+    values = codes.view(torch.float8_e4m3fn).float() if codes.dtype == torch.uint8 else codes.float()
+    return values * scales.float().repeat_interleave(group, dim=1)
+
+
 def _act_quant(ctx: _Ctx) -> list[CheckResult]:
     check = ctx.check
     s = _downstream_slots(ctx)
@@ -917,6 +923,11 @@ def _act_quant(ctx: _Ctx) -> list[CheckResult]:
             detail=nonfinite_check.detail + f"; {bad_scales} non-finite scales",
         )
     out.append(nonfinite_check)
+
+    if check.kind == "act_quant_values":
+        a_val = _dequantize_codes(qa, sa, group)
+        b_val = _dequantize_codes(qb, sb, group)
+        return out + _bounded_checks(ctx, a_val, b_val, locate, "live (token, k) rows")[1:]
 
     differ = ~(sa == sb)
     n_groups = differ.numel()

@@ -20,7 +20,7 @@ from typing import Literal
 
 from moe_verify.spec import MoEProblem
 
-Kind = Literal["exact", "gemm", "act_quant", "gather", "reduce"]
+Kind = Literal["exact", "gemm", "act_quant", "act_quant_values", "gather", "reduce"]
 ANY = "*"
 MODES = ("isolated", "chained")
 
@@ -172,7 +172,12 @@ _GEMM_CHAINED = Check(
     "chained: live rows vs the golden, each side on its own upstream",
     atol=Limit(2**-5, _CHAINED_ACT),
     rtol=Limit(2**-5, _CHAINED_ACT),
-    mismatch_frac=Limit(0.0, _NO_OUTLIERS),
+    mismatch_frac=Limit(
+        1e-5,
+        "measured on the H200: 1.3e-8 of elements (1 in 78M) left the chained bound at DeepSeek-V3 "
+        "T=4096 with ceil-UE8M0 scales (docs/gpu-results.md); 1e-5 still fails one bad row in "
+        "1e5 elements' worth",
+    ),
     row_err=Limit(2**-4, _CHAINED_ACT + "; a misrouted row is still O(1)"),
     calc_diff=Limit(2e-4, _CALC_DIFF + "; chained noise is about 4x larger, so 2e-4"),
 )
@@ -205,18 +210,29 @@ def _act_quant(step: Limit) -> Check:
     )
 
 
-def _act_quant_chained(step: Limit) -> Check:
+def _act_quant_chained() -> Check:
+    """Chained act_quant compares dequantized values (q x scale), not codes.
+
+    Measured on the H200 (docs/gpu-results.md, 2026-11-29): with DeepGEMM's GEMM1 upstream, up
+    to 1.2% of codes moved and code distances reached 52 steps, all on values tiny next to their
+    group's max, where e4m3's fine subnormal grid makes a 1e-4 absolute move many codes. Code
+    distance is the wrong ruler there; the value error relative to the row max is the right one.
+    """
     why = (
-        "chained: GEMM1's own output is within its gemm bound (several bf16 ulps of y), so codes "
-        "and scale exponents move more often; provisional"
+        "chained: y = silu(g)*u inherits GEMM1's bound (2^-6 relative + 2^-8 row max on g and u, "
+        "about doubled by the product); each side then rounds to an e4m3 grid whose step is "
+        "2^-3 of the value, so two sides may land one step apart: rtol 2^-3 + 2^-5"
     )
     return Check(
-        "act_quant",
-        "chained: SwiGLU + fp8 quant on the backend's own GEMM1 output",
-        code_dist=Limit(2, why),
-        code_frac=Limit(5e-2, why),
-        scale_flip_frac=Limit(5e-2, why),
-        scale_step=step,
+        "act_quant_values",
+        "chained: SwiGLU + fp8 quant on the backend's own GEMM1 output, as dequantized values",
+        atol=Limit(2**-6, why + "; atol 2^-6 x row max covers the propagated 2^-8 floor"),
+        rtol=Limit(2**-3 + 2**-5, why),
+        mismatch_frac=Limit(
+            1e-4, "provisional: rare elements where upstream noise and a scale flip compound"
+        ),
+        row_err=Limit(2**-3, "one e4m3 step at the row max; a misrouted row is still O(1)"),
+        calc_diff=Limit(1e-3, _CALC_DIFF + "; chained fp8 requant noise: 1e-3"),
     )
 
 
@@ -281,8 +297,7 @@ POLICY: tuple[Rule, ...] = (
     # -- act_quant: bounded code / scale differences (tl.exp), looser when chained.
     Rule("act_quant", ANY, ANY, ANY, _act_quant(_SCALE_STEP_UE8M0)),
     Rule("act_quant", ANY, "float32", ANY, _act_quant(_SCALE_STEP_FP32)),
-    Rule("act_quant", ANY, ANY, "chained", _act_quant_chained(_SCALE_STEP_UE8M0)),
-    Rule("act_quant", ANY, "float32", "chained", _act_quant_chained(_SCALE_STEP_FP32)),
+    Rule("act_quant", ANY, ANY, "chained", _act_quant_chained()),
     # -- gemm2: as gemm1 in isolation; chained it inherits act_quant's code moves.
     Rule("gemm2", ANY, ANY, ANY, _gemm(_ATOL_SM90)),
     Rule("gemm2", "mxfp8", ANY, ANY, _gemm(_ATOL_SM100)),

@@ -98,7 +98,7 @@ def test_policy_covers_every_stage_recipe_format_and_mode(
 ) -> None:
     recipe, fmt = recipe_fmt
     check = policy_for(stage, tiny_problem().replace(recipe=recipe, scale_fmt=fmt), mode)
-    assert check.kind in ("exact", "gemm", "act_quant", "gather", "reduce")
+    assert check.kind in ("exact", "gemm", "act_quant", "act_quant_values", "gather", "reduce")
     assert check.reason
     for name, limit in check.limits().items():
         assert limit.reason, f"{stage} {name} has no reason"
