@@ -185,8 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", help="write the report as JSON here")
     run.add_argument("--markdown", help="write the report as markdown here")
     run.add_argument("--dump-dir", help="on failure, dump inputs and both traces here")
-    run.add_argument("--problem-json", help="read the whole problem from this JSON file "
-                     "(MoEProblem.to_dict); the problem flags are then ignored")
+    run.add_argument(
+        "--problem-json",
+        help="read the whole problem from this JSON file "
+        "(MoEProblem.to_dict); the problem flags are then ignored",
+    )
     run.set_defaults(func=cmd_run)
 
     sw = sub.add_parser("sweep", help="run a preset case list; junit XML, JSON, markdown")

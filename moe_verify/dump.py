@@ -104,7 +104,9 @@ def dump_case(directory: Path, problem: MoEProblem, inputs: MoEInputs, runs: lis
     return out
 
 
-def load_case(directory: Path, device: torch.device | str | None = None) -> tuple[MoEProblem, MoEInputs]:
+def load_case(
+    directory: Path, device: torch.device | str | None = None
+) -> tuple[MoEProblem, MoEInputs]:
     from safetensors import safe_open
 
     from moe_verify.device import default_device

@@ -11,6 +11,7 @@ import math
 import torch
 
 from moe_verify.device import default_device
+from moe_verify.provenance import tag_hidden_states
 from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Recipe, Routing
 from reference import formats
 
@@ -34,6 +35,8 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale
 
     hidden_states = randn(t, h).to(torch.bfloat16)
+    if p.provenance:
+        hidden_states = tag_hidden_states(hidden_states)
     router_logits = randn(t, e)
     score_bias = randn(e, scale=0.1) if p.routing is Routing.GROUPED else None
     w13 = randn(e, 2 * i, h, scale=1.0 / math.sqrt(h)).to(torch.bfloat16)

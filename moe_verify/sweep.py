@@ -48,8 +48,12 @@ def _run_in_process(problem: MoEProblem, backend: str, mode: str, engine: str) -
     try:
         report = verify(problem, backend=backend, mode=mode, engine=engine)
     except Exception as exc:  # noqa: BLE001 - one broken case never takes the sweep down
-        return CaseOutcome(problem, "error", time.perf_counter() - start,
-                           f"ERROR {problem.id}: {type(exc).__name__}: {exc}")
+        return CaseOutcome(
+            problem,
+            "error",
+            time.perf_counter() - start,
+            f"ERROR {problem.id}: {type(exc).__name__}: {exc}",
+        )
     return CaseOutcome(
         problem,
         "pass" if report.passed else "fail",
@@ -66,13 +70,27 @@ def _run_isolated(problem: MoEProblem, backend: str, mode: str, engine: str) -> 
         case_json, report_json = Path(tmp) / "case.json", Path(tmp) / "report.json"
         crumb = Path(tmp) / "breadcrumb.json"
         case_json.write_text(json.dumps(problem.to_dict()))
-        cmd = [sys.executable, "-m", "moe_verify.cli", "run", "--problem-json", str(case_json),
-               "--backend", backend, "--mode", mode, "--engine", engine,
-               "--json", str(report_json)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_verify.cli",
+            "run",
+            "--problem-json",
+            str(case_json),
+            "--backend",
+            backend,
+            "--mode",
+            mode,
+            "--engine",
+            engine,
+            "--json",
+            str(report_json),
+        ]
         env = dict(os.environ, MOE_VERIFY_BREADCRUMB=str(crumb))
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                  timeout=CASE_TIMEOUT_S)
+            proc = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S
+            )
             rc, tail = proc.returncode, (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         except subprocess.TimeoutExpired:
             rc, tail = None, [f"timed out after {CASE_TIMEOUT_S} s (hang?)"]
@@ -80,13 +98,20 @@ def _run_isolated(problem: MoEProblem, backend: str, mode: str, engine: str) -> 
         if rc in (0, 1) and report_json.exists():
             report = json.loads(report_json.read_text())
             status = "pass" if report["passed"] else "fail"
-            return CaseOutcome(problem, status, seconds,
-                               f"{status.upper()} {problem.id} first failure: "
-                               f"{report['first_failure']}", report)
+            return CaseOutcome(
+                problem,
+                status,
+                seconds,
+                f"{status.upper()} {problem.id} first failure: {report['first_failure']}",
+                report,
+            )
         where = crumb.read_text().strip() if crumb.exists() else "before the first stage"
-        return CaseOutcome(problem, "error", seconds,
-                           f"ERROR {problem.id}: subprocess exit {rc} while in {where}: "
-                           f"{' | '.join(tail)}")
+        return CaseOutcome(
+            problem,
+            "error",
+            seconds,
+            f"ERROR {problem.id}: subprocess exit {rc} while in {where}: {' | '.join(tail)}",
+        )
 
 
 def sweep(
@@ -106,8 +131,11 @@ def sweep(
     for n, problem in enumerate(cases, 1):
         outcome = run(problem, backend, mode, engine)
         outcomes.append(outcome)
-        print(f"[{n}/{len(cases)}] {outcome.seconds:7.1f}s {outcome.summary}", file=sys.stderr,
-              flush=True)
+        print(
+            f"[{n}/{len(cases)}] {outcome.seconds:7.1f}s {outcome.summary}",
+            file=sys.stderr,
+            flush=True,
+        )
     summary = SweepSummary(outcomes)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "junit.xml").write_text(junit_xml(summary, preset_name))
@@ -122,21 +150,34 @@ def summary_dict(summary: SweepSummary) -> dict:
     return {
         "passed": summary.passed,
         "cases": [
-            {"id": o.problem.id, "status": o.status, "seconds": round(o.seconds, 3),
-             "summary": o.summary, "report": o.report}
+            {
+                "id": o.problem.id,
+                "status": o.status,
+                "seconds": round(o.seconds, 3),
+                "summary": o.summary,
+                "report": o.report,
+            }
             for o in summary.outcomes
         ],
     }
 
 
 def junit_xml(summary: SweepSummary, name: str) -> str:
-    suite = ET.Element("testsuite", name=f"moe-verify-{name}", tests=str(len(summary.outcomes)),
-                       failures=str(sum(o.status == "fail" for o in summary.outcomes)),
-                       errors=str(sum(o.status == "error" for o in summary.outcomes)))
+    suite = ET.Element(
+        "testsuite",
+        name=f"moe-verify-{name}",
+        tests=str(len(summary.outcomes)),
+        failures=str(sum(o.status == "fail" for o in summary.outcomes)),
+        errors=str(sum(o.status == "error" for o in summary.outcomes)),
+    )
     for o in summary.outcomes:
-        case = ET.SubElement(suite, "testcase",
-                             classname=f"{o.problem.recipe}.{o.problem.topology}",
-                             name=o.problem.id, time=f"{o.seconds:.3f}")
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"{o.problem.recipe}.{o.problem.topology}",
+            name=o.problem.id,
+            time=f"{o.seconds:.3f}",
+        )
         if o.status in ("fail", "error"):
             tag = "failure" if o.status == "fail" else "error"
             elem = ET.SubElement(case, tag, message=o.summary)
@@ -156,18 +197,36 @@ def _stage_status(report: dict | None, mode: str, stage: str) -> str:
 
 def markdown_matrix(summary: SweepSummary, name: str) -> str:
     """One row per case (recipe x topology x shape), one column per stage, isolated/chained."""
-    stages = ["route", "quant_input", "align", "permute", "gemm1", "act_quant", "gemm2",
-              "gather", "reduce"]
-    lines = [f"# moe-verify sweep `{name}`", "",
-             f"{sum(o.status == 'pass' for o in summary.outcomes)}/{len(summary.outcomes)} "
-             "cases pass. Cells: isolated / chained.", "",
-             "| case | recipe | topology | " + " | ".join(stages) + " | time |",
-             "|" + " --- |" * (len(stages) + 4)]
+    stages = [
+        "route",
+        "quant_input",
+        "align",
+        "permute",
+        "gemm1",
+        "act_quant",
+        "gemm2",
+        "gather",
+        "reduce",
+    ]
+    lines = [
+        f"# moe-verify sweep `{name}`",
+        "",
+        f"{sum(o.status == 'pass' for o in summary.outcomes)}/{len(summary.outcomes)} "
+        "cases pass. Cells: isolated / chained.",
+        "",
+        "| case | recipe | topology | " + " | ".join(stages) + " | time |",
+        "|" + " --- |" * (len(stages) + 4),
+    ]
     for o in summary.outcomes:
-        cells = [f"{_stage_status(o.report, 'isolated', s)} / {_stage_status(o.report, 'chained', s)}"
-                 for s in stages]
-        lines.append(f"| {o.problem.id} | {o.problem.recipe} | {o.problem.topology} | "
-                     + " | ".join(cells) + f" | {o.seconds:.1f}s |")
+        cells = [
+            f"{_stage_status(o.report, 'isolated', s)} / {_stage_status(o.report, 'chained', s)}"
+            for s in stages
+        ]
+        lines.append(
+            f"| {o.problem.id} | {o.problem.recipe} | {o.problem.topology} | "
+            + " | ".join(cells)
+            + f" | {o.seconds:.1f}s |"
+        )
     failures = [o for o in summary.outcomes if o.status != "pass"]
     if failures:
         lines += ["", "## failures", ""]

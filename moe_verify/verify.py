@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from moe_verify.inputs import make_inputs
+from moe_verify.provenance import check_permuted_tokens
 from moe_verify.runner import RankRun, reduce_ranks, resolve_backend, run_all_ranks
 from moe_verify.spec import REDUCE_STAGE, Backend, MoEInputs, MoEProblem, Trace
-from tolerance.compare import StageResult, compare, compare_stage
+from tolerance.compare import CheckResult, StageResult, Worst, compare, compare_stage
 from tolerance.report import Report
 
 _MODES = {"isolated": ("isolated",), "chained": ("chained",), "both": ("isolated", "chained")}
@@ -67,20 +68,44 @@ def _compare_mode(problem: MoEProblem, runs: list[RankRun], mode: str) -> list[S
     for run in runs:
         other: Trace = getattr(run, mode)
         results = compare(run.golden, other, problem, list(problem.topology.stages), mode=mode)
-        per_rank.append(
-            [
-                dataclasses.replace(
-                    r,
-                    rank=run.rank if multi else None,
-                    engine=_engine_of(other, r.stage),
-                )
-                for r in results
-            ]
-        )
+        results = [
+            dataclasses.replace(
+                r, rank=run.rank if multi else None, engine=_engine_of(other, r.stage)
+            )
+            for r in results
+        ]
+        if problem.provenance:
+            results = [_with_provenance(r, other, run.rank) for r in results]
+        per_rank.append(results)
     ordered = [results[i] for i in range(len(per_rank[0])) for results in per_rank]
     if multi:
         ordered.append(_compare_reduce(problem, runs, mode))
     return ordered
+
+
+def _with_provenance(result: StageResult, trace: Trace, rank: int) -> StageResult:
+    """Permute of a provenance-tagged case: name the token each misplaced row really holds."""
+    if result.stage != "permute" or "permute" not in trace or "a_perm" not in trace["permute"]:
+        return result
+    perm = trace["permute"]
+    wrong = check_permuted_tokens(trace["route"]["topk_ids"], perm["inv_perm"], perm["a_perm"])
+    worst = None
+    if wrong:
+        t, k, e, found = wrong[0]
+        worst = Worst(token=t, k=k, expert=e, rank=rank, golden=t, other=found)
+    listed = ", ".join(f"(t={t}, k={k}, e={e}) holds token {f}" for t, k, e, f in wrong[:5])
+    check = CheckResult(
+        "provenance",
+        not wrong,
+        len(wrong),
+        0,
+        "provenance-tagged tokens: each live slot's permuted row must carry its own token index "
+        "(exact in every recipe, moe_verify/provenance.py)",
+        worst,
+        f"{len(wrong)} live slots hold another token's row" + (f": {listed}" if wrong else ""),
+    )
+    status = result.status if not wrong or result.status == "error" else "fail"
+    return dataclasses.replace(result, checks=[*result.checks, check], status=status)
 
 
 def _engine_of(trace: Trace, stage: str) -> str | None:

@@ -76,8 +76,11 @@ class OptimizedBackend:
         if engine not in ENGINES:
             raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
         self.engine = engine
-        self._shards: dict[tuple[int, int], Shard] = {}
-        self._dg_scales: dict[tuple[int, int, str], torch.Tensor] = {}
+        # Per-rank weights (and DeepGEMM's scale layouts) of the inputs object last seen; held,
+        # so a new inputs object can never alias a stale cache entry through a reused id().
+        self._weights_of: MoEInputs | None = None
+        self._shards: dict[tuple[MoEProblem, int], Shard] = {}
+        self._dg_scales: dict[tuple[MoEProblem, int, str], torch.Tensor] = {}
 
     def run(self, problem: MoEProblem, inputs: MoEInputs, rank: int = 0) -> Trace:
         return run_stages(self, problem, inputs, rank)
@@ -91,9 +94,10 @@ class OptimizedBackend:
         return method(problem, inputs, upstream, rank)
 
     def shard(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Shard:
-        key = (id(inputs), rank)
+        if inputs is not self._weights_of:
+            self._weights_of, self._shards, self._dg_scales = inputs, {}, {}
+        key = (problem, rank)
         if key not in self._shards:
-            self._shards = {k: v for k, v in self._shards.items() if k[0] == id(inputs)}
             self._shards[key] = shard(problem, inputs.w13_q, inputs.w2_q, rank)
         return self._shards[key]
 
@@ -161,16 +165,25 @@ class OptimizedBackend:
         choice = choose_engine(p, up["route"]["topk_ids"].shape[0], self.engine)
         w = self.shard(p, x, rank).w13
         mm1 = self._grouped_gemm(
-            choice, p, x, rank, "w13", perm["a_perm"], perm["a_scale_perm"],
-            p.recipe.act_group, w, perm["m_indices"],
+            choice,
+            p,
+            x,
+            rank,
+            "w13",
+            perm["a_perm"],
+            perm["a_scale_perm"],
+            p.recipe.act_group,
+            w,
+            perm["m_indices"],
         )
         return {"mm1": mm1, "engine": choice.engine, "engine_reason": choice.reason}
 
     def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         if p.recipe is Recipe.MXFP4_W4A8 and p.activation.kind != "silu":
             raise ValueError("mxfp4_w4a8: the FP4 experts support silu (with optional clamp) only")
-        q, s = act_quant.silu_mul_quant(up["gemm1"]["mm1"], p.activation, _act_group(p),
-                                        p.scale_fmt)
+        q, s = act_quant.silu_mul_quant(
+            up["gemm1"]["mm1"], p.activation, _act_group(p), p.scale_fmt
+        )
         return {"a2q": q, "a2q_scale": s}
 
     def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
@@ -178,7 +191,15 @@ class OptimizedBackend:
         choice = choose_engine(p, up["route"]["topk_ids"].shape[0], self.engine)
         w = self.shard(p, x, rank).w2
         mm2 = self._grouped_gemm(
-            choice, p, x, rank, "w2", act["a2q"], act["a2q_scale"], _act_group(p), w,
+            choice,
+            p,
+            x,
+            rank,
+            "w2",
+            act["a2q"],
+            act["a2q_scale"],
+            _act_group(p),
+            w,
             up["permute"]["m_indices"],
         )
         return {"mm2": mm2, "engine": choice.engine, "engine_reason": choice.reason}
@@ -213,11 +234,18 @@ class OptimizedBackend:
             return grouped_gemm.grouped_gemm(
                 a, a_scale, a_group, w.q, w.scale, w.block, m_indices, p.alignment
             )
-        key = (id(x), rank, which)
+        self.shard(p, x, rank)  # resets the caches when x is a new inputs object
+        key = (p, rank, which)
         if key not in self._dg_scales:
             self._dg_scales[key] = deepgemm.prepare_weight_scales(w, p.scale_fmt.is_ue8m0)
         return deepgemm.m_grouped_gemm(
-            a, a_scale, w, self._dg_scales[key], m_indices, p.alignment, a_group,
+            a,
+            a_scale,
+            w,
+            self._dg_scales[key],
+            m_indices,
+            p.alignment,
+            a_group,
             p.scale_fmt.is_ue8m0,
         )
 
