@@ -347,6 +347,16 @@ class MoEProblem:
                 self.topk <= self.topk_group * (self.num_experts // self.num_expert_group),
                 "topk exceeds the experts left after keeping topk_group groups",
             )
+        if self.topology.kind is TopologyKind.EP_LL:
+            # vLLM's BatchedDeepGemmExperts: FP8 block, SILU, fp32 (or ceil) scales per 128
+            # (packed UE8M0 there is an SM100 DeepEP mode with a batched layout not modelled yet).
+            need(
+                self.recipe is Recipe.FP8_BLOCK and self.scale_fmt is not ScaleFmt.UE8M0_PACKED,
+                "ep+ll supports fp8_block with float32 or float32_ceil_ue8m0 scales",
+            )
+            need(
+                self.activation.kind == "silu", "ep+ll (BatchedDeepGemmExperts) supports silu only"
+            )
         if self.topology.placement is Placement.EXPLICIT:
             hosted = {e for r in self.topology.explicit or () for e in r}
             need(

@@ -161,6 +161,12 @@ class OptimizedBackend:
         }
 
     def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        if "dispatch" in up:
+            d = up["dispatch"]
+            r = self._batched_gemm(
+                p, x, up, rank, "w13", d["a_batched"], d["a_scale_batched"], p.recipe.act_group
+            )
+            return {"mm1": r.pop("out"), **r}
         perm = up["permute"]
         choice = choose_engine(p, up["route"]["topk_ids"].shape[0], self.engine)
         w = self.shard(p, x, rank).w13
@@ -181,13 +187,22 @@ class OptimizedBackend:
     def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         if p.recipe is Recipe.MXFP4_W4A8 and p.activation.kind != "silu":
             raise ValueError("mxfp4_w4a8: the FP4 experts support silu (with optional clamp) only")
+        mm1 = up["gemm1"]["mm1"]
+        batch = mm1.shape[:-1]
         q, s = act_quant.silu_mul_quant(
-            up["gemm1"]["mm1"], p.activation, _act_group(p), p.scale_fmt
+            mm1.reshape(-1, mm1.shape[-1]), p.activation, _act_group(p), p.scale_fmt
         )
+        if mm1.dim() == 3:  # batched layout keeps its [E_l, max_tokens, ...] shape
+            return {"a2q": q.view(*batch, -1), "a2q_scale": s.reshape(*batch, -1)}
         return {"a2q": q, "a2q_scale": s}
 
     def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         act = up["act_quant"]
+        if "dispatch" in up:
+            r = self._batched_gemm(
+                p, x, up, rank, "w2", act["a2q"], act["a2q_scale"], _act_group(p)
+            )
+            return {"mm2": r.pop("out"), **r}
         choice = choose_engine(p, up["route"]["topk_ids"].shape[0], self.engine)
         w = self.shard(p, x, rank).w2
         mm2 = self._grouped_gemm(
@@ -206,6 +221,16 @@ class OptimizedBackend:
 
     def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         route = up["route"]
+        if "dispatch" in up:  # LL combine: weighted fp32 sum over each slot's batched row
+            mm2, d = up["gemm2"]["mm2"], up["dispatch"]
+            rows = torch.where(d["slot"] >= 0, d["slot_expert"] * mm2.shape[1] + d["slot"], -1)
+            out = gather.ep_gather(
+                mm2.reshape(-1, mm2.shape[-1]),
+                d["slot_expert"],
+                route["topk_weights"],
+                rows.to(torch.int32),
+            )
+            return {"out": out}
         out = gather.ep_gather(
             up["gemm2"]["mm2"],
             route["topk_ids"],
@@ -214,6 +239,90 @@ class OptimizedBackend:
             self.shard(p, x, rank).expert_map,
         )
         return {"out": out}
+
+    # -- batched low-latency layout (ep:N+ll) ----------------------------------------------------
+
+    def _dispatch(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        """Stands in for DeepEP's low-latency dispatch (a communication kernel, not under test
+        here): each local expert's slots numbered in token order into a [max_tokens, H] batch."""
+        sh = self.shard(p, x, rank)
+        ids = up["route"]["topk_ids"]
+        a1q, a1q_scale = up["quant_input"]["a1q"], up["quant_input"]["a1q_scale"]
+        e_l, t_max = sh.num_local_experts, ids.shape[0]
+        local = ids.long()
+        if sh.expert_map is not None:
+            local = torch.where(local >= 0, sh.expert_map.long()[local.clamp(min=0)], -1)
+        flat = local.flatten()
+        one_hot = torch.nn.functional.one_hot(flat.clamp(min=0), e_l) * (flat >= 0).unsqueeze(1)
+        slot_of = (torch.cumsum(one_hot, dim=0) - one_hot).gather(1, flat.clamp(min=0)[:, None])
+        slot = torch.where(flat >= 0, slot_of.squeeze(1), -1).view_as(local)
+        masked_m = one_hot.sum(dim=0).to(torch.int32)
+        tokens = torch.arange(t_max, device=ids.device)[:, None].expand_as(local)
+        live = slot >= 0
+        a_b = torch.zeros(e_l, t_max, a1q.shape[1], dtype=torch.uint8, device=a1q.device)
+        s_b = torch.zeros(e_l, t_max, a1q_scale.shape[1], dtype=a1q_scale.dtype, device=a1q.device)
+        a_b[local[live], slot[live]] = a1q.view(torch.uint8)[tokens[live]]
+        s_b[local[live], slot[live]] = a1q_scale[tokens[live]]
+        return {
+            "a_batched": a_b.view(torch.float8_e4m3fn),
+            "a_scale_batched": s_b,
+            "masked_m": masked_m,
+            "slot": slot.to(torch.int32),
+            "slot_expert": torch.where(live, local, -1).to(torch.int32),
+            "expected_m": max(1, -(-int(masked_m.sum()) // max(e_l, 1))),
+        }
+
+    def _batched_gemm(
+        self,
+        p: MoEProblem,
+        x: MoEInputs,
+        up: Trace,
+        rank: int,
+        which: str,
+        a: torch.Tensor,
+        a_scale: torch.Tensor,
+        a_group: int,
+    ) -> Outputs:
+        d = up["dispatch"]
+        e_l, t_max, k = a.shape
+        choice = choose_engine(p, up["route"]["topk_ids"].shape[0], self.engine)
+        sh = self.shard(p, x, rank)
+        w = sh.w13 if which == "w13" else sh.w2
+        if choice.engine == "deepgemm":
+            key = (p, rank, which)
+            if key not in self._dg_scales:
+                self._dg_scales[key] = deepgemm.prepare_weight_scales(w, p.scale_fmt.is_ue8m0)
+            out = deepgemm.m_grouped_gemm_masked(
+                a,
+                a_scale,
+                w,
+                self._dg_scales[key],
+                d["masked_m"],
+                int(d["expected_m"]),
+                p.scale_fmt.is_ue8m0,
+            )
+        else:
+            rows = torch.arange(t_max, device=a.device)[None, :]
+            m_indices = (
+                torch.where(
+                    rows < d["masked_m"][:, None],
+                    torch.arange(e_l, device=a.device, dtype=torch.int32)[:, None],
+                    -1,
+                )
+                .reshape(-1)
+                .to(torch.int32)
+            )
+            out = grouped_gemm.grouped_gemm(
+                a.reshape(e_l * t_max, k),
+                a_scale.reshape(e_l * t_max, -1),
+                a_group,
+                w.q,
+                w.scale,
+                w.block,
+                m_indices,
+                t_max,
+            ).view(e_l, t_max, -1)
+        return {"out": out, "engine": choice.engine, "engine_reason": choice.reason}
 
     # -- engines ---------------------------------------------------------------------------------
 

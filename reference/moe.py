@@ -24,6 +24,8 @@ from reference.activation import act_quant
 from reference.gather import gather
 from reference.gemm import grouped_gemm
 from reference.layout import (
+    BatchedPlan,
+    PermutePlan,
     aligned_m_sum_exact,
     aligned_m_sum_upper_bound,
     batched_plan,
@@ -137,6 +139,8 @@ class ReferenceBackend:
         }
 
     def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+        if "dispatch" in up:
+            return self._gemm1_batched(p, up, view)
         perm = up["permute"]
         mm1 = grouped_gemm(
             perm["a_perm"],
@@ -152,10 +156,16 @@ class ReferenceBackend:
         activation = p.activation
         if p.recipe is Recipe.MXFP4_W4A8 and activation.kind != "silu":
             raise ValueError("mxfp4_w4a8: the FP4 experts support silu (with optional clamp) only")
-        q, s = act_quant(up["gemm1"]["mm1"], activation, act_group(p), p.scale_fmt)
+        mm1 = up["gemm1"]["mm1"]
+        if mm1.dim() == 3:  # batched layout: quantize the flattened rows, keep the batch shape
+            q, s = act_quant(mm1.reshape(-1, mm1.shape[-1]), activation, act_group(p), p.scale_fmt)
+            return {"a2q": q.view(*mm1.shape[:2], -1), "a2q_scale": s.reshape(*mm1.shape[:2], -1)}
+        q, s = act_quant(mm1, activation, act_group(p), p.scale_fmt)
         return {"a2q": q, "a2q_scale": s}
 
     def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+        if "dispatch" in up:
+            return self._gemm2_batched(p, up, view)
         act = up["act_quant"]
         mm2 = grouped_gemm(
             act["a2q"],
@@ -169,6 +179,14 @@ class ReferenceBackend:
 
     def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
         route = up["route"]
+        if "dispatch" in up:  # LL combine: the same weighted fp32 sum over the batched rows
+            mm2 = up["gemm2"]["mm2"]
+            d = up["dispatch"]
+            rows = torch.where(d["slot"] >= 0, d["slot_expert"] * mm2.shape[1] + d["slot"], -1)
+            out = gather(
+                mm2.reshape(-1, mm2.shape[-1]), d["slot_expert"], route["topk_weights"], rows
+            )
+            return {"out": out}
         out = gather(
             up["gemm2"]["mm2"],
             route["topk_ids"],
@@ -179,26 +197,65 @@ class ReferenceBackend:
         return {"out": out}
 
     def _dispatch(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+        """DeepEP low-latency dispatch: each local expert's slots in a [max_tokens, H] batch."""
         ids = up["route"]["topk_ids"]
         max_tokens = ids.shape[0]  # one dispatcher: at most every token reaches an expert
         plan = batched_plan(ids, view.num_local_experts, max_tokens, view.expert_map)
         a1q, a1q_scale = up["quant_input"]["a1q"], up["quant_input"]["a1q_scale"]
         e_l = view.num_local_experts
-        a_b = torch.zeros(e_l, max_tokens, a1q.shape[1], dtype=torch.uint8, device=a1q.device)
-        s_b = torch.zeros(
-            e_l, max_tokens, a1q_scale.shape[1], dtype=a1q_scale.dtype, device=a1q.device
-        )
-        live = plan.slot >= 0
-        tok = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(plan.slot)
-        a_b[plan.local_ids[live], plan.slot[live].long()] = a1q.view(torch.uint8)[tok[live]]
-        s_b[plan.local_ids[live], plan.slot[live].long()] = a1q_scale[tok[live]]
+        rows = batched_rows(plan)
+        m_indices = batched_m_indices(plan.masked_m, max_tokens)
+        flat = PermutePlan(m_indices, rows, plan.masked_m * 0, plan.masked_m, e_l * max_tokens, 1)
+        a_b = permute_rows(a1q, flat).view(e_l, max_tokens, a1q.shape[1])
+        s_b = permute_rows(a1q_scale, flat).view(e_l, max_tokens, a1q_scale.shape[1])
         return {
-            "a_batched": a_b.view(torch.float8_e4m3fn),
+            "a_batched": a_b,
             "a_scale_batched": s_b,
             "masked_m": plan.masked_m,
             "slot": plan.slot,
+            "slot_expert": torch.where(plan.slot >= 0, plan.local_ids, -1).to(torch.int32),
             "expected_m": max(1, int(plan.masked_m.float().mean().ceil())) if e_l else 1,
         }
+
+    def _gemm1_batched(self, p: MoEProblem, up: Trace, view: RankView) -> Outputs:
+        d = up["dispatch"]
+        e_l, t_max, h = d["a_batched"].shape
+        mm1 = grouped_gemm(
+            d["a_batched"].reshape(e_l * t_max, h),
+            d["a_scale_batched"].reshape(e_l * t_max, -1),
+            p.recipe.act_group,
+            view.w13,
+            batched_m_indices(d["masked_m"], t_max),
+            self.precision,
+        )
+        return {"mm1": mm1.view(e_l, t_max, -1), "engine": "torch"}
+
+    def _gemm2_batched(self, p: MoEProblem, up: Trace, view: RankView) -> Outputs:
+        d, act = up["dispatch"], up["act_quant"]
+        e_l, t_max, i = act["a2q"].shape
+        mm2 = grouped_gemm(
+            act["a2q"].reshape(e_l * t_max, i),
+            act["a2q_scale"].reshape(e_l * t_max, -1),
+            act_group(p),
+            view.w2,
+            batched_m_indices(d["masked_m"], t_max),
+            self.precision,
+        )
+        return {"mm2": mm2.view(e_l, t_max, -1), "engine": "torch"}
+
+
+def batched_rows(plan: BatchedPlan) -> torch.Tensor:
+    """int32 [M, k]: row of each slot in the flattened [E_l * max_tokens] batch, -1 if skipped."""
+    rows = plan.local_ids * plan.max_tokens + plan.slot
+    return torch.where(plan.slot >= 0, rows, -1).to(torch.int32)
+
+
+def batched_m_indices(masked_m: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """int32 [E_l * max_tokens]: expert e for rows e*T .. e*T + masked_m[e] - 1, else -1."""
+    e_l = masked_m.numel()
+    t = torch.arange(max_tokens, device=masked_m.device).unsqueeze(0)
+    experts = torch.arange(e_l, device=masked_m.device, dtype=torch.int32).unsqueeze(1)
+    return torch.where(t < masked_m.unsqueeze(1), experts, -1).reshape(-1).to(torch.int32)
 
 
 def act_group(problem: MoEProblem) -> int:

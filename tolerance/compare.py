@@ -56,7 +56,6 @@ SKIP_KEY = "skipped"
 ERROR_KEY = "error"
 # Stages of the batched low-latency layout not compared yet: the contract's `slot` gives a row
 # inside an expert batch but not which local expert's batch, so slots cannot be keyed.
-_LL_NOT_COMPARED = ("dispatch", "gemm1", "act_quant", "gemm2")
 _E8M0_NAN = 0xFF
 
 
@@ -891,7 +890,9 @@ def _gemm(ctx: _Ctx, stage: str, name: str) -> list[CheckResult]:
 
 def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """fp8 e4m3 codes (uint8) x per-group scales -> fp32 values."""
-    values = codes.view(torch.float8_e4m3fn).float() if codes.dtype == torch.uint8 else codes.float()
+    values = (
+        codes.view(torch.float8_e4m3fn).float() if codes.dtype == torch.uint8 else codes.float()
+    )
     return values * scales.float().repeat_interleave(group, dim=1)
 
 
@@ -1070,13 +1071,45 @@ def not_compared(stage: str, golden: Trace, other: Trace) -> StageResult | None:
             return StageResult(stage, "error", [], f"{who} raised in {stage}: {outs[ERROR_KEY]}")
         if SKIP_KEY in outs:
             return StageResult(stage, "skip", [], f"{who} skipped {stage}: {outs[SKIP_KEY]}")
-    if "dispatch" in golden and stage in _LL_NOT_COMPARED:
-        reason = (
-            "batched low-latency layout: not compared yet (the contract's `slot` does not name the "
-            "local expert of each (token, k), so rows cannot be keyed)"
-        )
-        return StageResult(stage, "skip", [], reason)
     return None
+
+
+def flatten_batched(trace: Trace) -> Trace:
+    """The batched low-latency layout (ep:N+ll) seen as a contiguous one, so every comparison of
+    the permuted layout applies: expert e's batch is rows [e*T, (e+1)*T) of one buffer, a
+    synthesized `permute` stage keys (token, k) to row slot_expert*T + slot, and the batched
+    GEMM / act_quant outputs [E_l, T, N] become [E_l*T, N]. Other traces pass through."""
+    if "dispatch" not in trace or not _ran(trace["dispatch"]):
+        return trace
+    out = Trace(trace.backend, trace.rank)
+    for name, outs in trace.items():
+        if name in ("gemm1", "act_quant", "gemm2") and _ran(outs):
+            outs = {
+                k: v.reshape(-1, v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() == 3 else v
+                for k, v in outs.items()
+            }
+        out.add(name, outs)
+        if name == "dispatch":
+            a = _entry(trace, "dispatch", "a_batched")
+            e_l, t_max = a.shape[0], a.shape[1]
+            slot = _entry(trace, "dispatch", "slot").long()
+            expert = _entry(trace, "dispatch", "slot_expert").long()
+            masked_m = _entry(trace, "dispatch", "masked_m").long()
+            row = torch.arange(t_max, device=masked_m.device)[None, :]
+            local = torch.arange(e_l, device=masked_m.device)[:, None]
+            m_indices = torch.where(row < masked_m[:, None], local, -1).reshape(-1)
+            out.add(
+                "permute",
+                {
+                    "a_perm": a.reshape(e_l * t_max, -1),
+                    "a_scale_perm": _entry(trace, "dispatch", "a_scale_batched").reshape(
+                        e_l * t_max, -1
+                    ),
+                    "m_indices": m_indices.to(torch.int32),
+                    "inv_perm": torch.where(slot >= 0, expert * t_max + slot, -1).to(torch.int32),
+                },
+            )
+    return out
 
 
 def compare_stage(
@@ -1087,6 +1120,10 @@ def compare_stage(
     if early is not None:
         return early
     comparer = _COMPARERS.get(stage)
+    if "dispatch" in golden:  # batched layout: compare it as a contiguous one
+        golden, other = flatten_batched(golden), flatten_batched(other)
+        if stage == "dispatch":
+            comparer = _permute
     if comparer is None:
         return StageResult(stage, "error", [], f"no comparison is defined for stage {stage!r}")
     try:

@@ -547,15 +547,6 @@ def test_stage_that_raised_is_reported_as_error(golden: Trace, problem: MoEProbl
     assert "candidate raised in gemm1: RuntimeError: IMA" == result.reason
 
 
-def test_batched_layout_stages_skip_with_reason(golden: Trace, problem: MoEProblem) -> None:
-    g = clone_trace(golden, "golden")
-    g.add("dispatch", {"masked_m": torch.zeros(4, dtype=torch.int32)})
-    other = clone_trace(g)
-    results = compare(g, other, problem, ["dispatch", "gemm1", "gather"])
-    assert [r.status for r in results] == ["skip", "skip", "pass"]
-    assert "low-latency" in results[0].reason
-
-
 def test_comparison_bug_is_an_error_not_a_crash(
     golden: Trace, other: Trace, problem: MoEProblem, monkeypatch: pytest.MonkeyPatch
 ) -> None:
