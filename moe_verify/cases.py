@@ -78,6 +78,37 @@ SMOKE: list[MoEProblem] = [
     ),  # TP split of I
 ]
 
+# Every topology vLLM runs, on small shapes (CPU-friendly; A=32 as DeepGEMM 2.6.1 picks on SM100
+# for small M) each row names its edge.
+_T = dict(tokens=16, hidden=128, intermediate=256, num_experts=6, topk=2, alignment=32)
+TOPOLOGY: list[MoEProblem] = [
+    P(**_T, topology=Topology.parse("tp:2")),  # I split; bf16 partials summed
+    P(
+        **{**_T, "intermediate": 512},
+        topology=Topology.parse("tp:4"),
+        scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
+    ),  # 4-way split of I
+    P(**_T, topology=Topology.parse("ep:4")),  # E % ranks != 0: remainder to the first ranks
+    P(**_T, topology=Topology.parse("ep:4:round_robin")),  # expert e on rank e % 4
+    P(**_T, topology=Topology.explicit_ep([[0, 1, 2, 3], [3, 4, 5, 0]])),  # EPLB replicas
+    P(**_T, topology=Topology.parse("ep:2+ht")),  # dispatched tokens, exact M_sum, int64 ids
+    P(**_T, topology=Topology.parse("ep:2+ll")),  # batched [E_l, T, H] + masked GEMMs
+    P(**_T, topology=Topology.parse("ep:8")),  # more ranks than experts: two own none
+    P(**_T, topology=Topology.parse("ep:8+ht")),  # ranks that receive zero tokens
+    P(**_T, topology=Topology.parse("ep:8+ll")),  # empty batches
+    P(**_T, topology=Topology.parse("ep:2+ht"), routing=Routing.ONE_EXPERT),  # all on one rank
+    P(**{**_T, "num_experts": 4}, topology=Topology.parse("ep:4")),  # one expert per rank
+    P(
+        **_T, topology=Topology.parse("ep:2"), recipe=Recipe.MXFP8, scale_fmt=ScaleFmt.UE8M0_PACKED
+    ),  # MX scales x EP (anchors #18)
+    P(
+        **_T,
+        topology=Topology.parse("tp:2"),
+        recipe=Recipe.MXFP4_W4A8,
+        scale_fmt=ScaleFmt.UE8M0_PACKED,
+    ),  # FP4 weights split along I
+]
+
 # GPU nightly: the shapes vLLM runs (issue 3), FP8 block through DeepGEMM, both SM90 formats.
 DSV3_LOCAL = dict(hidden=7168, intermediate=2048, num_experts=32, topk=8)
 QWEN3 = dict(hidden=4096, intermediate=1536, num_experts=128, topk=8)
@@ -125,7 +156,7 @@ def nightly() -> list[MoEProblem]:
     return cases
 
 
-PRESETS = {"smoke": lambda: list(SMOKE), "nightly": nightly}
+PRESETS = {"smoke": lambda: list(SMOKE), "topology": lambda: list(TOPOLOGY), "nightly": nightly}
 
 
 def preset(name: str) -> list[MoEProblem]:

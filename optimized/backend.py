@@ -130,6 +130,12 @@ class OptimizedBackend:
     def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         sh = self.shard(p, x, rank)
         ids = up["route"]["topk_ids"]
+        if sh.num_local_experts == 0:  # more ranks than experts: this rank owns none
+            m_sum = scatter.aligned_m_sum_upper_bound(ids.shape[0], ids.shape[1], 0, p.alignment)
+            if p.topology.kind is TopologyKind.EP_HT:
+                m_sum = 0
+            empty = torch.zeros(0, dtype=torch.int32, device=ids.device)
+            return {"M_sum": m_sum, "alignment": p.alignment, "counts": empty}
         counts = scatter.count_expert_tokens(ids, sh.num_local_experts, sh.expert_map)
         if p.topology.kind is TopologyKind.EP_HT:
             m_sum = scatter.aligned_m_sum_exact(counts, p.alignment)
@@ -142,6 +148,8 @@ class OptimizedBackend:
     def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         sh = self.shard(p, x, rank)
         align = up["align"]
+        if sh.num_local_experts == 0:
+            return _empty_permute(up)
         a_perm, a_scale_perm, m_indices, inv_perm, expert_start = scatter.ep_scatter(
             up["quant_input"]["a1q"],
             up["quant_input"]["a1q_scale"],
@@ -161,6 +169,8 @@ class OptimizedBackend:
         }
 
     def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        if self.shard(p, x, rank).num_local_experts == 0:
+            return _no_experts(up, 2 * p.intermediate_per_rank, "mm1")
         if "dispatch" in up:
             d = up["dispatch"]
             r = self._batched_gemm(
@@ -193,10 +203,12 @@ class OptimizedBackend:
             mm1.reshape(-1, mm1.shape[-1]), p.activation, _act_group(p), p.scale_fmt
         )
         if mm1.dim() == 3:  # batched layout keeps its [E_l, max_tokens, ...] shape
-            return {"a2q": q.view(*batch, -1), "a2q_scale": s.reshape(*batch, -1)}
+            return {"a2q": q.view(*batch, q.shape[-1]), "a2q_scale": s.reshape(*batch, s.shape[-1])}
         return {"a2q": q, "a2q_scale": s}
 
     def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        if self.shard(p, x, rank).num_local_experts == 0:
+            return _no_experts(up, p.hidden, "mm2")
         act = up["act_quant"]
         if "dispatch" in up:
             r = self._batched_gemm(
@@ -249,6 +261,16 @@ class OptimizedBackend:
         ids = up["route"]["topk_ids"]
         a1q, a1q_scale = up["quant_input"]["a1q"], up["quant_input"]["a1q_scale"]
         e_l, t_max = sh.num_local_experts, ids.shape[0]
+        if e_l == 0:  # this rank owns no expert: empty batches, every slot skipped
+            skipped = torch.full(ids.shape, -1, dtype=torch.int32, device=ids.device)
+            return {
+                "a_batched": a1q.new_empty(0, t_max, a1q.shape[1]),
+                "a_scale_batched": a1q_scale.new_empty(0, t_max, a1q_scale.shape[1]),
+                "masked_m": torch.zeros(0, dtype=torch.int32, device=ids.device),
+                "slot": skipped,
+                "slot_expert": skipped.clone(),
+                "expected_m": 1,
+            }
         local = ids.long()
         if sh.expert_map is not None:
             local = torch.where(local >= 0, sh.expert_map.long()[local.clamp(min=0)], -1)
@@ -314,14 +336,14 @@ class OptimizedBackend:
             )
             out = grouped_gemm.grouped_gemm(
                 a.reshape(e_l * t_max, k),
-                a_scale.reshape(e_l * t_max, -1),
+                a_scale.reshape(e_l * t_max, a_scale.shape[-1]),
                 a_group,
                 w.q,
                 w.scale,
                 w.block,
                 m_indices,
                 t_max,
-            ).view(e_l, t_max, -1)
+            ).view(e_l, t_max, w.shape[1])
         return {"out": out, "engine": choice.engine, "engine_reason": choice.reason}
 
     # -- engines ---------------------------------------------------------------------------------
@@ -357,6 +379,35 @@ class OptimizedBackend:
             a_group,
             p.scale_fmt.is_ue8m0,
         )
+
+
+def _empty_permute(up: Trace) -> Outputs:
+    """The permuted layout of a rank that owns no expert: M_sum padding rows, every slot skipped."""
+    a1q, scale = up["quant_input"]["a1q"], up["quant_input"]["a1q_scale"]
+    ids, m_sum = up["route"]["topk_ids"], up["align"]["M_sum"]
+    if scale.dtype == torch.uint8:  # MXFP8 bytes travel packed four per int32, MN-major
+        pitch = -(-m_sum // 4) * 4
+        packs = -(-scale.shape[1] // 4)
+        storage = torch.zeros(packs * pitch, dtype=torch.int32, device=a1q.device)
+        scale_perm = storage.as_strided((m_sum, packs), (1, pitch))
+    else:
+        scale_perm = scale.new_zeros(m_sum, scale.shape[1])
+    return {
+        "a_perm": torch.zeros(m_sum, a1q.shape[1], dtype=torch.uint8, device=a1q.device).view(
+            a1q.dtype
+        ),
+        "a_scale_perm": scale_perm,
+        "m_indices": torch.full((m_sum,), -1, dtype=torch.int32, device=a1q.device),
+        "inv_perm": torch.full(ids.shape, -1, dtype=torch.int32, device=a1q.device),
+        "expert_start": torch.zeros(0, dtype=torch.int32, device=a1q.device),
+    }
+
+
+def _no_experts(up: Trace, n: int, name: str) -> Outputs:
+    rows = up["align"]["M_sum"] if "align" in up else 0
+    device = up["quant_input"]["a1q"].device
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
+    return {name: out, "engine": "none", "engine_reason": "this rank owns no expert"}
 
 
 def _act_group(problem: MoEProblem) -> int:

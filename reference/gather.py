@@ -28,6 +28,9 @@ def gather(
     live = local_expert_ids(topk_ids, expert_map) >= 0
     num_tokens, topk = topk_ids.shape
     acc = torch.zeros(num_tokens, mm2.shape[1], dtype=torch.float32, device=mm2.device)
+    if mm2.shape[0] == 0:  # no rows on this rank (no local expert): every slot is skipped
+        require(not bool(live.any()), "inv_perm", "no live slot when mm2 has no rows", "live")
+        return acc.to(torch.bfloat16)
     for k in range(topk):  # fixed k order: the kernel's fp32 summation order
         rows = inv_perm[:, k].long().clamp(min=0)
         term = mm2[rows].float() * topk_weights[:, k].float().unsqueeze(1)

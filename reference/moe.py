@@ -159,7 +159,10 @@ class ReferenceBackend:
         mm1 = up["gemm1"]["mm1"]
         if mm1.dim() == 3:  # batched layout: quantize the flattened rows, keep the batch shape
             q, s = act_quant(mm1.reshape(-1, mm1.shape[-1]), activation, act_group(p), p.scale_fmt)
-            return {"a2q": q.view(*mm1.shape[:2], -1), "a2q_scale": s.reshape(*mm1.shape[:2], -1)}
+            return {
+                "a2q": q.view(*mm1.shape[:2], q.shape[-1]),
+                "a2q_scale": s.reshape(*mm1.shape[:2], s.shape[-1]),
+            }
         q, s = act_quant(mm1, activation, act_group(p), p.scale_fmt)
         return {"a2q": q, "a2q_scale": s}
 
@@ -222,26 +225,26 @@ class ReferenceBackend:
         e_l, t_max, h = d["a_batched"].shape
         mm1 = grouped_gemm(
             d["a_batched"].reshape(e_l * t_max, h),
-            d["a_scale_batched"].reshape(e_l * t_max, -1),
+            d["a_scale_batched"].reshape(e_l * t_max, d["a_scale_batched"].shape[-1]),
             p.recipe.act_group,
             view.w13,
             batched_m_indices(d["masked_m"], t_max),
             self.precision,
         )
-        return {"mm1": mm1.view(e_l, t_max, -1), "engine": "torch"}
+        return {"mm1": mm1.view(e_l, t_max, mm1.shape[-1]), "engine": "torch"}
 
     def _gemm2_batched(self, p: MoEProblem, up: Trace, view: RankView) -> Outputs:
         d, act = up["dispatch"], up["act_quant"]
         e_l, t_max, i = act["a2q"].shape
         mm2 = grouped_gemm(
             act["a2q"].reshape(e_l * t_max, i),
-            act["a2q_scale"].reshape(e_l * t_max, -1),
+            act["a2q_scale"].reshape(e_l * t_max, act["a2q_scale"].shape[-1]),
             act_group(p),
             view.w2,
             batched_m_indices(d["masked_m"], t_max),
             self.precision,
         )
-        return {"mm2": mm2.view(e_l, t_max, -1), "engine": "torch"}
+        return {"mm2": mm2.view(e_l, t_max, mm2.shape[-1]), "engine": "torch"}
 
 
 def batched_rows(plan: BatchedPlan) -> torch.Tensor:

@@ -142,7 +142,7 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
         )
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
     data = (packed.to(torch.int64)[:, :, None] >> shifts) & 0xFF
-    return data.reshape(packed.shape[0], -1)[:, :groups]
+    return data.reshape(packed.shape[0], 4 * packed.shape[1])[:, :groups]
 
 
 def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
@@ -1079,7 +1079,7 @@ def flatten_batched(trace: Trace) -> Trace:
     the permuted layout applies: expert e's batch is rows [e*T, (e+1)*T) of one buffer, a
     synthesized `permute` stage keys (token, k) to row slot_expert*T + slot, and the batched
     GEMM / act_quant outputs [E_l, T, N] become [E_l*T, N]. Other traces pass through."""
-    if "dispatch" not in trace or not _ran(trace["dispatch"]):
+    if "dispatch" not in trace:
         return trace
     out = Trace(trace.backend, trace.rank)
     for name, outs in trace.items():
@@ -1089,22 +1089,21 @@ def flatten_batched(trace: Trace) -> Trace:
                 for k, v in outs.items()
             }
         out.add(name, outs)
-        if name == "dispatch":
+        if name == "dispatch" and _ran(outs):
             a = _entry(trace, "dispatch", "a_batched")
             e_l, t_max = a.shape[0], a.shape[1]
             slot = _entry(trace, "dispatch", "slot").long()
             expert = _entry(trace, "dispatch", "slot_expert").long()
             masked_m = _entry(trace, "dispatch", "masked_m").long()
+            scales = _entry(trace, "dispatch", "a_scale_batched")
             row = torch.arange(t_max, device=masked_m.device)[None, :]
             local = torch.arange(e_l, device=masked_m.device)[:, None]
             m_indices = torch.where(row < masked_m[:, None], local, -1).reshape(-1)
             out.add(
                 "permute",
                 {
-                    "a_perm": a.reshape(e_l * t_max, -1),
-                    "a_scale_perm": _entry(trace, "dispatch", "a_scale_batched").reshape(
-                        e_l * t_max, -1
-                    ),
+                    "a_perm": a.reshape(e_l * t_max, a.shape[-1]),
+                    "a_scale_perm": scales.reshape(e_l * t_max, scales.shape[-1]),
                     "m_indices": m_indices.to(torch.int32),
                     "inv_perm": torch.where(slot >= 0, expert * t_max + slot, -1).to(torch.int32),
                 },

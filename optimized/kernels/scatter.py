@@ -57,10 +57,10 @@ def aligned_m_sum_upper_bound(
     receives at least one slot (at most min(M*k, E_l) of them) wastes at most A - 1 padding rows.
     Slots routed to remote experts are counted in M*k too, so under EP the bound is loose.
     """
-    if min(num_tokens, topk) < 0 or num_local_experts < 1 or alignment < 1:
+    if min(num_tokens, topk, num_local_experts) < 0 or alignment < 1:
         fail(
             "aligned_m_sum_upper_bound",
-            f"need num_tokens, topk >= 0, num_local_experts >= 1, alignment >= 1; got "
+            f"need num_tokens, topk, num_local_experts >= 0, alignment >= 1; got "
             f"{num_tokens}, {topk}, {num_local_experts}, {alignment}",
         )
     slots = num_tokens * topk
