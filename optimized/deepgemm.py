@@ -115,8 +115,7 @@ def support(problem: MoEProblem) -> tuple[bool, str]:
         return False, "SM100 FP8 GEMMs take UE8M0 scales; plain float32 scales need SM90"
     if major == 9 and problem.alignment not in SM90_LEGAL_ALIGNMENTS:
         return False, (
-            f"alignment {problem.alignment} is not a legal SM90 BLOCK_M "
-            f"{SM90_LEGAL_ALIGNMENTS}"
+            f"alignment {problem.alignment} is not a legal SM90 BLOCK_M {SM90_LEGAL_ALIGNMENTS}"
         )
     return True, status.reason
 
@@ -174,6 +173,48 @@ def prepare_weight_scales(w: QuantizedWeight, use_ue8m0: bool) -> torch.Tensor:
     )
 
 
+def validate_contiguous_call(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: QuantizedWeight,
+    m_indices: torch.Tensor,
+    alignment: int,
+    use_ue8m0: bool,
+) -> None:
+    """The invariants DeepGEMM's m-grouped contiguous GEMM assumes, checked on the host first.
+
+    Violations fault or silently misroute inside the kernel (ref §14.1, §14.17, anchors #6, #25);
+    here they raise InvalidKernelInput naming the broken rule instead.
+    """
+    from optimized.kernels._validate import check_power_of_two_scales, fail
+    from optimized.kernels.grouped_gemm import _check_m_indices
+
+    fn = "deepgemm.m_grouped_gemm"
+    m_sum, k = a.shape
+    num_experts, n, _ = w.shape
+    if a.dtype != torch.float8_e4m3fn or a.stride(-1) != 1:
+        fail(fn, f"a must be K-major float8_e4m3fn, got {a.dtype} with strides {a.stride()}")
+    if k % 128 or n % 8:
+        fail(fn, f"K={k} must be a multiple of 128 and N={n} of 8 (TMA and the SM90 epilogue)")
+    if m_indices.dtype != torch.int32 or not m_indices.is_contiguous():
+        fail(fn, f"m_indices must be contiguous int32, got {m_indices.dtype}")
+    if m_indices.numel() != m_sum or m_sum % alignment:
+        fail(
+            fn,
+            f"m_indices has {m_indices.numel()} rows for M_sum={m_sum}; M_sum must be a "
+            f"multiple of the alignment {alignment} (DeepGEMM's BLOCK_M)",
+        )
+    _check_m_indices(fn, m_indices, num_experts, alignment)
+    if a_scale.dtype == torch.float32:
+        bad = ~torch.isfinite(a_scale) | (a_scale < 0)
+        if bool(bad.any()):
+            r, g = (int(i) for i in bad.nonzero()[0])
+            fail(fn, f"a_scale[{r}, {g}] = {float(a_scale[r, g])} is not a finite scale >= 0")
+        if use_ue8m0 and probe().arch_major == 10:
+            # DeepGEMM 2.6 device-asserts powers of two when packing fp32 scales to UE8M0.
+            check_power_of_two_scales(fn, "a_scale", a_scale)
+
+
 def m_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -191,6 +232,7 @@ def m_grouped_gemm(
     d = torch.empty(m_sum, n, dtype=torch.bfloat16, device=a.device)
     if m_sum == 0:
         return d
+    validate_contiguous_call(a, a_scale, w, m_indices, alignment, use_ue8m0)
     b = w.q.view(torch.int8) if w.fp4 else w.q
     kwargs: dict[str, object] = {"disable_ue8m0_cast": not use_ue8m0}
     if w.fp4 or w.block != (128, 128):
@@ -198,8 +240,9 @@ def m_grouped_gemm(
         kwargs["recipe_b"] = (1, w.block[1])
     with alignment_scope(alignment):
         if w.fp4:
-            dg.m_grouped_fp8_fp4_gemm_nt_contiguous((a, a_scale), (b, w_scale), d, m_indices,
-                                                    **kwargs)
+            dg.m_grouped_fp8_fp4_gemm_nt_contiguous(
+                (a, a_scale), (b, w_scale), d, m_indices, **kwargs
+            )
         else:
             dg.m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (b, w_scale), d, m_indices, **kwargs)
     return d
