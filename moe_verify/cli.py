@@ -87,6 +87,12 @@ def _problem_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.launcher == "torchrun":
+        from moe_verify.distributed import launch_from_args
+
+        return launch_from_args(args)
+    if args.nproc is not None:
+        raise ValueError("--nproc needs --launcher torchrun")
     _prepare_triton()
     from moe_verify.verify import verify
 
@@ -145,6 +151,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    _prepare_triton()
+    from moe_verify.bench import bench, to_markdown
+
+    problem = _problem_from(args)
+    engines = tuple(e for e in args.engines.split(",") if e)
+    text = to_markdown(problem, bench(problem, engines=engines, repeats=args.repeats))
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+    return EXIT_PASS
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     """What this machine can run: torch, triton mode, GPU arch, DeepGEMM and its first call."""
     import torch
@@ -190,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="read the whole problem from this JSON file "
         "(MoEProblem.to_dict); the problem flags are then ignored",
     )
+    run.add_argument(
+        "--launcher",
+        choices=["none", "torchrun"],
+        default="none",
+        help="none: emulate every rank in this process; torchrun: one process per rank, the real "
+        "collective (NCCL on GPUs, gloo on the CPU), see moe_verify/distributed.py",
+    )
+    run.add_argument(
+        "--nproc", type=int, default=None, help="torchrun processes (default and only value: ranks)"
+    )
     run.set_defaults(func=cmd_run)
 
     sw = sub.add_parser("sweep", help="run a preset case list; junit XML, JSON, markdown")
@@ -213,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--seeds", type=int, default=5)
     cal.add_argument("--out", default=None, help="write the markdown table here")
     cal.set_defaults(func=cmd_calibrate)
+
+    bn = sub.add_parser("bench", help="time each optimized stage against same-run ceilings")
+    _add_problem_args(bn)
+    bn.add_argument("--engines", default="triton,deepgemm", help="GEMM engines to time")
+    bn.add_argument("--repeats", type=int, default=20)
+    bn.add_argument("--out", default=None, help="append the markdown table to this file")
+    bn.set_defaults(func=cmd_bench)
 
     doc = sub.add_parser("doctor", help="what this machine can run")
     doc.add_argument(
