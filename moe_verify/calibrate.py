@@ -50,20 +50,21 @@ from tolerance.metrics import calc_diff, e4m3_value, excess_ratio, row_max, row_
 from tolerance.policy import policy_for
 
 P = MoEProblem
-_SHAPE = dict(tokens=64, hidden=256, intermediate=256, num_experts=4, topk=2)
+# A = 32 keeps M_sum, and so the interpreter's time, near the live rows (padding is never compared).
+_SHAPE = dict(tokens=64, hidden=256, intermediate=256, num_experts=4, topk=2, alignment=32)
 
-# The default calibration list: every recipe and scale format, plus the cross-rank sums, at shapes
-# the Triton interpreter runs in seconds. Each row names what it calibrates.
+# The default calibration list: every recipe and scale format once, the cross-rank sums, and the
+# clamped activation, at shapes the Triton interpreter runs in seconds. Each row names its edge.
 CALIBRATION: list[MoEProblem] = [
-    P(**_SHAPE),  # fp8_block, plain fp32 scales (SM90 default; colmajor act_quant)
-    P(**_SHAPE, scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0),  # Hopper E8M0: requantized weights
-    P(**_SHAPE, scale_fmt=ScaleFmt.UE8M0_PACKED),  # SM100 packed scales; packed act_quant rounding
+    P(**_SHAPE),  # fp8_block, plain fp32 scales (the SM90 default; colmajor act_quant)
+    P(**_SHAPE, scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0, topology="tp:2"),
+    # ^ Hopper E8M0 (requantized weights); reduce of TP partials, which cancel
+    P(**_SHAPE, scale_fmt=ScaleFmt.UE8M0_PACKED, activation="swigluoai"),
+    # ^ SM100 packed scales, packed act_quant rounding; alpha, beta and clamp around tl.exp
     P(**_SHAPE, recipe=Recipe.MXFP8, scale_fmt=ScaleFmt.UE8M0_PACKED),  # 1x32 groups both sides
     P(**_SHAPE, recipe=Recipe.MXFP4_W4A8, scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0),  # E2M1 weights
-    P(**_SHAPE, recipe=Recipe.MXFP4_W4A8, scale_fmt=ScaleFmt.UE8M0_PACKED),  # FP4 + packed acts
-    P(**_SHAPE, activation="swigluoai"),  # alpha, beta, clamp: tl.exp at other arguments
-    P(**_SHAPE, topology="tp:2"),  # reduce: TP partials of one token cancel
-    P(**{**_SHAPE, "num_experts": 8, "topk": 4}, topology="ep:2"),  # reduce: EP combine, k=4
+    P(**_SHAPE, recipe=Recipe.MXFP4_W4A8, scale_fmt=ScaleFmt.UE8M0_PACKED),  # FP4, packed acts
+    P(**_SHAPE, topology="ep:2"),  # reduce of the EP combine
 ]
 
 SOURCES = ("golden64", "tested")

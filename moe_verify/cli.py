@@ -15,7 +15,7 @@ from pathlib import Path
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
-def _prepare_triton() -> None:
+def prepare_triton() -> None:
     """Without a usable GPU, Triton kernels run under its interpreter (set before import)."""
     import torch
 
@@ -61,7 +61,7 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk-group", type=int, default=d.topk_group)
 
 
-def _problem_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def problem_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from moe_verify.spec import MoEProblem, Recipe
 
     recipe = Recipe(args.recipe)
@@ -93,7 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return launch_from_args(args)
     if args.nproc is not None:
         raise ValueError("--nproc needs --launcher torchrun")
-    _prepare_triton()
+    prepare_triton()
     from moe_verify.verify import verify
 
     if args.problem_json:
@@ -101,7 +101,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         problem = MoEProblem.from_dict(json.loads(Path(args.problem_json).read_text()))
     else:
-        problem = _problem_from(args)
+        problem = problem_from_args(args)
     report = verify(
         problem,
         backend=args.backend,
@@ -118,7 +118,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    _prepare_triton()
+    prepare_triton()
     from moe_verify.sweep import sweep
 
     summary = sweep(
@@ -134,7 +134,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    _prepare_triton()
+    prepare_triton()
     from moe_verify.dump import replay
 
     report = replay(Path(args.dump), backend=args.backend, engine=args.engine, mode=args.mode)
@@ -143,7 +143,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    _prepare_triton()
+    prepare_triton()
     from moe_verify.calibrate import calibrate
 
     result = calibrate(seeds=args.seeds, out=Path(args.out) if args.out else None)
@@ -152,10 +152,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    _prepare_triton()
+    prepare_triton()
     from moe_verify.bench import bench, to_markdown
 
-    problem = _problem_from(args)
+    problem = problem_from_args(args)
     engines = tuple(e for e in args.engines.split(",") if e)
     text = to_markdown(problem, bench(problem, engines=engines, repeats=args.repeats))
     print(text)

@@ -48,13 +48,20 @@ def decode_permuted(a_perm: torch.Tensor) -> torch.Tensor:
 
 
 def check_permuted_tokens(
-    topk_ids: torch.Tensor, inv_perm: torch.Tensor, a_perm: torch.Tensor
+    topk_ids: torch.Tensor,
+    inv_perm: torch.Tensor,
+    a_perm: torch.Tensor,
+    token_index: torch.Tensor | None = None,
 ) -> list[tuple[int, int, int, int]]:
-    """(token, k, expert, found token) for every live slot whose row holds another token."""
+    """(token, k, expert, found token) for every live slot whose row holds another token.
+
+    token_index (ep+ht) names the global token of each received row; tokens are global."""
     live = inv_perm >= 0
     rows = inv_perm.long().clamp(min=0, max=max(a_perm.shape[0] - 1, 0))
     found = decode_permuted(a_perm)[rows] if a_perm.shape[0] else torch.full_like(rows, -1)
-    tokens = torch.arange(inv_perm.shape[0], device=inv_perm.device).unsqueeze(1).expand_as(rows)
+    local = torch.arange(inv_perm.shape[0], device=inv_perm.device)
+    glob = token_index.to(local.device).long() if token_index is not None else local
+    tokens = glob.unsqueeze(1).expand_as(rows)
     wrong = live & (found != tokens)
     return [
         (int(t), int(k), int(topk_ids[t, k]), int(found[t, k])) for t, k in wrong.nonzero().tolist()

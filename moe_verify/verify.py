@@ -70,12 +70,12 @@ def _compare_mode(problem: MoEProblem, runs: list[RankRun], mode: str) -> list[S
         results = compare(run.golden, other, problem, list(problem.topology.stages), mode=mode)
         results = [
             dataclasses.replace(
-                r, rank=run.rank if multi else None, engine=_engine_of(other, r.stage)
+                r, rank=run.rank if multi else None, engine=engine_of(other, r.stage)
             )
             for r in results
         ]
         if problem.provenance:
-            results = [_with_provenance(r, other, run.rank) for r in results]
+            results = [with_provenance(r, other, run.rank) for r in results]
         per_rank.append(results)
     ordered = [results[i] for i in range(len(per_rank[0])) for results in per_rank]
     if multi:
@@ -83,12 +83,15 @@ def _compare_mode(problem: MoEProblem, runs: list[RankRun], mode: str) -> list[S
     return ordered
 
 
-def _with_provenance(result: StageResult, trace: Trace, rank: int) -> StageResult:
+def with_provenance(result: StageResult, trace: Trace, rank: int) -> StageResult:
     """Permute of a provenance-tagged case: name the token each misplaced row really holds."""
     if result.stage != "permute" or "permute" not in trace or "a_perm" not in trace["permute"]:
         return result
     perm = trace["permute"]
-    wrong = check_permuted_tokens(trace["route"]["topk_ids"], perm["inv_perm"], perm["a_perm"])
+    route = trace["route"]
+    wrong = check_permuted_tokens(
+        route["topk_ids"], perm["inv_perm"], perm["a_perm"], route.get("token_index")
+    )
     worst = None
     if wrong:
         t, k, e, found = wrong[0]
@@ -108,7 +111,7 @@ def _with_provenance(result: StageResult, trace: Trace, rank: int) -> StageResul
     return dataclasses.replace(result, checks=[*result.checks, check], status=status)
 
 
-def _engine_of(trace: Trace, stage: str) -> str | None:
+def engine_of(trace: Trace, stage: str) -> str | None:
     engine = trace[stage].get("engine") if stage in trace else None
     return engine if isinstance(engine, str) else None
 

@@ -1,0 +1,190 @@
+"""Real multi-process runs (moe_verify/distributed.py): two gloo ranks under torchrun on the CPU.
+
+The backends below are deliberately wrong on rank 1 only; the workers import them by module path
+(`--backend tests.harness.test_distributed:SwapsTokensOnRank1`), so the report must name rank 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_verify.distributed import _reduce_result, failed_ranks
+from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from optimized.backend import OptimizedBackend
+
+pytestmark = pytest.mark.cpu
+
+REPO = Path(__file__).resolve().parents[2]
+# Tiny enough for the Triton interpreter: one torchrun launch of two ranks takes ~10 s on 2 cores.
+SMALL = ["-T", "8", "-H", "128", "-I", "256", "-E", "4", "-k", "2"]
+LAUNCH_TIMEOUT_S = 240
+
+
+class SwapsTokensOnRank1(OptimizedBackend):
+    """Rank 1's gather writes every token's row into the next token (a misrouted combine)."""
+
+    name = "swaps-tokens-on-rank1"
+
+    def run_stage(
+        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> dict[str, object]:
+        outputs = super().run_stage(stage, problem, inputs, upstream, rank)
+        if stage == "gather" and rank == 1:
+            outputs = {**outputs, "out": outputs["out"].roll(1, dims=0)}
+        return outputs
+
+
+class RaisesOnRank1(OptimizedBackend):
+    """Rank 1's gemm1 raises: a stage error on that rank, while rank 0 goes on to the collective."""
+
+    name = "raises-on-rank1"
+
+    def run_stage(
+        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> dict[str, object]:
+        if stage == "gemm1" and rank == 1:
+            raise RuntimeError("deliberate failure on rank 1")
+        return super().run_stage(stage, problem, inputs, upstream, rank)
+
+
+class DiesOnRank1(OptimizedBackend):
+    """Rank 1's process dies in gemm1 without a Python error (as an illegal memory access)."""
+
+    name = "dies-on-rank1"
+
+    def run_stage(
+        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> dict[str, object]:
+        if stage == "gemm1" and rank == 1:
+            os._exit(3)
+        return super().run_stage(stage, problem, inputs, upstream, rank)
+
+
+class HangsOnRank1(OptimizedBackend):
+    """Rank 1 never finishes gemm1 (as a deadlocked kernel)."""
+
+    name = "hangs-on-rank1"
+
+    def run_stage(
+        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> dict[str, object]:
+        if stage == "gemm1" and rank == 1:
+            time.sleep(LAUNCH_TIMEOUT_S)
+        return super().run_stage(stage, problem, inputs, upstream, rank)
+
+
+def _launch(
+    tmp_path: Path, topology: str, backend: str = "optimized", **env: str
+) -> tuple[subprocess.CompletedProcess[str], dict | None]:
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "moe_verify.cli", "run", "--launcher", "torchrun"]
+    cmd += ["--topology", topology, *SMALL, "--mode", "chained", "--backend", backend]
+    cmd += ["--json", str(report)]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    return proc, json.loads(report.read_text()) if report.exists() else None
+
+
+def _results(report: dict, stage: str) -> list[dict]:
+    return [r for r in report["chained"] if r["stage"] == stage]
+
+
+# Each topology's reduce is a different real collective: TP sums I-shard partials, EP sums
+# expert-disjoint partials (tokens with no local expert are zero rows on that rank).
+@pytest.mark.parametrize("topology", ["tp:2", "ep:2"])
+def test_two_gloo_ranks_match_the_golden(tmp_path: Path, topology: str) -> None:
+    proc, report = _launch(tmp_path, topology)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and report["passed"]
+    assert report["backend"] == "optimized@torchrun-gloo"
+    for stage in ("route", "permute", "gemm1", "gemm2", "gather"):
+        assert sorted(r["rank"] for r in _results(report, stage)) == [0, 1], stage
+    (reduce,) = _results(report, "reduce")
+    assert reduce["status"] == "pass"
+    assert {c["name"] for c in reduce["checks"]} >= {"elementwise", "per-token", "ranks agree"}
+    assert "verdict PASS" in proc.stdout
+
+
+def test_a_wrong_rank_is_named(tmp_path: Path) -> None:
+    backend = f"{__name__}:SwapsTokensOnRank1"
+    proc, report = _launch(tmp_path, "tp:2", backend)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and not report["passed"]
+    assert report["failed_ranks"] == [1]
+    assert report["first_failure"] == "gather"
+    assert {r["rank"]: r["status"] for r in _results(report, "gather")} == {0: "pass", 1: "fail"}
+    assert _results(report, "reduce")[0]["status"] == "fail"
+    assert "gather@r1" in proc.stdout
+
+
+def test_a_rank_that_raises_is_named_and_nothing_hangs(tmp_path: Path) -> None:
+    proc, report = _launch(tmp_path, "ep:2", f"{__name__}:RaisesOnRank1")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and report["failed_ranks"] == [1]
+    gemm1 = {r["rank"]: r for r in _results(report, "gemm1")}
+    assert gemm1[0]["status"] == "pass" and gemm1[1]["status"] == "error"
+    assert "deliberate failure on rank 1" in gemm1[1]["reason"]
+    (reduce,) = _results(report, "reduce")
+    assert reduce["status"] == "skip" and "rank(s) [1]" in reduce["reason"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_is_named_and_nothing_hangs(tmp_path: Path) -> None:
+    proc, report = _launch(tmp_path, "ep:2", f"{__name__}:DiesOnRank1")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert report is None
+    assert "failed rank(s): [1]" in proc.stderr
+    assert "rank 1: exit 3" in proc.stderr and "gemm1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_is_named_after_the_timeout(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    proc, _ = _launch(tmp_path, "ep:2", f"{__name__}:HangsOnRank1", MOE_VERIFY_DIST_TIMEOUT_S="8")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "failed rank(s): [1]" in proc.stderr
+    assert "Ranks 1 failed to pass monitoredBarrier" in proc.stderr
+    assert time.perf_counter() - start < LAUNCH_TIMEOUT_S / 2
+
+
+# In-process checks of the pieces a healthy run cannot exercise.
+
+
+def test_ranks_agree_fails_when_a_rank_holds_other_bits() -> None:
+    p = MoEProblem(tokens=4, hidden=128, intermediate=256, num_experts=2, topology="tp:2")
+    out = torch.randn(4, 128).to(torch.bfloat16)
+    result = _reduce_result(p, out, out.clone(), ["a", "a"], "chained", "x")
+    assert result.status == "pass"
+    result = _reduce_result(p, out, out.clone(), ["a", "b"], "chained", "x")
+    assert result.status == "fail"
+    (agree,) = [c for c in result.checks if c.name == "ranks agree"]
+    assert not agree.passed and agree.worst is not None and agree.worst.rank == 1
+
+
+def test_the_rank_that_never_reached_the_exchange_is_blamed() -> None:
+    def failure(code: int) -> SimpleNamespace:
+        return SimpleNamespace(exitcode=code)
+
+    reached = {"stage": "exchange: barrier after the local work"}
+    notes = {0: reached, 1: {"stage": "gemm1", "mode": "chained"}}
+    assert failed_ranks(notes, {0: failure(-signal.SIGTERM), 1: failure(3)}) == [1]
+    both = {0: reached, 1: reached}
+    assert failed_ranks(both, {0: failure(-signal.SIGTERM), 1: failure(1)}) == [1]
+    setup = {0: {"stage": "setup", "error": "bad flag"}, 1: {"stage": "setup", "error": "bad flag"}}
+    assert failed_ranks(setup, {0: failure(-signal.SIGTERM), 1: failure(2)}) == [0, 1]
