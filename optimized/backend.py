@@ -72,10 +72,20 @@ class OptimizedBackend:
 
     name = "optimized"
 
-    def __init__(self, engine: str = "auto") -> None:
+    def __init__(self, engine: str = "auto", workspace: bool = False, poison: int | None = None):
+        """workspace: kernels write into buffers allocated once per (name, shape) and reused
+        across calls, as vLLM's workspaces are; stage outputs are then copies. poison: fill each
+        workspace with this byte before every use, so an element a kernel leaves unwritten shows
+        up (the same case under two poisons must agree bitwise on everything it promises)."""
         if engine not in ENGINES:
             raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
+        if poison is not None and not (workspace and 0 <= poison <= 255):
+            raise ValueError(f"poison: a byte 0..255 with workspace=True, got {poison!r}")
         self.engine = engine
+        self.workspace = workspace
+        self.poison = poison
+        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+        self._buffers = {}
         # Per-rank weights (and DeepGEMM's scale layouts) of the inputs object last seen; held,
         # so a new inputs object can never alias a stale cache entry through a reused id().
         self._weights_of: MoEInputs | None = None
@@ -92,6 +102,24 @@ class OptimizedBackend:
         if method is None:
             raise ValueError(f"stage {stage!r} is not a stage of the optimized MoE")
         return method(problem, inputs, upstream, rank)
+
+    def _buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """The reused (and, with a poison, freshly poisoned) workspace `name`; None when off."""
+        if not self.workspace:
+            return None
+        key = (name, tuple(shape), dtype, device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        buf = self._buffers[key]
+        if self.poison is not None:
+            buf.view(torch.uint8).fill_(self.poison)
+        return buf
+
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """A stage output the trace may keep: a copy when it lives in a reused workspace."""
+        return t.clone() if self.workspace else t
 
     def shard(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Shard:
         if inputs is not self._weights_of:
@@ -150,8 +178,9 @@ class OptimizedBackend:
         align = up["align"]
         if sh.num_local_experts == 0:
             return _empty_permute(up)
+        a1q = up["quant_input"]["a1q"]
         a_perm, a_scale_perm, m_indices, inv_perm, expert_start = scatter.ep_scatter(
-            up["quant_input"]["a1q"],
+            a1q,
             up["quant_input"]["a1q_scale"],
             up["route"]["topk_ids"],
             align["counts"],
@@ -159,9 +188,12 @@ class OptimizedBackend:
             align["alignment"],
             align["M_sum"],
             sh.expert_map,
+            a_perm_out=self._buffer(
+                "a_perm", (align["M_sum"], a1q.shape[1]), a1q.dtype, a1q.device
+            ),
         )
         return {
-            "a_perm": a_perm,
+            "a_perm": self._own(a_perm),
             "a_scale_perm": a_scale_perm,
             "m_indices": m_indices,
             "inv_perm": inv_perm,
@@ -199,9 +231,14 @@ class OptimizedBackend:
             raise ValueError("mxfp4_w4a8: the FP4 experts support silu (with optional clamp) only")
         mm1 = up["gemm1"]["mm1"]
         batch = mm1.shape[:-1]
-        q, s = act_quant.silu_mul_quant(
-            mm1.reshape(-1, mm1.shape[-1]), p.activation, _act_group(p), p.scale_fmt
-        )
+        flat = mm1.reshape(-1, mm1.shape[-1])
+        out_q = None
+        if mm1.dim() == 2:
+            out_q = self._buffer(
+                "a2q", (flat.shape[0], flat.shape[1] // 2), torch.float8_e4m3fn, mm1.device
+            )
+        q, s = act_quant.silu_mul_quant(flat, p.activation, _act_group(p), p.scale_fmt, out_q)
+        q = self._own(q)
         if mm1.dim() == 3:  # batched layout keeps its [E_l, max_tokens, ...] shape
             return {"a2q": q.view(*batch, q.shape[-1]), "a2q_scale": s.reshape(*batch, s.shape[-1])}
         return {"a2q": q, "a2q_scale": s}
@@ -243,14 +280,16 @@ class OptimizedBackend:
                 rows.to(torch.int32),
             )
             return {"out": out}
+        mm2, ids = up["gemm2"]["mm2"], route["topk_ids"]
         out = gather.ep_gather(
-            up["gemm2"]["mm2"],
-            route["topk_ids"],
+            mm2,
+            ids,
             route["topk_weights"],
             up["permute"]["inv_perm"],
             self.shard(p, x, rank).expert_map,
+            out=self._buffer("out", (ids.shape[0], mm2.shape[1]), torch.bfloat16, mm2.device),
         )
-        return {"out": out}
+        return {"out": self._own(out)}
 
     # -- batched low-latency layout (ep:N+ll) ----------------------------------------------------
 
@@ -361,10 +400,12 @@ class OptimizedBackend:
         w: QuantizedWeight,
         m_indices: torch.Tensor,
     ) -> torch.Tensor:
+        out = self._buffer(f"mm_{which}", (a.shape[0], w.shape[1]), torch.bfloat16, a.device)
         if choice.engine == "triton":
-            return grouped_gemm.grouped_gemm(
-                a, a_scale, a_group, w.q, w.scale, w.block, m_indices, p.alignment
+            d = grouped_gemm.grouped_gemm(
+                a, a_scale, a_group, w.q, w.scale, w.block, m_indices, p.alignment, out=out
             )
+            return self._own(d)
         self.shard(p, x, rank)  # resets the caches when x is a new inputs object
         key = (p, rank, which)
         if key not in self._dg_scales:

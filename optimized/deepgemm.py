@@ -224,12 +224,14 @@ def m_grouped_gemm(
     alignment: int,
     act_group: int,
     use_ue8m0: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """d = A @ B[m_indices]^T in bf16 through m_grouped_fp8(_fp4)_gemm_nt_contiguous."""
+    """d = A @ B[m_indices]^T in bf16 through m_grouped_fp8(_fp4)_gemm_nt_contiguous; `out`, when
+    given, is a reused [M_sum, N] bf16 workspace (DeepGEMM writes padding rows unspecified)."""
     dg = module()
     m_sum = a.shape[0]
     n = w.shape[1]
-    d = torch.empty(m_sum, n, dtype=torch.bfloat16, device=a.device)
+    d = out if out is not None else torch.empty(m_sum, n, dtype=torch.bfloat16, device=a.device)
     if m_sum == 0:
         return d
     validate_contiguous_call(a, a_scale, w, m_indices, alignment, use_ue8m0)

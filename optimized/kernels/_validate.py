@@ -160,3 +160,27 @@ def check_power_of_two_scales(fn: str, name: str, scale: torch.Tensor) -> None:
             "exponent, so packing it would silently drop the mantissa (DeepGEMM 2.6 traps on a "
             "device assert instead). Round scales up with ceil-UE8M0 when quantizing",
         )
+
+
+def output_buffer(
+    fn: str,
+    name: str,
+    out: torch.Tensor | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """`out` when given (a caller's reused workspace: right shape, dtype, device, contiguous),
+    else a fresh uninitialised tensor. Kernels must write every element they promise, so a
+    poisoned workspace shows any element they leave stale."""
+    if out is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        fail(
+            fn,
+            f"{name} workspace must be {dtype} {tuple(shape)} on {device}, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}",
+        )
+    if not out.is_contiguous():
+        fail(fn, f"{name} workspace must be contiguous, got strides {out.stride()}")
+    return out

@@ -33,6 +33,7 @@ from optimized.kernels._validate import (
     check_multiple,
     check_tensor,
     fail,
+    output_buffer,
 )
 from optimized.kernels.quant import (
     block_rows,
@@ -121,7 +122,11 @@ def _silu_mul_quant_kernel(
 
 
 def silu_mul_quant(
-    mm1: torch.Tensor, activation: Activation, group: int, scale_fmt: ScaleFmt
+    mm1: torch.Tensor,
+    activation: Activation,
+    group: int,
+    scale_fmt: ScaleFmt,
+    out_q: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """mm1 bf16 [M, 2I] -> (a2q fp8 e4m3 [M, I], a2q_scale).
 
@@ -144,7 +149,7 @@ def silu_mul_quant(
     num_groups = inter // group
     packed = scale_fmt is ScaleFmt.UE8M0_PACKED
 
-    q = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=mm1.device)
+    q = output_buffer(fn, "out_q", out_q, (m, inter), torch.float8_e4m3fn, mm1.device)
     if packed:
         scale = packed_ue8m0_empty(m, num_groups, mm1.device)
     else:

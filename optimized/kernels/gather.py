@@ -21,6 +21,7 @@ from optimized.kernels._validate import (
     check_shape,
     check_signed_ids,
     check_tensor,
+    output_buffer,
 )
 
 
@@ -91,6 +92,7 @@ def ep_gather(
     inv_perm: torch.Tensor,
     expert_map: torch.Tensor | None = None,
     validate: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """mm2 bf16 [M_sum, H], topk_ids int32/int64 [M, k], topk_weights fp32 [M, k], inv_perm int32
     [M, k], expert_map int32 [E_g] (global -> local id, -1 = remote) or None -> out bf16 [M, H].
@@ -137,7 +139,7 @@ def ep_gather(
             where=live,
         )  # fmt: skip
 
-    out = torch.empty(m, h, dtype=torch.bfloat16, device=mm2.device)
+    out = output_buffer("ep_gather", "out", out, (m, h), torch.bfloat16, mm2.device)
     if m == 0 or h == 0:
         return out
     block_t, block_d = _tiles(m, h)

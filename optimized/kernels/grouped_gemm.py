@@ -52,6 +52,7 @@ from optimized.kernels._validate import (
     check_shape,
     check_tensor,
     fail,
+    output_buffer,
 )
 
 # Weight formats (constexpr B_FMT).
@@ -435,6 +436,7 @@ def grouped_gemm(
     *,
     block_m: int | None = None,
     validate: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """m-grouped contiguous GEMM: d[r] = dequant(a[r]) @ dequant(b[m_indices[r]])^T, bf16.
 
@@ -465,7 +467,7 @@ def grouped_gemm(
 
     m_sum, k = a.shape
     num_experts, n = b.shape[0], b.shape[1]
-    d = torch.empty((m_sum, n), dtype=torch.bfloat16, device=a.device)
+    d = output_buffer(fn, "out", out, (m_sum, n), torch.bfloat16, a.device)
     if m_sum == 0:
         return d
 

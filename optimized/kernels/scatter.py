@@ -37,6 +37,7 @@ from optimized.kernels._validate import (
     check_signed_ids,
     check_tensor,
     fail,
+    output_buffer,
 )
 
 # A UE8M0 int32 word packs four E8M0 exponent bytes (DeepGEMM's MN-major packed layout).
@@ -497,6 +498,7 @@ def ep_scatter(
     expert_map: torch.Tensor | None = None,
     *,
     validate: bool = True,
+    a_perm_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scatter token rows into per-expert segments aligned to `alignment` rows.
 
@@ -527,7 +529,7 @@ def ep_scatter(
     pack = a1q_scale.dtype != torch.float32
     sk = a1q_scale.shape[1]
 
-    a_perm = torch.empty((m_sum, h), dtype=a1q.dtype, device=device)
+    a_perm = output_buffer("ep_scatter", "a_perm_out", a_perm_out, (m_sum, h), a1q.dtype, device)
     if pack:
         words = triton.cdiv(sk, _GROUPS_PER_WORD)
         lead = _round_up(m_sum, 4)

@@ -1,0 +1,80 @@
+"""Reused, poisoned workspaces: a kernel that leaves a promised element unwritten, or reads a
+stale one, makes two poisons disagree (vLLM's NaN-poisoned-workspace check, anchors #2, #8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_verify.inputs import make_inputs
+from moe_verify.spec import MoEProblem, Routing, ScaleFmt
+from optimized.backend import OptimizedBackend
+
+pytestmark = pytest.mark.cpu
+
+CASES = [
+    MoEProblem(tokens=12, hidden=128, intermediate=128, num_experts=4, topk=2, alignment=32),
+    MoEProblem(
+        tokens=10,
+        hidden=128,
+        intermediate=256,
+        num_experts=4,
+        topk=3,
+        alignment=32,
+        routing=Routing.INVALID_SLOTS,
+        scale_fmt=ScaleFmt.UE8M0_PACKED,
+    ),
+]
+
+
+def _live(trace, name: str, stage: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    rows = trace["permute"]["m_indices"] >= 0
+    return trace[stage][name][rows]
+
+
+@pytest.mark.parametrize("problem", CASES, ids=lambda p: p.id)
+def test_two_poisons_agree_bitwise_with_a_fresh_run(problem: MoEProblem) -> None:
+    inputs = make_inputs(problem, "cpu")
+    fresh = OptimizedBackend(engine="triton").run(problem, inputs)
+    runs = []
+    for poison in (0x00, 0xFF):
+        backend = OptimizedBackend(engine="triton", workspace=True, poison=poison)
+        backend.run(problem, inputs)  # a first call leaves its values in the workspaces
+        runs.append(backend.run(problem, inputs))
+    for trace in runs:
+        assert torch.equal(trace["gather"]["out"], fresh["gather"]["out"])
+        for stage, name in (("gemm1", "mm1"), ("gemm2", "mm2"), ("act_quant", "a2q")):
+            got, want = _live(trace, name, stage), _live(fresh, name, stage)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (stage, name)
+
+
+def test_workspaces_are_reused_across_calls() -> None:
+    problem = CASES[0]
+    inputs = make_inputs(problem, "cpu")
+    backend = OptimizedBackend(engine="triton", workspace=True)
+    backend.run(problem, inputs)
+    buffers = {k: v.data_ptr() for k, v in backend._buffers.items()}
+    backend.run(problem, inputs)
+    assert buffers and {k: v.data_ptr() for k, v in backend._buffers.items()} == buffers
+
+
+def test_a_kernel_that_skips_rows_is_caught_by_the_poison() -> None:
+    problem = CASES[0]
+    inputs = make_inputs(problem, "cpu")
+
+    class SkipsLastToken(OptimizedBackend):
+        """ep_gather that never writes the last token's row (an off-by-one grid)."""
+
+        def _gather(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+            out = super()._gather(p, x, up, rank)["out"]
+            if self.poison is not None:
+                out[-1].view(torch.uint8).fill_(self.poison)
+            return {"out": out}
+
+    outs = [
+        SkipsLastToken(engine="triton", workspace=True, poison=b).run(problem, inputs)
+        for b in (0x00, 0xFF)
+    ]
+    assert not torch.equal(
+        outs[0]["gather"]["out"].view(torch.int16), outs[1]["gather"]["out"].view(torch.int16)
+    )
