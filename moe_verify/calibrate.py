@@ -45,7 +45,13 @@ from moe_verify.spec import (
 )
 from reference.activation import swiglu
 from reference.moe import ReferenceBackend
-from tolerance.compare import StageResult, compare, compare_stage, scale_values
+from tolerance.compare import (
+    StageResult,
+    compare,
+    compare_stage,
+    flatten_batched,
+    scale_values,
+)
 from tolerance.metrics import calc_diff, e4m3_value, excess_ratio, row_max, row_rel_error
 from tolerance.policy import policy_for
 
@@ -67,8 +73,6 @@ CALIBRATION: list[MoEProblem] = [
     P(**_SHAPE, topology="ep:2"),  # reduce of the EP combine
 ]
 
-SOURCES = ("golden64", "tested")
-BOUNDED_STAGES = ("gemm1", "act_quant", "gemm2", "gather", REDUCE_STAGE)
 EXCESS = "excess ratio"
 _STAGE_ORDER = {s: i for i, s in enumerate((*STAGES, "dispatch", REDUCE_STAGE))}
 
@@ -164,12 +168,11 @@ class CalibrationResult:
     e8m0: list[E8M0Cost]
     notes: list[str]
     seconds: dict[str, float]
+    engines: dict[str, list[str]]  # case -> GEMM engines the tested backend reported
+    out: str | None = None  # where the markdown was written
 
     def sources(self) -> list[str]:
         return list(dict.fromkeys(m.source for m in self.measurements))
-
-    def stages(self) -> list[str]:
-        return sorted({m.stage for m in self.measurements}, key=_STAGE_ORDER.get)
 
     def worst(self) -> list[Measurement]:
         """Per (source, stage, check) of bounded checks, the measurement closest to its limit."""
@@ -180,7 +183,7 @@ class CalibrationResult:
             key = (m.source, m.stage, m.check)
             if key not in best or m.headroom > best[key].headroom:
                 best[key] = m
-        return sorted(best.values(), key=_order)
+        return sorted(best.values(), key=lambda m: (m.source, _stage_rank(m.stage), m.check))
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -189,6 +192,7 @@ class CalibrationResult:
             "engine": self.engine,
             "environment": self.environment,
             "seconds": self.seconds,
+            "engines": self.engines,
             "measurements": [m.to_dict() for m in self.measurements],
             "e8m0": [c.to_dict() for c in self.e8m0],
             "notes": self.notes,
@@ -222,12 +226,14 @@ def calibrate(
     costs: dict[str, E8M0Cost] = {}
     notes: list[str] = []
     seconds: dict[str, float] = {}
+    engines: dict[str, list[str]] = {}
     for case in cases:
         t0 = time.perf_counter()
+        seen: set[str] = set()
         for i in range(seeds):
             problem = case.replace(seed=case.seed + i)
             try:
-                for source, stage, check, value, limit in _measure(problem, tested, notes):
+                for source, stage, check, value, limit in _measure(problem, tested, notes, seen):
                     key = (case.id, source, stage, check)
                     m = table.setdefault(key, Measurement(case.id, source, stage, check, limit))
                     m.values[problem.seed] = max(value, m.values.get(problem.seed, -math.inf))
@@ -235,6 +241,7 @@ def calibrate(
             except Exception as exc:  # noqa: BLE001 - one broken case must not end the run
                 notes.append(f"{problem.id}: not measured: {type(exc).__name__}: {exc}")
         seconds[case.id] = round(time.perf_counter() - t0, 2)
+        engines[case.id] = sorted(seen)
     seconds["total"] = round(time.perf_counter() - start, 2)
     result = CalibrationResult(
         seeds=seeds,
@@ -245,6 +252,8 @@ def calibrate(
         e8m0=list(costs.values()),
         notes=notes,
         seconds=seconds,
+        engines=engines,
+        out=str(out) if out is not None else None,
     )
     if out is not None:
         out = Path(out)
@@ -257,8 +266,11 @@ def calibrate(
 Sample = tuple[str, str, str, float, float]  # source, stage, check, value, limit
 
 
-def _measure(problem: MoEProblem, tested: Backend, notes: list[str]) -> Iterator[Sample]:
-    """Every check value of `problem` under each source; stages not compared go to `notes`."""
+def _measure(
+    problem: MoEProblem, tested: Backend, notes: list[str], engines: set[str]
+) -> Iterator[Sample]:
+    """Every check value of `problem` under each source; stages not compared go to `notes`, the
+    GEMM engines the tested backend reports to `engines`."""
     inputs = make_inputs(problem)
     golden = ReferenceBackend()
     golden64 = ReferenceBackend(precision=torch.float64)
@@ -273,6 +285,9 @@ def _measure(problem: MoEProblem, tested: Backend, notes: list[str]) -> Iterator
                 else:
                     run.isolated = run_isolated(backend, problem, inputs, run.golden, run.rank)
             for result, golden_trace, other in _compared(problem, runs, mode):
+                engine = other[result.stage].get("engine") if result.stage in other else None
+                if backend is tested and isinstance(engine, str):
+                    engines.add(engine)
                 if result.status in ("skip", "error"):
                     notes.append(
                         f"{problem.id} {name}/{mode} {result.label}: {result.status}: "
@@ -305,14 +320,14 @@ def _samples(
     """The check values of one compared stage, plus the worst element's excess ratio."""
     for c in result.checks:
         yield source, result.stage, c.name, float(c.value), float(c.limit)
-    check = policy_for(result.stage, problem, mode)
-    limits = check.limits()
-    if "atol" not in limits or "rtol" not in limits:
-        return
+    limits = policy_for(result.stage, problem, mode).limits()
+    reported = next((c.value for c in result.checks if c.name == "calc_diff"), None)
+    keyed = all(c.name != "row map" for c in result.checks)
+    if "atol" not in limits or "rtol" not in limits or reported is None or not keyed:
+        return  # no per-element bound, or compare could not key every row (its checks say why)
     a, b = _aligned(result.stage, golden, other, problem, mode)
     ratio = excess_ratio(a, b, limits["atol"].value, limits["rtol"].value, row_max(b))
     worst = float(ratio.nan_to_num(nan=math.inf).max()) if ratio.numel() else 0.0
-    reported = next(c.value for c in result.checks if c.name == "calc_diff")
     if not math.isclose(calc_diff(a, b), reported, rel_tol=1e-9, abs_tol=1e-15):
         raise RuntimeError(
             f"{result.stage}: calibrate keyed rows unlike tolerance.compare (calc_diff "
@@ -327,8 +342,10 @@ def _aligned(
     """(tested, golden) values compare bounds element by element, rows keyed by (token, k).
 
     gemm and act_quant rows sit where the permute the stage consumed puts each live slot: the
-    golden's in isolated mode, the tested side's own when chained (as tolerance.compare keys them).
+    golden's in isolated mode, the tested side's own when chained (as tolerance.compare keys them;
+    a batched low-latency layout is first seen as a contiguous one, as there).
     """
+    golden, other = flatten_batched(golden), flatten_batched(other)
     if stage in ("gather", REDUCE_STAGE):
         return _cpu(other[stage]["out"]), _cpu(golden[stage]["out"])
     g_inv = _cpu(golden["permute"]["inv_perm"]).long()
@@ -406,8 +423,12 @@ def master_moe(
 # Rendering ---------------------------------------------------------------------------------------
 
 
+def _stage_rank(stage: str) -> int:
+    return _STAGE_ORDER.get(stage, len(_STAGE_ORDER))
+
+
 def _order(m: Measurement) -> tuple[object, ...]:
-    return (m.source, m.case, _STAGE_ORDER.get(m.stage, 99), m.check)
+    return (m.source, m.case, _stage_rank(m.stage), m.check)
 
 
 def _fraction(value: float, limit: float) -> float:
@@ -446,7 +467,7 @@ def _environment() -> dict[str, object]:
         triton_version = None
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "describe", "--always", "--dirty"],
             capture_output=True,
             text=True,
             check=True,
@@ -474,11 +495,12 @@ def _markdown(r: CalibrationResult) -> Iterator[str]:
     yield "# Noise-floor calibration"
     yield ""
     yield (
-        f"Measured {env['date']} at commit {env['commit'] or 'unknown'} on {where}, torch "
-        f"{env['torch']}, triton {env['triton']}; tested backend `{r.backend}` (engine "
+        f"Measured {env['date']} at commit {env['commit'] or 'unknown'} on {where}, "
+        f"{env['cpu_threads']} torch threads, torch {env['torch']}, triton {env['triton']}; "
+        f"tested backend `{r.backend}` (engine "
         f"`{r.engine}`); {r.seeds} seed(s) per case; {r.seconds.get('total', 0):g} s in all."
     )
-    yield f"Regenerate: `moe-verify calibrate --seeds {r.seeds} --out docs/calibration-cpu.md`."
+    yield f"Regenerate: `moe-verify calibrate --seeds {r.seeds} --out {r.out or 'FILE.md'}`."
     yield ""
     yield (
         "Sources: `golden64/*` is the golden with fp64 GEMM accumulation against the fp32 golden "
@@ -495,9 +517,10 @@ def _markdown(r: CalibrationResult) -> Iterator[str]:
     yield "| source | stage | check | value | limit | headroom | case (worst seed) |"
     yield "| --- | --- | --- | --- | --- | --- | --- |"
     for m in r.worst():
+        where = f"{m.case} (s{m.worst_seed})" if m.value else "every case 0"
         yield (
             f"| {m.source} | {m.stage} | {m.check} | {_num(m.value)} | {_num(m.limit)} | "
-            f"{_pct(m)} | {m.case} (s{m.worst_seed}) |"
+            f"{_pct(m)} | {where} |"
         )
     yield ""
     yield from _e8m0_markdown(r)
@@ -518,11 +541,12 @@ def _markdown(r: CalibrationResult) -> Iterator[str]:
     yield ""
     yield from (f"- {n}" for n in r.notes) if r.notes else iter(["- nothing: every stage ran"])
     yield ""
-    yield "## Time per case (all seeds, all sources)"
+    yield "## Time per case (all seeds, all sources) and the GEMM engines the tested side ran"
     yield ""
-    yield "| case | seconds |"
-    yield "| --- | --- |"
-    yield from (f"| {case} | {s:g} |" for case, s in r.seconds.items())
+    yield "| case | seconds | engines |"
+    yield "| --- | --- | --- |"
+    for case, s in r.seconds.items():
+        yield f"| {case} | {s:g} | {', '.join(r.engines.get(case, [])) or '-'} |"
 
 
 def _e8m0_markdown(r: CalibrationResult) -> Iterator[str]:

@@ -60,8 +60,9 @@ def test_deepgemm_mx_gemms_skip_on_sm90_with_the_reason(recipe: Recipe) -> None:
     from optimized.backend import OptimizedBackend
 
     fmt = recipe.allowed_scale_fmts[0]
-    problem = MoEProblem(tokens=64, hidden=512, intermediate=512, num_experts=4, topk=2,
-                         recipe=recipe, scale_fmt=fmt)
+    problem = MoEProblem(
+        tokens=64, hidden=512, intermediate=512, num_experts=4, topk=2, recipe=recipe, scale_fmt=fmt
+    )
     report = verify(problem, backend=OptimizedBackend(engine="deepgemm"), mode="isolated")
     status = {r.stage: r for r in report.isolated}
     assert status["gemm1"].status == "skip" and "SM100-only" in status["gemm1"].reason
