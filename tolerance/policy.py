@@ -4,8 +4,10 @@ its reason.
 This is the only place in the suite where a tolerance number is written down. `compare` asks
 `policy_for(stage, problem, mode)`; tests ask the same function instead of writing literals.
 
-Numbers are PROVISIONAL until calibrated against a measured noise floor (DESIGN.md "Tolerance");
-when one changes, change its reason with it. References: `ref/vllm-deepgemm-path.md` (§n) and
+Each reason says where its number comes from: a format fact, or a noise floor measured by
+`moe-verify calibrate` (docs/calibration-cpu.md) or on the H200 (docs/gpu-results.md). Numbers
+still marked "provisional" in their reason wait for a GPU calibration (docs/tolerance.md); when a
+number changes, change its reason with it. References: `ref/vllm-deepgemm-path.md` (§n) and
 `ref/anchors.md` (anchors #n).
 
 Row matching: a row applies when each of its columns equals the query or is ANY. The most specific
