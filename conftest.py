@@ -1,4 +1,4 @@
-"""Test-suite wiring: markers, arch gating, CPU/interpreter mode, xdist GPU pinning, failure reports.
+"""Test-suite wiring: markers, arch gating, CPU/interpreter mode, xdist GPU pinning, reports.
 
 Arch gating lives here and only here: `sm90` means compute capability major == 9 exactly, `sm100`
 major == 10, `multi_gpu` two or more GPUs. Every skip carries its reason.
@@ -7,6 +7,12 @@ major == 10, `multi_gpu` two or more GPUs. Every skip carries its reason.
 from __future__ import annotations
 
 import os
+
+# xdist workers share the cores: one BLAS thread each (the Triton interpreter's tl.dot is a numpy
+# matmul, and oversubscribed OpenBLAS threads made the CPU tier ~1.6x slower on 2 cores).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 
 # xdist: pin each worker to one GPU before anything initialises CUDA.
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")

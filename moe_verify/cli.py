@@ -114,7 +114,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(report.to_json())
     if args.markdown:
         Path(args.markdown).write_text(report.to_markdown())
-    return EXIT_PASS if report.passed else EXIT_FAIL
+    ok = report.passed_strict if args.strict else report.passed
+    return EXIT_PASS if ok else EXIT_FAIL
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -205,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", help="write the report as JSON here")
     run.add_argument("--markdown", help="write the report as markdown here")
     run.add_argument("--dump-dir", help="on failure, dump inputs and both traces here")
+    run.add_argument(
+        "--strict", action="store_true", help="a skipped stage fails the run too (exit 1)"
+    )
     run.add_argument(
         "--problem-json",
         help="read the whole problem from this JSON file "

@@ -59,6 +59,14 @@ class Report:
         return all(r.status not in _FAILING for _, results in self.modes() for r in results)
 
     @property
+    def passed_strict(self) -> bool:
+        """passed, and no stage skipped either: for CI that must not accept a backend (or a
+        machine) that declines stages, e.g. DeepGEMM demanded where it cannot run."""
+        return self.passed and all(
+            r.status == "pass" for _, results in self.modes() for r in results
+        )
+
+    @property
     def first_failure(self) -> str | None:
         """The first failing stage in isolated mode, else in chained mode; None if none fails."""
         first = self.first_failing_result

@@ -1,0 +1,58 @@
+"""The CLI front door: the default run, exit codes, strict mode, JSON output, bad arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_verify.cli import main
+from moe_verify.spec import MoEProblem, StageSkipped
+from moe_verify.verify import verify
+from optimized.backend import OptimizedBackend
+
+pytestmark = pytest.mark.cpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_default_run_prints_a_stage_table_and_passes(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_verify.cli", "-T", "8", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "verdict PASS" in proc.stdout and "gemm1 [triton]" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["first_failure"] is None
+
+
+def test_bad_argument_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--hidden", "100"]) == 2
+    assert "hidden=100 must be a multiple of 128" in capsys.readouterr().err
+
+
+class DeclinesGemm2(OptimizedBackend):
+    """A backend that skips a stage it should run."""
+
+    name = "declines-gemm2"
+
+    def _gemm2(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+        raise StageSkipped("not implemented by this backend")
+
+
+def test_skips_pass_by_default_but_fail_strict() -> None:
+    report = verify(
+        MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=2, topk=1, alignment=16),
+        backend=DeclinesGemm2(engine="triton"),
+        mode="both",
+    )
+    assert report.passed and not report.passed_strict
+    assert report.counts("isolated")["skip"] == 1
+    assert any(r.stage == "gemm2" and r.status == "skip" for r in report.isolated)

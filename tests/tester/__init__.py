@@ -1,0 +1,1 @@
+"""Test-the-tester: deliberately wrong backends the verification suite must reject."""

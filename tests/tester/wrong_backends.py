@@ -1,0 +1,543 @@
+"""A folder of wrong answers: backends that each get ONE stage wrong, the way a real bug did.
+
+Every class is the optimized path (`OptimizedBackend`) with one `_<stage>` method overridden. The
+override runs the correct stage and then corrupts its outputs (or, where the bug is a wrong input
+to an otherwise correct kernel, feeds the correct stage that wrong input), so each wrong answer
+reads as "the right thing, then the bug". The docstring names the field bug it imitates: rows of
+`ref/anchors.md` §2 as "anchors #n", sections of `ref/vllm-deepgemm-path.md` as "§n".
+
+Outputs are fresh tensors of this backend, so they are corrupted in place; the upstream Trace may
+be the golden's (isolated mode) and is never written: `_with` builds a modified copy instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_verify.inputs import make_inputs
+from moe_verify.spec import FP8_MAX, STAGES, MoEInputs, MoEProblem, Trace
+from optimized.backend import OptimizedBackend
+from optimized.kernels import scatter
+
+Outputs = dict[str, object]
+FP8 = torch.float8_e4m3fn
+
+
+def _with(up: Trace, stage: str, **entries: object) -> Trace:
+    """A copy of `up` whose `stage` has `entries` replaced; `up` itself is left untouched."""
+    out = Trace(up.backend, up.rank)
+    for name, outputs in up.items():
+        out.add(name, {**outputs, **entries} if name == stage else outputs)
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A row-indexable view: fp8 as its bytes (index_put has no fp8 kernel), anything else as is."""
+    return x.view(torch.uint8) if x.dtype == FP8 else x
+
+
+def _reverse_bytes_(packed: torch.Tensor) -> None:
+    """Reverse the four E8M0 bytes of every int32 word, in place (strides kept): group 4p + j
+    lands in byte 3 - j, a big-endian packing of the little-endian layout DeepGEMM reads."""
+    word = packed.to(torch.int64) & 0xFFFFFFFF
+    flipped = sum(((word >> (8 * j)) & 0xFF) << (8 * (3 - j)) for j in range(4))
+    packed.copy_(torch.where(flipped >= 2**31, flipped - 2**32, flipped).to(torch.int32))
+
+
+def _double_codes(q: torch.Tensor) -> torch.Tensor:
+    """fp8 codes requantized against a scale half as large: x2, saturating at +-448."""
+    return (q.float() * 2).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+# -- route ----------------------------------------------------------------------------------------
+
+
+class MisroutedToken(OptimizedBackend):
+    """route: token 0's first slot names an expert the router did not pick (the lowest expert
+    the token does not use), as a top-k kernel that writes one slot from the wrong column does.
+
+    The misrouting class (anchors §2 class (e), ref §14.3); the route-side twin of
+    SlotInWrongSegment, which misroutes one slot in the permute instead.
+    """
+
+    name = "misrouted_token"
+
+    def _route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._route(p, x, up, rank)
+        ids = out["topk_ids"].clone()
+        used = set(ids[0].tolist())
+        ids[0, 0] = min(e for e in range(p.num_experts) if e not in used)
+        out["topk_ids"] = ids
+        return out
+
+
+class RoutedScalingTwice(OptimizedBackend):
+    """route: routed_scaling_factor applied twice (in the router and again on its weights).
+
+    ref §14.15 and §11: "applying it twice, or never, is a silent error to test for"; where the
+    factor is applied differs by model and version (DeepSeek grouped routing).
+    """
+
+    name = "routed_scaling_twice"
+
+    def _route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._route(p, x, up, rank)
+        out["topk_weights"] = out["topk_weights"] * p.routed_scaling_factor
+        return out
+
+
+# -- quant_input ----------------------------------------------------------------------------------
+
+
+class FloorInputScales(OptimizedBackend):
+    """quant_input: UE8M0 scales rounded down (floor) instead of up (ceil), codes requantized
+    against them, so every group's max saturates at 448.
+
+    floor(log2 s) = ceil(log2 s) - 1 unless amax/448 is an exact power of two, which no group of
+    random data is. Imitates the torch fallback packer that floors (ref §14.17), vLLM's old MXFP8
+    fallback `floor(log2 amax)` (§14.20), and the scale/payload contract of anchors #15.
+    """
+
+    name = "floor_input_scales"
+
+    def _quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._quant_input(p, x, up, rank)
+        out["a1q_scale"] = out["a1q_scale"] / 2
+        out["a1q"] = _double_codes(out["a1q"])
+        return out
+
+
+# -- align ----------------------------------------------------------------------------------------
+
+
+class MSumOneBlockShort(OptimizedBackend):
+    """align: M_sum one alignment block short (an off-by-one in the upper bound).
+
+    M_sum sizes the permuted workspace; one block short, the last expert's segment can run past it
+    (ref §2.3, §14.3; the out-of-bounds class of anchors #4 and #28).
+    """
+
+    name = "m_sum_one_block_short"
+
+    def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._align(p, x, up, rank)
+        out["M_sum"] -= out["alignment"]
+        return out
+
+
+class HalfAlignment(OptimizedBackend):
+    """align: the layout is padded to A/2 while the GEMM tiles M by A.
+
+    anchors #27 (BLOCK_SIZE_M = 64 against alignment 128: half the output uninitialised, hidden by
+    a tolerance bump), ref §14.1 (A != DeepGEMM's BLOCK_M puts two experts in one block) and
+    §14.8 (a global mutable alignment changed under the permute).
+    """
+
+    name = "half_alignment"
+
+    def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        return super()._align(p.replace(alignment=p.alignment // 2), x, up, rank)
+
+
+class ExpertMapIgnoredOnRank1(OptimizedBackend):
+    """align, rank 1 only: expert counts computed from global ids as if they were local ids.
+
+    anchors #20 (global ids passed where local ids were required: rank 0 correct, ranks 1..N-1
+    drop contributions) and #21 (global vs local expert count), class (e). On rank 0 of a linear
+    placement global and local ids coincide, so only rank 1 is wrong.
+    """
+
+    name = "expert_map_ignored_on_rank1"
+
+    def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._align(p, x, up, rank)
+        if rank == 1:
+            ids = up["route"]["topk_ids"]
+            local = len(out["counts"])
+            out["counts"] = scatter.count_expert_tokens(ids, local, None, validate=False)
+        return out
+
+
+# -- permute --------------------------------------------------------------------------------------
+
+
+class SwappedExpertRows(OptimizedBackend):
+    """permute: the rows (data and scales) of two slots of different tokens and experts trade
+    places, while m_indices and inv_perm still say where each slot belongs.
+
+    Cross-row corruption in the permuted buffer: anchors #26 (a store spills into the next
+    token's row) and #1/#2 (a racy segment start sends a row to the wrong place), class (a).
+    Two slots of one token hold the same bytes, so swapping those would change nothing.
+    """
+
+    name = "swapped_expert_rows"
+
+    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._permute(p, x, up, rank)
+        inv, m = out["inv_perm"], out["m_indices"]
+        (t0, k0), *others = ((int(t), int(k)) for t, k in (inv >= 0).nonzero())
+        first = int(inv[t0, k0])
+        other = next(int(inv[t, k]) for t, k in others if t != t0 and m[inv[t, k]] != m[first])
+        for name in ("a_perm", "a_scale_perm"):
+            rows = _rows(out[name])
+            rows[[first, other]] = rows[[other, first]]
+        return out
+
+
+class SlotInWrongSegment(OptimizedBackend):
+    """permute: one slot claims its row from another expert's cursor, so its bytes land in that
+    expert's segment (the first row past its live rows) and inv_perm points there; the row it
+    should have used is left zero. m_indices, written from the counts, stay correct.
+
+    anchors #1 (ep_scatter reads a garbage `expert_start_loc` entry and writes into the wrong
+    segment), ref §14.3 (the cursor runs into the next segment), class (e).
+    """
+
+    name = "slot_in_wrong_segment"
+
+    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._permute(p, x, up, rank)
+        inv, m, start = out["inv_perm"], out["m_indices"], out["expert_start"]
+        counts, align = up["align"]["counts"].tolist(), up["align"]["alignment"]
+        t, k = (int(i) for i in (inv >= 0).nonzero()[0])
+        old = int(inv[t, k])
+        other = next(e for e, c in enumerate(counts) if e != int(m[old]) and c % align)
+        new = int(start[other]) + counts[other]
+        for name in ("a_perm", "a_scale_perm"):
+            rows = _rows(out[name])
+            rows[new] = rows[old]
+            rows[old] = 0
+        inv[t, k] = new
+        return out
+
+
+class PaddingMIndicesZero(OptimizedBackend):
+    """permute: m_indices of padding rows left 0 (torch.zeros) instead of -1.
+
+    DeepGEMM's contiguous layout skips -1 rows and computes the others with their expert; a 0
+    makes expert 0 compute padding (anchors #23: the -1 skip contract; #28: stale sorted expert
+    ids for non-local experts; ref §14.1), class (c).
+    """
+
+    name = "padding_m_indices_zero"
+
+    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._permute(p, x, up, rank)
+        out["m_indices"][out["m_indices"] == -1] = 0
+        return out
+
+
+class UnalignedSegments(OptimizedBackend):
+    """permute: expert segments packed back to back, not padded to the alignment.
+
+    anchors #25 (the contiguous kernel "assumes each group's m is 128-aligned"; otherwise
+    "unexpected issues") and ref §14.1 (two experts' rows in one BLOCK_M block are computed with
+    the wrong expert).
+    """
+
+    name = "unaligned_segments"
+
+    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        return super()._permute(p, x, _with(up, "align", alignment=1), rank)
+
+
+class InvPermOffByOne(OptimizedBackend):
+    """permute: inv_perm holds the row cursor after the increment (atomic_add's new value) while
+    the data went to the row claimed before it, so every slot points one row too far.
+
+    The output_index the gather follows (ref §14.14, §6); an off-by-one row as in anchors #26.
+    """
+
+    name = "inv_perm_off_by_one"
+
+    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._permute(p, x, up, rank)
+        inv = out["inv_perm"]
+        inv[inv >= 0] += 1
+        return out
+
+
+class GarbagePaddingScales(OptimizedBackend):
+    """permute: fp32 scales of padding rows left uninitialised (torch.empty), here a value that is
+    not a power of two.
+
+    anchors #6 (vLLM allocates padded scale rows with torch.empty and ep_scatter writes live rows
+    only; DeepGEMM 2.6 then asserts every scale is a power of two: CUDA_ERROR_LAUNCH_FAILED) and
+    #7 (the same on the masked path), class (c).
+    """
+
+    name = "garbage_padding_scales"
+
+    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._permute(p, x, up, rank)
+        out["a_scale_perm"][out["m_indices"] == -1] = 0.3
+        return out
+
+
+class NanPaddingPackedScales(OptimizedBackend):
+    """permute (packed UE8M0): padding rows' scale words all 0xFF bytes, which the kernel reads
+    as NaN.
+
+    anchors #9 (padding scales from torch.empty read as NaN, cascading into the KV cache) and
+    ref §14.19 (E8M0 0xFF is NaN to the kernel), class (c).
+    """
+
+    name = "nan_padding_packed_scales"
+
+    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._permute(p, x, up, rank)
+        out["a_scale_perm"][out["m_indices"] == -1] = -1
+        return out
+
+
+class PermutedScaleBytesReversed(OptimizedBackend):
+    """permute (MXFP8): packed UE8M0 scale bytes in the wrong order inside each int32 word.
+
+    anchors #16 (packed UE8M0 scales viewed with the wrong shape, mismatched with their groups)
+    and #32 (layout bugs hidden when a row has a single group), ref §3.5, class (d).
+    """
+
+    name = "permuted_scale_bytes_reversed"
+
+    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._permute(p, x, up, rank)
+        _reverse_bytes_(out["a_scale_perm"])
+        return out
+
+
+# -- gemm1 ----------------------------------------------------------------------------------------
+
+
+class StaleGemm1Row(OptimizedBackend):
+    """gemm1: one live row of mm1 keeps the value of a previous call (another seed), as a reused
+    workspace row the kernel never rewrote.
+
+    ref §14.7 (a1q_perm / mm1 / mm2 workspaces alias; reordering corrupts rows), anchors #2 (stale
+    reads, caught by poison pre-fill) and #30 (metadata stale across CUDA-graph replays).
+    """
+
+    name = "stale_gemm1_row"
+
+    def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._gemm1(p, x, up, rank)
+        row = int(up["permute"]["inv_perm"].max())  # the last live row
+        out["mm1"][row] = self._previous_mm1(p, x, rank)[row]
+        return out
+
+    def _previous_mm1(self, p: MoEProblem, x: MoEInputs, rank: int) -> torch.Tensor:
+        """mm1 of the same shapes on the next seed: what the workspace held from the last call."""
+        previous = p.replace(seed=p.seed + 1)
+        inputs = make_inputs(previous, x.hidden_states.device)
+        backend = OptimizedBackend(self.engine)
+        trace = Trace(backend.name, rank)
+        for stage in STAGES[: STAGES.index("gemm1") + 1]:
+            trace.add(stage, backend.run_stage(stage, previous, inputs, trace, rank))
+        return trace["gemm1"]["mm1"]
+
+
+class HalfGridGemm1(OptimizedBackend):
+    """gemm1: only the first half of every alignment block is computed; the rest stays zero.
+
+    anchors #27 (BLOCK_SIZE_M 64 against alignment 128 launched half the blocks: half the MoE
+    output uninitialised for small M, hidden by a tolerance bump 2e-2 -> 3e-2).
+    """
+
+    name = "half_grid_gemm1"
+
+    def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._gemm1(p, x, up, rank)
+        align = up["align"]["alignment"]
+        rows = torch.arange(out["mm1"].shape[0], device=out["mm1"].device)
+        out["mm1"][rows % align >= align // 2] = 0
+        return out
+
+
+# -- act_quant ------------------------------------------------------------------------------------
+
+
+class GateUpSwapped(OptimizedBackend):
+    """act_quant: the [gate | up] halves of mm1 read in the wrong order (silu(up) * gate).
+
+    ref §14.11 (interleaved w13 checkpoints, a w1/w3 swap between TRT-LLM / FlashInfer
+    conventions: plausible but wrong outputs that small-magnitude tests cannot tell apart).
+    """
+
+    name = "gate_up_swapped"
+
+    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        mm1 = up["gemm1"]["mm1"]
+        half = mm1.shape[1] // 2
+        swapped = torch.cat([mm1[:, half:], mm1[:, :half]], dim=1)
+        return super()._act_quant(p, x, _with(up, "gemm1", mm1=swapped), rank)
+
+
+class FloorActScales(OptimizedBackend):
+    """act_quant: UE8M0 scales (fp32 storage, the ceil format) floored instead of ceiled, codes
+    requantized against them.
+
+    The act_quant twin of FloorInputScales (ref §14.17, §14.20; anchors #15).
+    """
+
+    name = "floor_act_scales"
+
+    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._act_quant(p, x, up, rank)
+        out["a2q_scale"].mul_(0.5)  # in place: the column-major strides stay
+        out["a2q"] = _double_codes(out["a2q"])
+        return out
+
+
+class ActScaleBytesReversed(OptimizedBackend):
+    """act_quant (packed UE8M0): scale bytes in the wrong order inside each int32 word.
+
+    anchors #16 (UE8M0 scale packing mismatched with the groups, DeepSeek-V4 W4A8 accuracy) and
+    #13 (UE8M0 / column-major scale quant on Blackwell), class (d).
+    """
+
+    name = "act_scale_bytes_reversed"
+
+    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._act_quant(p, x, up, rank)
+        _reverse_bytes_(out["a2q_scale"])
+        return out
+
+
+class ActScaleWrittenRowMajor(OptimizedBackend):
+    """act_quant: scales stored row-major into a buffer whose strides say column-major (1, M).
+
+    anchors #18 / #19 (scales arrive in the wrong layout: row-major vs swizzled) and #5 (a
+    kernel ignores stride(1)), ref §14.10, class (d).
+    """
+
+    name = "act_scale_written_row_major"
+
+    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._act_quant(p, x, up, rank)
+        s = out["a2q_scale"]
+        wrong = torch.empty_strided(s.shape, s.stride(), dtype=s.dtype, device=s.device)
+        wrong.as_strided((s.numel(),), (1,)).copy_(s.contiguous().view(-1))
+        out["a2q_scale"] = wrong
+        return out
+
+
+# -- gemm2 ----------------------------------------------------------------------------------------
+
+
+class Gemm2IgnoresScaleStrides(OptimizedBackend):
+    """gemm2: the activation scales are read as column-major (1, M), the layout this backend's own
+    act_quant writes, whatever the strides say (the contract allows any).
+
+    anchors #18 ("with dp=1 ... scales are quantized directly into the swizzled layout, which is
+    why the existing tests never caught this"), #5 (stride(1) ignored), ref §14.10. End to end the
+    bug is invisible: only a stage fed another producer's layout (isolated mode) exposes it.
+    """
+
+    name = "gemm2_ignores_scale_strides"
+
+    def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        s = up["act_quant"]["a2q_scale"]
+        assumed = torch.as_strided(s, s.shape, (1, s.shape[0]))
+        return super()._gemm2(p, x, _with(up, "act_quant", a2q_scale=assumed), rank)
+
+
+class NanExpertOutput(OptimizedBackend):
+    """gemm2: every row of one expert (that of the first live slot) comes out NaN.
+
+    anchors #9 (NaN from padding scales cascading into the KV cache), #8 (uninitialised rows give
+    NaN with one GEMM backend) and #17 (NaN logits from a scale format mismatch).
+    """
+
+    name = "nan_expert_output"
+
+    def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._gemm2(p, x, up, rank)
+        m, inv = up["permute"]["m_indices"], up["permute"]["inv_perm"]
+        expert = m[inv[inv >= 0][0]]
+        out["mm2"][m == expert] = float("nan")
+        return out
+
+
+# -- gather ---------------------------------------------------------------------------------------
+
+
+class TopkWeightsIgnored(OptimizedBackend):
+    """gather: every slot weighted 1 instead of its router weight.
+
+    ref §9.4 (TopKWeightAndReduce variants: weights applied in the experts, on the input, or not
+    at all) and §14.15 (apply_router_weight_on_input).
+    """
+
+    name = "topk_weights_ignored"
+
+    def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        ones = torch.ones_like(up["route"]["topk_weights"])
+        return super()._gather(p, x, _with(up, "route", topk_weights=ones), rank)
+
+
+class Bf16GatherAccumulation(OptimizedBackend):
+    """gather: the weighted sum over k accumulated in bf16 (rounded after every slot) instead of
+    fp32 with one final rounding.
+
+    ref §6 / §13 (fp32 accumulation, one RNE to bf16) and anchors #27's lesson: a loose
+    tolerance would accept it. A wrong accumulator cannot be made by post-processing the correct
+    output, so this one recomputes the sum.
+    """
+
+    name = "bf16_gather_accumulation"
+
+    def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        mm2, inv = up["gemm2"]["mm2"], up["permute"]["inv_perm"].long()
+        weights = up["route"]["topk_weights"]
+        acc = torch.zeros(inv.shape[0], mm2.shape[1], dtype=torch.bfloat16, device=mm2.device)
+        for k in range(inv.shape[1]):
+            live = (inv[:, k] >= 0)[:, None]
+            term = mm2[inv[:, k].clamp(min=0)].float() * weights[:, k, None]
+            acc = torch.where(live, (acc.float() + term).to(torch.bfloat16), acc)
+        return {"out": acc}
+
+
+class InvalidSlotGathered(OptimizedBackend):
+    """gather: a -1 slot is not skipped; its row index is clamped to 0, so it adds its weight
+    times mm2 row 0.
+
+    ref §14.6 (tokens whose every slot is -1 must give exact zeros) and §14.14 (inv_perm of
+    skipped slots is uninitialised in vLLM, so reading it fetches an arbitrary row), anchors #23.
+    """
+
+    name = "invalid_slot_gathered"
+
+    def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super()._gather(p, x, up, rank)
+        route, mm2 = up["route"], up["gemm2"]["mm2"]
+        dead = (route["topk_weights"] * (route["topk_ids"] < 0)).sum(dim=1, keepdim=True)
+        out["out"] = (out["out"].float() + dead * mm2[0].float()).to(torch.bfloat16)
+        return out
+
+
+WRONG_BACKENDS: tuple[type[OptimizedBackend], ...] = (
+    MisroutedToken,
+    RoutedScalingTwice,
+    FloorInputScales,
+    MSumOneBlockShort,
+    HalfAlignment,
+    ExpertMapIgnoredOnRank1,
+    SwappedExpertRows,
+    SlotInWrongSegment,
+    PaddingMIndicesZero,
+    UnalignedSegments,
+    InvPermOffByOne,
+    GarbagePaddingScales,
+    NanPaddingPackedScales,
+    PermutedScaleBytesReversed,
+    StaleGemm1Row,
+    HalfGridGemm1,
+    GateUpSwapped,
+    FloorActScales,
+    ActScaleBytesReversed,
+    ActScaleWrittenRowMajor,
+    Gemm2IgnoresScaleStrides,
+    NanExpertOutput,
+    TopkWeightsIgnored,
+    Bf16GatherAccumulation,
+    InvalidSlotGathered,
+)
