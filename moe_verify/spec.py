@@ -65,10 +65,6 @@ class Recipe(str, enum.Enum):
         return (128, 128) if self is Recipe.FP8_BLOCK else (1, 32)
 
     @property
-    def fp4_weights(self) -> bool:
-        return self is Recipe.MXFP4_W4A8
-
-    @property
     def allowed_scale_fmts(self) -> tuple[ScaleFmt, ...]:
         if self is Recipe.FP8_BLOCK:
             return (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED)
@@ -230,10 +226,6 @@ class Topology:
     def explicit_ep(ranks: list[list[int]] | tuple[tuple[int, ...], ...]) -> Topology:
         lists = tuple(tuple(int(e) for e in r) for r in ranks)
         return Topology(TopologyKind.EP, len(lists), Placement.EXPLICIT, lists)
-
-    @property
-    def is_ep(self) -> bool:
-        return self.kind is not TopologyKind.TP
 
     @property
     def stages(self) -> tuple[str, ...]:
