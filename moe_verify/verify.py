@@ -15,7 +15,7 @@ import torch
 from moe_verify.inputs import make_inputs
 from moe_verify.provenance import check_permuted_tokens
 from moe_verify.runner import RankRun, reduce_ranks, resolve_backend, run_all_ranks
-from moe_verify.spec import REDUCE_STAGE, Backend, MoEInputs, MoEProblem, Trace
+from moe_verify.spec import REDUCE_STAGE, Backend, MoEInputs, MoEProblem, TopologyKind, Trace
 from tolerance.compare import CheckResult, StageResult, Worst, compare, compare_stage
 from tolerance.report import Report
 
@@ -53,6 +53,7 @@ def verify(
         isolated=results.get("isolated"),
         chained=results.get("chained"),
         golden=golden.name,
+        rank_experts=rank_experts(problem),
     )
     if dump_dir is not None and not report.passed:
         from moe_verify.dump import dump_case
@@ -81,6 +82,15 @@ def _compare_mode(problem: MoEProblem, runs: list[RankRun], mode: str) -> list[S
     if multi:
         ordered.append(_compare_reduce(problem, runs, mode))
     return ordered
+
+
+def rank_experts(problem: MoEProblem) -> dict[int, list[int]] | None:
+    """EP topologies: the global (logical) experts each rank hosts, for the report."""
+    if problem.topology.kind is TopologyKind.TP:
+        return None
+    from reference.topology import placement
+
+    return dict(enumerate(placement(problem)))
 
 
 def with_provenance(result: StageResult, trace: Trace, rank: int) -> StageResult:

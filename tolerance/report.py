@@ -33,6 +33,8 @@ class Report:
     isolated: list[StageResult] | None = None
     chained: list[StageResult] | None = None
     golden: str = "reference"
+    # EP: the global experts each rank hosts, so a rank-dependent failure names its experts.
+    rank_experts: dict[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -150,6 +152,7 @@ class Report:
             "passed": self.passed,
             "first_failure": self.first_failure,
             "failed_ranks": self.failed_ranks,
+            "rank_experts": self.rank_experts,
             "problem": self.problem.to_dict(),
             "isolated": _results_to_list(self.isolated),
             "chained": _results_to_list(self.chained),
@@ -168,6 +171,9 @@ class Report:
             isolated=_results_from_list(d.get("isolated")),
             chained=_results_from_list(d.get("chained")),
             golden=d.get("golden", "reference"),
+            rank_experts={int(r): e for r, e in d["rank_experts"].items()}
+            if d.get("rank_experts")
+            else None,
         )
 
     # Renderings ------------------------------------------------------------------------------
@@ -216,10 +222,17 @@ class Report:
     def _header(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
         first = self.first_failure or "none"
-        return (
+        head = (
             f"case {self.case_id}  backend {self.backend} vs {self.golden}  mode {self.mode}  "
             f"verdict {verdict}  first failure: {first}"
         )
+        ranks = self.failed_ranks
+        if ranks and self.rank_experts:
+            hosts = "; ".join(
+                f"rank {r} hosts experts {self.rank_experts.get(r, [])}" for r in ranks
+            )
+            head += f"\nfailing ranks: {ranks} ({hosts})"
+        return head
 
 
 def failure_message(case_id: str, mode: str, stage: StageResult, check: CheckResult) -> str:

@@ -56,3 +56,23 @@ def test_skips_pass_by_default_but_fail_strict() -> None:
     assert report.passed and not report.passed_strict
     assert report.counts("isolated")["skip"] == 1
     assert any(r.stage == "gemm2" and r.status == "skip" for r in report.isolated)
+
+
+def test_rank_dependent_failure_names_the_rank_and_its_experts() -> None:
+    from tests.tester.wrong_backends import ExpertMapIgnoredOnRank1
+    from tolerance.report import Report
+
+    problem = MoEProblem(
+        tokens=16,
+        hidden=128,
+        intermediate=128,
+        num_experts=6,
+        topk=2,
+        alignment=32,
+        topology="ep:2",
+    )
+    report = verify(problem, backend=ExpertMapIgnoredOnRank1(engine="triton"), mode="isolated")
+    assert report.failed_ranks == [1]
+    assert "rank 1 hosts experts [3, 4, 5]" in report.to_table()
+    again = Report.from_dict(json.loads(report.to_json()))
+    assert again.rank_experts == {0: [0, 1, 2], 1: [3, 4, 5]}
