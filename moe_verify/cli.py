@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:  # bad input, or the golden itself failing
         print(f"moe-verify: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
 

@@ -1,0 +1,91 @@
+"""Sweeps (summaries, crash isolation with breadcrumbs) and failing-case dumps with replay."""
+
+from __future__ import annotations
+
+import json
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_verify.dump import load_trace, replay
+from moe_verify.spec import MoEProblem
+from moe_verify.sweep import sweep
+from moe_verify.verify import verify
+from optimized.backend import OptimizedBackend
+from reference.layout import aligned_m_sum_upper_bound
+
+pytestmark = pytest.mark.cpu
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = "fp8_block-tp1-T1-H128"  # the T = 1 smoke case: the fastest
+
+
+class CrashesInGemm1(OptimizedBackend):
+    """Dies like an illegal memory access would: the whole process, mid-stage."""
+
+    name = "crashes-in-gemm1"
+
+    def _gemm1(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+        os._exit(139)
+
+
+def test_sweep_writes_junit_json_and_markdown(tmp_path: Path) -> None:
+    summary = sweep("smoke", out_dir=tmp_path, filter_text=SMALL)
+    assert summary.passed and len(summary.outcomes) == 1
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    assert suite.get("tests") == "1" and suite.get("failures") == "0"
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["passed"] and data["cases"][0]["report"]["first_failure"] is None
+    assert "pass / pass" in (tmp_path / "summary.md").read_text()
+
+
+def test_isolated_sweep_survives_a_crashing_case_and_names_the_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)  # the subprocess imports the backend by module path
+    summary = sweep(
+        "smoke",
+        backend="tests.harness.test_sweep_dump:CrashesInGemm1",
+        out_dir=tmp_path,
+        isolate=True,
+        filter_text=SMALL,
+    )
+    (outcome,) = summary.outcomes
+    assert outcome.status == "error"
+    assert "exit 139" in outcome.summary and '"stage": "gemm1"' in outcome.summary
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    assert suite.get("errors") == "1"
+
+
+def test_dump_and_replay_reproduce_a_failure(tmp_path: Path) -> None:
+    from tests.tester.wrong_backends import SwappedExpertRows
+
+    problem = MoEProblem(
+        tokens=16, hidden=128, intermediate=128, num_experts=4, topk=2, alignment=32
+    )
+    report = verify(
+        problem, backend=SwappedExpertRows(engine="triton"), mode="isolated", dump_dir=tmp_path
+    )
+    assert report.first_failure == "permute"
+    case = tmp_path / problem.id
+    assert {
+        "problem.json",
+        "report.json",
+        "inputs.safetensors",
+        "golden_r0.safetensors",
+        "isolated_r0.safetensors",
+    } <= {p.name for p in case.iterdir()}
+    again = replay(
+        case,
+        backend="tests.tester.wrong_backends:SwappedExpertRows",
+        engine="triton",
+        mode="isolated",
+    )
+    assert again.first_failure == "permute"
+    assert replay(case, engine="triton", mode="isolated").passed
+    golden = load_trace(case / "golden_r0.safetensors")
+    m_sum = aligned_m_sum_upper_bound(16, 2, 4, 32)  # host ints survive in the metadata
+    assert golden.stages[0] == "route" and golden["align"]["M_sum"] == m_sum
+    assert golden["permute"]["a_perm"].dtype == torch.float8_e4m3fn
