@@ -112,7 +112,7 @@ def bench(
     golden = ReferenceBackend().run(problem, inputs, 0)
     bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
     timings: list[StageTiming] = []
-    for stage in problem.topology.stages:
+    for stage in problem.stages:
         if stage in ("route", "align", "dispatch"):
             continue  # host bookkeeping or communication stand-ins, not kernels under test
         up = golden.upto(stage)

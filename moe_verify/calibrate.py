@@ -301,7 +301,7 @@ def _compared(
     problem: MoEProblem, runs: list[RankRun], mode: str
 ) -> Iterator[tuple[StageResult, Trace, Trace]]:
     """Each stage result of every rank, then `reduce` across ranks, with the traces compared."""
-    stages = list(problem.topology.stages)
+    stages = list(problem.stages)
     for run in runs:
         other: Trace = getattr(run, mode)
         for result in compare(run.golden, other, problem, stages, mode=mode):

@@ -59,6 +59,12 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routed-scaling-factor", type=float, default=d.routed_scaling_factor)
     p.add_argument("--num-expert-group", type=int, default=d.num_expert_group)
     p.add_argument("--topk-group", type=int, default=d.topk_group)
+    p.add_argument(
+        "--shared-experts",
+        type=int,
+        default=d.shared_experts,
+        help="DeepSeek-style shared experts added to the routed output",
+    )
 
 
 def problem_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -83,6 +89,7 @@ def problem_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         routed_scaling_factor=args.routed_scaling_factor,
         num_expert_group=args.num_expert_group,
         topk_group=args.topk_group,
+        shared_experts=args.shared_experts,
     )
 
 

@@ -410,6 +410,8 @@ def rank_problem(args: argparse.Namespace) -> MoEProblem:
 
     if getattr(args, "dump_dir", None):
         raise ValueError("--dump-dir is not supported with --launcher torchrun yet")
+    if getattr(args, "shared_experts", 0):
+        raise ValueError("--shared-experts is not supported with --launcher torchrun yet")
     if args.problem_json:
         return MoEProblem.from_dict(json.loads(Path(args.problem_json).read_text()))
     return problem_from_args(args)

@@ -45,6 +45,13 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
     router_logits, topk_ids, topk_weights = _routing(p, router_logits, gen)
     w13_q, w13_ckpt = quantize_weight(w13, p)
     w2_q, w2_ckpt = quantize_weight(w2, p)
+    shared_w13 = shared_w2 = None
+    if p.shared_experts:
+        i_s = i * p.shared_experts
+        shared_w13, _ = quantize_weight(
+            randn(1, 2 * i_s, h, scale=1.0 / math.sqrt(h)).bfloat16(), p
+        )
+        shared_w2, _ = quantize_weight(randn(1, h, i_s, scale=1.0 / math.sqrt(i_s)).bfloat16(), p)
     return MoEInputs(
         hidden_states=hidden_states,
         router_logits=router_logits,
@@ -57,6 +64,8 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
         w2_q=w2_q,
         w13_ckpt=w13_ckpt,
         w2_ckpt=w2_ckpt,
+        shared_w13=shared_w13,
+        shared_w2=shared_w2,
     )
 
 

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-from moe_verify.spec import REDUCE_STAGE, Backend, MoEInputs, MoEProblem, StageSkipped, Trace
+from moe_verify.spec import (
+    REDUCE_STAGE,
+    Backend,
+    MoEInputs,
+    MoEProblem,
+    StageSkipped,
+    TopologyKind,
+    Trace,
+)
 
 MODES = ("isolated", "chained")
 
@@ -103,7 +111,7 @@ def did_not_run(outputs: dict[str, object]) -> str | None:
 def run_chained(backend: Backend, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Trace:
     trace = Trace(backend.name, rank)
     blocked: str | None = None
-    for stage in problem.topology.stages:
+    for stage in problem.stages:
         if blocked is not None:
             trace.add(stage, {"skipped": f"upstream stage {blocked} did not run"})
             continue
@@ -119,7 +127,7 @@ def run_isolated(
 ) -> Trace:
     """Each stage fed the golden's upstream: a divergence belongs to exactly that stage."""
     trace = Trace(backend.name, rank)
-    for stage in problem.topology.stages:
+    for stage in problem.stages:
         if stage not in golden or did_not_run(golden[stage]):
             trace.add(stage, {"skipped": f"the golden has no {stage} output to compare"})
             continue
@@ -160,7 +168,7 @@ def run_all_ranks(
 
 def reduce_ranks(traces: list[Trace], problem: MoEProblem) -> dict[str, object]:
     """The cross-rank `reduce` stage from every rank's gather output (emulated all-reduce)."""
-    from reference.topology import reduce_partials
+    from reference.topology import reduce_partials, reduce_with_shared
 
     missing = [t.rank for t in traces if "gather" not in t or did_not_run(t["gather"])]
     if missing:
@@ -168,9 +176,17 @@ def reduce_ranks(traces: list[Trace], problem: MoEProblem) -> dict[str, object]:
     outs = [t["gather"]["out"] for t in traces]
     index = [t["route"].get("token_index") for t in traces]
     has_index = any(i is not None for i in index)
-    return {
-        "out": reduce_partials(outs, problem.tokens, index if has_index else None),
-    }
+    if not problem.shared_experts:
+        return {"out": reduce_partials(outs, problem.tokens, index if has_index else None)}
+    missing = [t.rank for t in traces if "shared" not in t or did_not_run(t["shared"])]
+    if missing:
+        return {"skipped": f"shared did not run on rank(s) {missing}"}
+    reduced_by_combine = problem.topology.kind in (TopologyKind.EP_HT, TopologyKind.EP_LL)
+    shared = [t["shared"]["out"] for t in traces]
+    out = reduce_with_shared(
+        outs, shared, problem.tokens, index if has_index else None, reduced_by_combine
+    )
+    return {"out": out}
 
 
 __all__ = [

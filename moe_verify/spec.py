@@ -272,6 +272,7 @@ class MoEProblem:
     routed_scaling_factor: float = 1.0
     num_expert_group: int = 1
     topk_group: int = 1
+    shared_experts: int = 0  # DeepSeek-style shared experts: a dense MLP every token passes
 
     def __post_init__(self) -> None:
         # Accept plain strings for the enum fields (CLI, JSON round trips).
@@ -339,6 +340,16 @@ class MoEProblem:
                 self.topk <= self.topk_group * (self.num_experts // self.num_expert_group),
                 "topk exceeds the experts left after keeping topk_group groups",
             )
+        need(self.shared_experts >= 0, f"shared_experts must be >= 0, got {self.shared_experts}")
+        if self.shared_experts:
+            # The shared MLP is a dense layer sharded over all ranks (attention TP = ranks).
+            shard = self.intermediate * self.shared_experts // self.topology.size
+            need(
+                self.intermediate * self.shared_experts % self.topology.size == 0
+                and shard % step == 0,
+                f"shared intermediate {self.intermediate * self.shared_experts} must split into "
+                f"{self.topology.size} shards that are multiples of {step}",
+            )
         if self.topology.kind is TopologyKind.EP_LL:
             # vLLM's BatchedDeepGemmExperts: FP8 block, SILU, fp32 (or ceil) scales per 128
             # (packed UE8M0 there is an SM100 DeepEP mode with a batched layout not modelled yet).
@@ -355,6 +366,11 @@ class MoEProblem:
                 hosted == set(range(self.num_experts)),
                 "explicit placement must host every expert 0..E-1 at least once",
             )
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """This rank's stages: the topology's, then `shared` when there are shared experts."""
+        return self.topology.stages + (("shared",) if self.shared_experts else ())
 
     @property
     def intermediate_per_rank(self) -> int:
@@ -384,6 +400,8 @@ class MoEProblem:
             parts.append(self.activation.tag)
         if self.alignment != 128:
             parts.append(f"A{self.alignment}")
+        if self.shared_experts:
+            parts.append(f"sh{self.shared_experts}")
         if self.provenance:
             parts.append("prov")
         if self.seed:
@@ -418,6 +436,7 @@ class MoEProblem:
             "routed_scaling_factor": self.routed_scaling_factor,
             "num_expert_group": self.num_expert_group,
             "topk_group": self.topk_group,
+            "shared_experts": self.shared_experts,
         }
 
     @staticmethod
@@ -481,6 +500,8 @@ class MoEInputs:
     w13, w2         bf16 master weights [E, 2I, H] (gate rows first) and [E, H, I]
     w13_q, w2_q     the quantized, post-processed weights the kernel sees
     w13_ckpt, w2_ckpt  the checkpoint before UE8M0 requantization (None when no requant happened)
+    shared_w13, shared_w2  the shared experts as one dense gated MLP [1, 2*Is, H], [1, H, Is]
+                    (Is = intermediate x shared_experts), quantized like the routed experts
     """
 
     hidden_states: torch.Tensor
@@ -494,6 +515,8 @@ class MoEInputs:
     w2_q: QuantizedWeight
     w13_ckpt: QuantizedWeight | None = None
     w2_ckpt: QuantizedWeight | None = None
+    shared_w13: QuantizedWeight | None = None
+    shared_w2: QuantizedWeight | None = None
 
     def to(self, device: torch.device | str) -> MoEInputs:
         def mv(x: object) -> object:
@@ -585,6 +608,6 @@ class Backend(Protocol):
 def run_stages(backend: Backend, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Trace:
     """Chain `backend.run_stage` over the topology's stages (the default `run`)."""
     trace = Trace(backend.name, rank)
-    for stage in problem.topology.stages:
+    for stage in problem.stages:
         trace.add(stage, backend.run_stage(stage, problem, inputs, trace, rank))
     return trace

@@ -68,7 +68,7 @@ def _compare_mode(problem: MoEProblem, runs: list[RankRun], mode: str) -> list[S
     per_rank: list[list[StageResult]] = []
     for run in runs:
         other: Trace = getattr(run, mode)
-        results = compare(run.golden, other, problem, list(problem.topology.stages), mode=mode)
+        results = compare(run.golden, other, problem, list(problem.stages), mode=mode)
         results = [
             dataclasses.replace(
                 r, rank=run.rank if multi else None, engine=engine_of(other, r.stage)
@@ -79,7 +79,7 @@ def _compare_mode(problem: MoEProblem, runs: list[RankRun], mode: str) -> list[S
             results = [with_provenance(r, other, run.rank) for r in results]
         per_rank.append(results)
     ordered = [results[i] for i in range(len(per_rank[0])) for results in per_rank]
-    if multi:
+    if multi or problem.shared_experts:  # the runner's finish: ranks summed, shared added
         ordered.append(_compare_reduce(problem, runs, mode))
     return ordered
 

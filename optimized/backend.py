@@ -24,7 +24,7 @@ from moe_verify.spec import (
 from optimized import deepgemm
 from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter
 from optimized.routing import select_experts
-from optimized.topology import Shard, shard
+from optimized.topology import Shard, shard, tp_down_shard, tp_gate_up_shard
 
 Outputs = dict[str, object]
 ENGINES = ("auto", "deepgemm", "triton")
@@ -290,6 +290,35 @@ class OptimizedBackend:
             out=self._buffer("out", (ids.shape[0], mm2.shape[1]), torch.bfloat16, mm2.device),
         )
         return {"out": self._own(out)}
+
+    def _shared(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        """Shared experts: a dense gated MLP on every token, this rank's intermediate shard, with
+        the same kernels (one group: every row is expert 0). vLLM runs it through dense FP8
+        linears, not the DeepGEMM MoE path, so the Triton engine computes it here."""
+        if x.shared_w13 is None or x.shared_w2 is None:
+            raise ValueError("shared_experts > 0 needs inputs with shared_w13 / shared_w2")
+        size = p.topology.size
+        i_s = x.shared_w2.shape[2]
+        w13 = tp_gate_up_shard(x.shared_w13, i_s, i_s // size, rank)
+        w2 = tp_down_shard(x.shared_w2, i_s // size, rank)
+        hidden = x.hidden_states
+        if p.recipe is Recipe.MXFP8:
+            a, bytes_ = quant.quantize_mxfp8(hidden, 32)
+            a_scale = quant.pack_ue8m0(bytes_)
+        else:
+            a, a_scale = quant.quantize_fp8_groups(hidden, 128, p.scale_fmt)
+        rows = hidden.shape[0]
+        if rows == 0:
+            return {"out": torch.zeros(0, p.hidden, dtype=torch.bfloat16, device=hidden.device)}
+        every_row = torch.zeros(rows, dtype=torch.int32, device=hidden.device)
+        mm1 = grouped_gemm.grouped_gemm(
+            a, a_scale, p.recipe.act_group, w13.q, w13.scale, w13.block, every_row, rows
+        )
+        a2, a2_scale = act_quant.silu_mul_quant(mm1, p.activation, _act_group(p), p.scale_fmt)
+        out = grouped_gemm.grouped_gemm(
+            a2, a2_scale, _act_group(p), w2.q, w2.scale, w2.block, every_row, rows
+        )
+        return {"out": out, "engine": "triton"}
 
     # -- batched low-latency layout (ep:N+ll) ----------------------------------------------------
 

@@ -89,8 +89,8 @@ def shard(problem: MoEProblem, w13: QuantizedWeight, w2: QuantizedWeight, rank: 
         return Shard(
             tuple(range(problem.num_experts)),
             None,
-            _tp_w13(w13, problem.intermediate, problem.intermediate_per_rank, rank),
-            _tp_w2(w2, problem.intermediate_per_rank, rank),
+            tp_gate_up_shard(w13, problem.intermediate, problem.intermediate_per_rank, rank),
+            tp_down_shard(w2, problem.intermediate_per_rank, rank),
         )
     experts = hosted_experts(problem, rank)
     return Shard(
@@ -101,7 +101,7 @@ def shard(problem: MoEProblem, w13: QuantizedWeight, w2: QuantizedWeight, rank: 
     )
 
 
-def _tp_w13(w: QuantizedWeight, inter: int, per_rank: int, rank: int) -> QuantizedWeight:
+def tp_gate_up_shard(w: QuantizedWeight, inter: int, per_rank: int, rank: int) -> QuantizedWeight:
     """Rank's gate rows and the matching up rows, concatenated (gate first, as in the kernel)."""
     block_rows = w.block[0]
     lo, hi = rank * per_rank, (rank + 1) * per_rank
@@ -111,7 +111,7 @@ def _tp_w13(w: QuantizedWeight, inter: int, per_rank: int, rank: int) -> Quantiz
     return QuantizedWeight(q.contiguous(), s.contiguous(), w.block)
 
 
-def _tp_w2(w: QuantizedWeight, per_rank: int, rank: int) -> QuantizedWeight:
+def tp_down_shard(w: QuantizedWeight, per_rank: int, rank: int) -> QuantizedWeight:
     """Rank's slice of w2's reduction (K) columns; FP4 packs two columns per byte."""
     lo, hi = rank * per_rank, (rank + 1) * per_rank
     div = 2 if w.fp4 else 1

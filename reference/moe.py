@@ -34,7 +34,13 @@ from reference.layout import (
     permute_plan,
     permute_rows,
 )
-from reference.topology import RankView, dispatched_tokens, logical_to_physical, rank_view
+from reference.topology import (
+    RankView,
+    dispatched_tokens,
+    logical_to_physical,
+    rank_view,
+    shared_shard,
+)
 
 Outputs = dict[str, object]
 
@@ -197,6 +203,24 @@ class ReferenceBackend:
             up["permute"]["inv_perm"],
             view.expert_map,
         )
+        return {"out": out}
+
+    def _shared(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+        """The shared experts: a dense gated MLP over every token (weight 1), this rank's shard
+        of its intermediate dimension, quantized like the routed experts (ref §10.6)."""
+        if x.shared_w13 is None or x.shared_w2 is None:
+            raise ValueError("shared_experts > 0 needs inputs with shared_w13 / shared_w2")
+        w13, w2 = shared_shard(p, x.shared_w13, x.shared_w2, view.rank)
+        hidden = x.hidden_states
+        if p.recipe is Recipe.MXFP8:
+            a, a_scale = formats.quantize_mxfp8(hidden, 32)
+            a_scale = formats.pack_ue8m0(a_scale)
+        else:
+            a, a_scale = formats.quantize_fp8_groups(hidden, 128, p.scale_fmt)
+        every_row = torch.zeros(hidden.shape[0], dtype=torch.int32, device=hidden.device)
+        mm1 = grouped_gemm(a, a_scale, p.recipe.act_group, w13, every_row, self.precision)
+        a2, a2_scale = act_quant(mm1, p.activation, act_group(p), p.scale_fmt)
+        out = grouped_gemm(a2, a2_scale, act_group(p), w2, every_row, self.precision)
         return {"out": out}
 
     def _dispatch(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:

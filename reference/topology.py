@@ -155,9 +155,43 @@ def rank_view(
     )
 
 
+def shared_shard(
+    problem: MoEProblem, w13: QuantizedWeight, w2: QuantizedWeight, rank: int
+) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """Rank's shard of the shared MLP: it is a dense layer, split over every rank (the attention
+    TP group) whatever the experts' topology."""
+    n, i_s = problem.topology.size, w2.shape[2]
+    shard = i_s // n
+    gate = torch.arange(rank * shard, (rank + 1) * shard, device=w13.q.device)
+    return _rows(w13, torch.cat([gate, gate + i_s])), _cols(w2, rank * shard, (rank + 1) * shard)
+
+
 def dispatched_tokens(local_ids: torch.Tensor) -> torch.Tensor:
     """ep+ht: int64 indices of tokens with at least one slot on this rank (DeepEP dispatch)."""
     return (local_ids >= 0).any(dim=1).nonzero().squeeze(1)
+
+
+def reduce_with_shared(
+    routed: list[torch.Tensor],
+    shared: list[torch.Tensor],
+    num_tokens: int,
+    token_index: list[torch.Tensor | None] | None,
+    output_is_reduced: bool,
+) -> torch.Tensor:
+    """The runner's finish (vLLM MoERunner, ref §10.6): routed + shared, then the final reduce.
+
+    When the prepare/finalize already reduced the routed output (DeepEP HT/LL combine), the shared
+    partials are all-reduced on their own and added; otherwise each rank adds its shared partial
+    to its routed partial in bf16 and the sums are all-reduced.
+    """
+    if output_is_reduced:
+        combined = reduce_partials(routed, num_tokens, token_index)
+        shared_sum = reduce_partials(shared, num_tokens)
+        return (combined.float() + shared_sum.float()).to(torch.bfloat16)
+    finals = [
+        (r.float() + s.float()).to(torch.bfloat16) for r, s in zip(routed, shared, strict=True)
+    ]
+    return reduce_partials(finals, num_tokens)
 
 
 def reduce_partials(

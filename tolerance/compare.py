@@ -1014,7 +1014,7 @@ def _act_quant(ctx: _Ctx) -> list[CheckResult]:
 
 
 def _token_output(ctx: _Ctx, stage: str) -> list[CheckResult]:
-    """gather / reduce: out [M, H] per element and per token."""
+    """gather / shared / reduce: out [M, H] per element and per token."""
     g = _tensor(ctx.golden, stage, "out")
     o = _tensor(ctx.other, stage, "out")
     if o.shape != g.shape:
@@ -1041,6 +1041,7 @@ _COMPARERS: dict[str, Callable[[_Ctx], list[CheckResult]]] = {
     "act_quant": _act_quant,
     "gemm2": partial(_gemm, stage="gemm2", name="mm2"),
     "gather": partial(_token_output, stage="gather"),
+    "shared": partial(_token_output, stage="shared"),
     REDUCE_STAGE: partial(_token_output, stage=REDUCE_STAGE),
 }
 
@@ -1050,7 +1051,7 @@ _COMPARERS: dict[str, Callable[[_Ctx], list[CheckResult]]] = {
 
 def default_stages(problem: MoEProblem, golden: Trace, other: Trace) -> list[str]:
     """The topology's stages, plus `reduce` when either trace has it."""
-    names = list(problem.topology.stages)
+    names = list(problem.stages)
     if REDUCE_STAGE in golden or REDUCE_STAGE in other:
         names.append(REDUCE_STAGE)
     return names

@@ -365,6 +365,24 @@ POLICY: tuple[Rule, ...] = (
             calc_diff=_GEMM_CHAINED.calc_diff,
         ),
     ),
+    # -- shared: GEMM1 -> SwiGLU + requant -> GEMM2 inside one stage, so its own requant noise
+    #    is chained noise even when the stage is fed the golden's inputs.
+    Rule(
+        "shared",
+        ANY,
+        ANY,
+        ANY,
+        Check(
+            "gemm",
+            "shared experts: a dense two-GEMM MLP with an fp8 requant in between, run in one "
+            "stage: its requant may land codes one step apart as in chained mode",
+            atol=_GEMM_CHAINED.atol,
+            rtol=_GEMM_CHAINED.rtol,
+            mismatch_frac=_GEMM_CHAINED.mismatch_frac,
+            row_err=_GEMM_CHAINED.row_err,
+            calc_diff=_GEMM_CHAINED.calc_diff,
+        ),
+    ),
     # -- reduce: sum over ranks of bf16 partials (TP all-reduce / EP combine).
     Rule(
         "reduce",

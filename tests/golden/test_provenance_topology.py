@@ -101,3 +101,28 @@ def test_explicit_placement_with_replicas_matches_single_rank() -> None:
     reduced.add("reduce", reduce_ranks(ranks, p))
     one.add("reduce", {"out": golden.run(p.replace(topology=Topology()), inputs)["gather"]["out"]})
     assert compare_stage("reduce", one, reduced, p).status == "pass"
+
+
+@pytest.mark.parametrize("topology", ["tp:2", "ep:2", "ep:2+ht", "ep:2+ll"])
+def test_shared_experts_reduce_matches_single_rank(topology: str) -> None:
+    p = MoEProblem(
+        tokens=24,
+        hidden=128,
+        intermediate=256,
+        num_experts=4,
+        topk=2,
+        topology=topology,
+        shared_experts=1,
+    )
+    inputs = make_inputs(p, "cpu")
+    golden = ReferenceBackend()
+    ranks = [golden.run(p, inputs, r) for r in range(2)]
+    single = p.replace(topology=Topology())
+    one_trace = golden.run(single, inputs)
+    reduced, one = Trace("ranks"), Trace("single")
+    reduced.add("reduce", reduce_ranks(ranks, p))
+    one.add("reduce", reduce_ranks([one_trace], single))
+    assert compare_stage("reduce", one, reduced, p).status == "pass"
+    # the shared MLP really contributes: dropping it moves the output
+    routed_only = reduce_ranks(ranks, p.replace(shared_experts=0))["out"]
+    assert not torch.allclose(routed_only.float(), reduced["reduce"]["out"].float(), atol=1e-2)

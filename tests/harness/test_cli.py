@@ -76,3 +76,29 @@ def test_rank_dependent_failure_names_the_rank_and_its_experts() -> None:
     assert "rank 1 hosts experts [3, 4, 5]" in report.to_table()
     again = Report.from_dict(json.loads(report.to_json()))
     assert again.rank_experts == {0: [0, 1, 2], 1: [3, 4, 5]}
+
+
+class SharedTwice(OptimizedBackend):
+    """The shared experts' output added twice (vLLM runner bug class: shared reduced twice)."""
+
+    name = "shared-twice"
+
+    def _shared(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+        out = super()._shared(p, x, up, rank)["out"]
+        return {"out": (out.float() * 2).to(out.dtype), "engine": "triton"}
+
+
+def test_shared_expert_bug_is_named_at_the_shared_stage() -> None:
+    problem = MoEProblem(
+        tokens=8,
+        hidden=128,
+        intermediate=256,
+        num_experts=4,
+        topk=2,
+        alignment=32,
+        topology="ep:2",
+        shared_experts=1,
+    )
+    report = verify(problem, backend=SharedTwice(engine="triton"), mode="isolated")
+    assert report.first_failure == "shared"
+    assert {r.stage for r in report.isolated if r.status == "fail"} == {"shared", "reduce"}
