@@ -116,7 +116,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         engine=args.engine,
         dump_dir=Path(args.dump_dir) if args.dump_dir else None,
     )
-    print(report.to_table())
+    print(report.to_table() if args.verbose else report.to_summary())
     if args.json:
         Path(args.json).write_text(report.to_json())
     if args.markdown:
@@ -146,7 +146,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from moe_verify.dump import replay
 
     report = replay(Path(args.dump), backend=args.backend, engine=args.engine, mode=args.mode)
-    print(report.to_table())
+    print(report.to_summary())
     return EXIT_PASS if report.passed else EXIT_FAIL
 
 
@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dump-dir", help="on failure, dump inputs and both traces here")
     run.add_argument(
         "--strict", action="store_true", help="a skipped stage fails the run too (exit 1)"
+    )
+    run.add_argument(
+        "--verbose", "-v", action="store_true", help="every check of every stage, not a line each"
     )
     run.add_argument(
         "--problem-json",

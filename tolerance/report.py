@@ -200,6 +200,46 @@ class Report:
             lines.extend(f"  {m}" for m in failures)
         return "\n".join(lines)
 
+    def to_summary(self) -> str:
+        """One line per stage: its isolated and chained status side by side, the check closest
+        to (or over) its limit, and where; then the failure messages. The CLI's default view."""
+        lines = [self._header()]
+        by_mode = {mode: {(r.stage, r.rank): r for r in results} for mode, results in self.modes()}
+        keys: list[tuple[str, int | None]] = []
+        for _, results in self.modes():
+            keys += [(r.stage, r.rank) for r in results if (r.stage, r.rank) not in keys]
+        rows = [("stage", "isolated", "chained", "tightest check (value / limit)", "where")]
+        for key in keys:
+            iso, ch = by_mode.get("isolated", {}).get(key), by_mode.get("chained", {}).get(key)
+            shown = [r for r in (iso, ch) if r is not None]
+            label = next((r.label for r in shown if r.engine), shown[0].label)
+            check = _tightest(shown[0])
+            rows.append(
+                (
+                    label,
+                    iso.status if iso else "-",
+                    ch.status if ch else "-",
+                    f"{check.name}: {_fmt(check.value)} / {_fmt(check.limit)}" if check else "",
+                    check.worst.coords() if check and check.worst else "",
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        for n, row in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+            if n == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        skipped = [
+            f"{r.label}: {r.reason}" for _, rs in self.modes() for r in rs if r.status == "skip"
+        ]
+        if skipped:
+            lines.append("skipped:")
+            lines.extend(f"  {m}" for m in dict.fromkeys(skipped))
+        failures = self.failure_messages()
+        if failures:
+            lines.append("failures:")
+            lines.extend(f"  {m}" for m in failures)
+        return "\n".join(lines)
+
     def to_markdown(self) -> str:
         lines = [
             f"## {self.case_id}: {'PASS' if self.passed else 'FAIL'}",
@@ -233,6 +273,23 @@ class Report:
             )
             head += f"\nfailing ranks: {ranks} ({hosts})"
         return head
+
+
+def _tightest(result: StageResult) -> CheckResult | None:
+    """A failed check if any, else the one with the largest value / limit (bounded checks)."""
+    if not result.checks:
+        return None
+    failed = result.failed_checks
+    if failed:
+        return failed[0]
+
+    def ratio(c: CheckResult) -> float:
+        try:
+            return float(c.value) / float(c.limit) if float(c.limit) > 0 else 0.0
+        except (TypeError, ValueError):
+            return 0.0
+
+    return max(result.checks, key=ratio)
 
 
 def failure_message(case_id: str, mode: str, stage: StageResult, check: CheckResult) -> str:

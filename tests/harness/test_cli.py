@@ -102,3 +102,16 @@ def test_shared_expert_bug_is_named_at_the_shared_stage() -> None:
     report = verify(problem, backend=SharedTwice(engine="triton"), mode="isolated")
     assert report.first_failure == "shared"
     assert {r.stage for r in report.isolated if r.status == "fail"} == {"shared", "reduce"}
+
+
+def test_summary_puts_modes_side_by_side_one_line_per_stage() -> None:
+    from tests.tester.wrong_backends import SwappedExpertRows
+
+    problem = MoEProblem(
+        tokens=16, hidden=128, intermediate=128, num_experts=4, topk=2, alignment=32
+    )
+    text = verify(problem, backend=SwappedExpertRows(engine="triton"), mode="both").to_summary()
+    permute = next(line for line in text.splitlines() if line.startswith("permute "))
+    assert permute.split()[1:3] == ["fail", "fail"] and "a_perm rows" in permute
+    gemm1 = next(line for line in text.splitlines() if line.startswith("gemm1 [triton]"))
+    assert gemm1.split()[2:4] == ["pass", "fail"]  # isolated clean, chained inherits the swap
