@@ -18,13 +18,19 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import torch
 
 from moe_verify.spec import REDUCE_STAGE, MoEProblem, Trace
+from tolerance.layouts import (
+    _E8M0_NAN,
+    comparable_scale_codes,
+    flatten_batched,
+    scale_values,
+    unpack_ue8m0,
+)
 from tolerance.metrics import (
     Mismatch,
     argmax_coords,
@@ -46,158 +52,16 @@ from tolerance.metrics import (
     row_rel_error,
 )
 from tolerance.policy import CONTRACT_REASON, MODES, NONFINITE_REASON, Check, Limit, policy_for
-
-Status = Literal["pass", "fail", "skip", "error"]
-
-# The key a backend (or the runner, on StageSkipped) records as a stage's only output to mark it
-# skipped: trace.add(stage, {SKIP_KEY: "needs SM100 (m_grouped_fp8_fp4_gemm_nt_contiguous)"}).
-SKIP_KEY = "skipped"
-# The key the runner records when a stage raised: {ERROR_KEY: "RuntimeError: ... (at f.py:12)"}.
-ERROR_KEY = "error"
-# Stages of the batched low-latency layout not compared yet: the contract's `slot` gives a row
-# inside an expert batch but not which local expert's batch, so slots cannot be keyed.
-_E8M0_NAN = 0xFF
-
-
-@dataclass(frozen=True)
-class Worst:
-    """Where the worst (or first) difference is, and the value on each side.
-
-    expert is the global expert id (the golden's topk_ids[token, k]) where known; row is the row
-    of the other side's permuted buffer for permuted-layout stages.
-    """
-
-    token: int | None = None
-    k: int | None = None
-    expert: int | None = None
-    rank: int | None = None
-    column: int | None = None
-    golden: float | int | None = None
-    other: float | int | None = None
-    row: int | None = None
-
-    def coords(self) -> str:
-        """'(token 2, k 1, expert 3, rank 0, column 17)', '-' where unknown."""
-        names = ("token", "k", "expert", "rank", "column")
-        parts = [f"{n} {'-' if getattr(self, n) is None else getattr(self, n)}" for n in names]
-        return "(" + ", ".join(parts) + ")"
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One check of one stage: the measured value against its limit, with the limit's reason."""
-
-    name: str
-    passed: bool
-    value: float
-    limit: float
-    reason: str
-    worst: Worst | None = None
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class StageResult:
-    """All checks of one stage. status: pass, fail, skip (reason says why) or error (the
-    comparison itself raised; reason holds the exception)."""
-
-    stage: str
-    status: Status
-    checks: list[CheckResult] = field(default_factory=list)
-    reason: str = ""
-    rank: int | None = None  # the rank whose trace this is (None: single rank or cross-rank)
-    engine: str | None = None  # the GEMM engine the tested side reported, for GEMM stages
-
-    @property
-    def label(self) -> str:
-        """'gemm1@r1 [deepgemm]': stage, rank when multi-rank, engine when reported."""
-        text = self.stage if self.rank is None else f"{self.stage}@r{self.rank}"
-        return text if self.engine is None else f"{text} [{self.engine}]"
-
-    @property
-    def failed_checks(self) -> list[CheckResult]:
-        return [c for c in self.checks if not c.passed]
-
-
-class ContractError(Exception):
-    """A trace's stage outputs break the stage contract (missing entry, wrong dtype or shape)."""
-
-
-# Layout decoders ---------------------------------------------------------------------------------
-
-
-def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
-    """Exponent bytes of packed UE8M0 scales: int32 [R, P] -> int64 [R, groups].
-
-    Byte j (little-endian) of word p holds group 4p + j; any strides (MN-major TMA-aligned storage
-    is read through its logical view). Pad bytes past `groups` are dropped.
-    """
-    if packed.dtype != torch.int32 or packed.dim() != 2:
-        raise ContractError(
-            f"packed UE8M0 scales must be int32 [R, P], got {packed.dtype} {tuple(packed.shape)}"
-        )
-    if 4 * packed.shape[1] < groups:
-        raise ContractError(
-            f"packed scales hold {4 * packed.shape[1]} groups per row, need {groups}"
-        )
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
-    data = (packed.to(torch.int64)[:, :, None] >> shifts) & 0xFF
-    return data.reshape(packed.shape[0], 4 * packed.shape[1])[:, :groups]
-
-
-def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """float64 [...]: 2^(byte - 127); byte 0xFF is NaN (as the kernel reads it)."""
-    values = torch.exp2(codes.to(torch.float64) - 127.0)
-    return torch.where(codes == _E8M0_NAN, torch.full_like(values, float("nan")), values)
-
-
-def fp32_to_e8m0(values: torch.Tensor) -> torch.Tensor:
-    """int64 [...]: the exponent byte of each fp32 power of two (+0.0 -> 0), -1 where the value
-    has a sign or mantissa bit set, so it has no exact UE8M0 byte."""
-    raw = bits(values.to(torch.float32)).to(torch.int64) & 0xFFFFFFFF
-    exact = (raw & 0x807FFFFF) == 0
-    return torch.where(exact, raw >> 23, torch.full_like(raw, -1))
-
-
-def scale_codes(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, str]:
-    """Canonical bit-level form of one scale tensor: (int64 [R, groups], "fp32" | "e8m0").
-
-    fp32 [R, groups] -> raw bits; uint8 [R, groups] E8M0 bytes and int32 packed -> bytes.
-    """
-    if x.dtype == torch.int32:
-        return unpack_ue8m0(x, groups), "e8m0"
-    if x.dim() != 2 or x.shape[1] != groups:
-        raise ContractError(f"scales must be [rows, {groups}], got {x.dtype} {tuple(x.shape)}")
-    if x.dtype == torch.uint8:
-        return x.to(torch.int64), "e8m0"
-    if x.dtype == torch.float32:
-        return bits(x).to(torch.int64) & 0xFFFFFFFF, "fp32"
-    raise ContractError(f"scales must be fp32, uint8 E8M0 or int32 packed, got {x.dtype}")
-
-
-def comparable_scale_codes(
-    other: torch.Tensor, golden: torch.Tensor, groups: int
-) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """Both sides' scales as int64 codes that are equal exactly when the scales are, and the code
-    kind ("fp32" raw bits, or "e8m0" bytes).
-
-    Same storage kind: raw bits / bytes. fp32 vs E8M0 bytes: the fp32 side becomes bytes, with -1
-    for a value that is not a power of two (it can then never match).
-    """
-    co, ko = scale_codes(other, groups)
-    cg, kg = scale_codes(golden, groups)
-    if ko == kg:
-        return co, cg, ko
-    co = fp32_to_e8m0(other) if ko == "fp32" else co
-    cg = fp32_to_e8m0(golden) if kg == "fp32" else cg
-    return co, cg, "e8m0"
-
-
-def scale_values(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """float64 [R, groups] dequantization scales from fp32, uint8 E8M0 or int32 packed storage."""
-    codes, kind = scale_codes(x, groups)
-    return x.to(torch.float64) if kind == "fp32" else e8m0_to_float(codes)
-
+from tolerance.results import (
+    ERROR_KEY,
+    SKIP_KEY,
+    CheckResult,
+    ContractError,
+    StageResult,
+    Worst,
+)
+from tolerance.results import entry as _entry
+from tolerance.results import ran as _ran
 
 # Comparison context ------------------------------------------------------------------------------
 
@@ -230,13 +94,6 @@ class _Ctx:
         if not isinstance(ids, torch.Tensor) or t >= ids.shape[0]:
             return ""
         return f"; golden routes token {self.token(t)} to experts {[int(e) for e in ids[t]]}"
-
-
-def _entry(trace: Trace, stage: str, name: str) -> object:
-    outs = trace[stage]
-    if name not in outs:
-        raise ContractError(f"{trace.backend} {stage} has no {name!r} (it has {sorted(outs)})")
-    return outs[name]
 
 
 def _tensor(trace: Trace, stage: str, name: str) -> torch.Tensor:
@@ -1057,10 +914,6 @@ def default_stages(problem: MoEProblem, golden: Trace, other: Trace) -> list[str
     return names
 
 
-def _ran(outputs: dict[str, object]) -> bool:
-    return SKIP_KEY not in outputs and ERROR_KEY not in outputs
-
-
 def not_compared(stage: str, golden: Trace, other: Trace) -> StageResult | None:
     """A skip (stage missing or skipped on either side) or error (a side raised in the stage)
     result when `stage` cannot be compared; None when it can. The other side is checked first."""
@@ -1073,43 +926,6 @@ def not_compared(stage: str, golden: Trace, other: Trace) -> StageResult | None:
         if SKIP_KEY in outs:
             return StageResult(stage, "skip", [], f"{who} skipped {stage}: {outs[SKIP_KEY]}")
     return None
-
-
-def flatten_batched(trace: Trace) -> Trace:
-    """The batched low-latency layout (ep:N+ll) seen as a contiguous one, so every comparison of
-    the permuted layout applies: expert e's batch is rows [e*T, (e+1)*T) of one buffer, a
-    synthesized `permute` stage keys (token, k) to row slot_expert*T + slot, and the batched
-    GEMM / act_quant outputs [E_l, T, N] become [E_l*T, N]. Other traces pass through."""
-    if "dispatch" not in trace:
-        return trace
-    out = Trace(trace.backend, trace.rank)
-    for name, outs in trace.items():
-        if name in ("gemm1", "act_quant", "gemm2") and _ran(outs):
-            outs = {
-                k: v.reshape(-1, v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() == 3 else v
-                for k, v in outs.items()
-            }
-        out.add(name, outs)
-        if name == "dispatch" and _ran(outs):
-            a = _entry(trace, "dispatch", "a_batched")
-            e_l, t_max = a.shape[0], a.shape[1]
-            slot = _entry(trace, "dispatch", "slot").long()
-            expert = _entry(trace, "dispatch", "slot_expert").long()
-            masked_m = _entry(trace, "dispatch", "masked_m").long()
-            scales = _entry(trace, "dispatch", "a_scale_batched")
-            row = torch.arange(t_max, device=masked_m.device)[None, :]
-            local = torch.arange(e_l, device=masked_m.device)[:, None]
-            m_indices = torch.where(row < masked_m[:, None], local, -1).reshape(-1)
-            out.add(
-                "permute",
-                {
-                    "a_perm": a.reshape(e_l * t_max, a.shape[-1]),
-                    "a_scale_perm": scales.reshape(e_l * t_max, scales.shape[-1]),
-                    "m_indices": m_indices.to(torch.int32),
-                    "inv_perm": torch.where(slot >= 0, expert * t_max + slot, -1).to(torch.int32),
-                },
-            )
-    return out
 
 
 def compare_stage(

@@ -1,0 +1,124 @@
+"""Layout decoders for comparison: packed UE8M0 scale bytes, fp32 vs E8M0 scale codes, and the
+batched low-latency layout seen as a contiguous one. Written here, not imported from `reference`,
+so the comparison stays independent of the golden it judges.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_verify.spec import Trace
+from tolerance.metrics import bits
+from tolerance.results import ContractError, entry, ran
+
+_E8M0_NAN = 0xFF
+
+
+def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """Exponent bytes of packed UE8M0 scales: int32 [R, P] -> int64 [R, groups].
+
+    Byte j (little-endian) of word p holds group 4p + j; any strides (MN-major TMA-aligned storage
+    is read through its logical view). Pad bytes past `groups` are dropped.
+    """
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ContractError(
+            f"packed UE8M0 scales must be int32 [R, P], got {packed.dtype} {tuple(packed.shape)}"
+        )
+    if 4 * packed.shape[1] < groups:
+        raise ContractError(
+            f"packed scales hold {4 * packed.shape[1]} groups per row, need {groups}"
+        )
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
+    data = (packed.to(torch.int64)[:, :, None] >> shifts) & 0xFF
+    return data.reshape(packed.shape[0], 4 * packed.shape[1])[:, :groups]
+
+
+def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """float64 [...]: 2^(byte - 127); byte 0xFF is NaN (as the kernel reads it)."""
+    values = torch.exp2(codes.to(torch.float64) - 127.0)
+    return torch.where(codes == _E8M0_NAN, torch.full_like(values, float("nan")), values)
+
+
+def fp32_to_e8m0(values: torch.Tensor) -> torch.Tensor:
+    """int64 [...]: the exponent byte of each fp32 power of two (+0.0 -> 0), -1 where the value
+    has a sign or mantissa bit set, so it has no exact UE8M0 byte."""
+    raw = bits(values.to(torch.float32)).to(torch.int64) & 0xFFFFFFFF
+    exact = (raw & 0x807FFFFF) == 0
+    return torch.where(exact, raw >> 23, torch.full_like(raw, -1))
+
+
+def scale_codes(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, str]:
+    """Canonical bit-level form of one scale tensor: (int64 [R, groups], "fp32" | "e8m0").
+
+    fp32 [R, groups] -> raw bits; uint8 [R, groups] E8M0 bytes and int32 packed -> bytes.
+    """
+    if x.dtype == torch.int32:
+        return unpack_ue8m0(x, groups), "e8m0"
+    if x.dim() != 2 or x.shape[1] != groups:
+        raise ContractError(f"scales must be [rows, {groups}], got {x.dtype} {tuple(x.shape)}")
+    if x.dtype == torch.uint8:
+        return x.to(torch.int64), "e8m0"
+    if x.dtype == torch.float32:
+        return bits(x).to(torch.int64) & 0xFFFFFFFF, "fp32"
+    raise ContractError(f"scales must be fp32, uint8 E8M0 or int32 packed, got {x.dtype}")
+
+
+def comparable_scale_codes(
+    other: torch.Tensor, golden: torch.Tensor, groups: int
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Both sides' scales as int64 codes that are equal exactly when the scales are, and the code
+    kind ("fp32" raw bits, or "e8m0" bytes).
+
+    Same storage kind: raw bits / bytes. fp32 vs E8M0 bytes: the fp32 side becomes bytes, with -1
+    for a value that is not a power of two (it can then never match).
+    """
+    co, ko = scale_codes(other, groups)
+    cg, kg = scale_codes(golden, groups)
+    if ko == kg:
+        return co, cg, ko
+    co = fp32_to_e8m0(other) if ko == "fp32" else co
+    cg = fp32_to_e8m0(golden) if kg == "fp32" else cg
+    return co, cg, "e8m0"
+
+
+def scale_values(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """float64 [R, groups] dequantization scales from fp32, uint8 E8M0 or int32 packed storage."""
+    codes, kind = scale_codes(x, groups)
+    return x.to(torch.float64) if kind == "fp32" else e8m0_to_float(codes)
+
+
+def flatten_batched(trace: Trace) -> Trace:
+    """The batched low-latency layout (ep:N+ll) seen as a contiguous one, so every comparison of
+    the permuted layout applies: expert e's batch is rows [e*T, (e+1)*T) of one buffer, a
+    synthesized `permute` stage keys (token, k) to row slot_expert*T + slot, and the batched
+    GEMM / act_quant outputs [E_l, T, N] become [E_l*T, N]. Other traces pass through."""
+    if "dispatch" not in trace:
+        return trace
+    out = Trace(trace.backend, trace.rank)
+    for name, outs in trace.items():
+        if name in ("gemm1", "act_quant", "gemm2") and ran(outs):
+            outs = {
+                k: v.reshape(-1, v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() == 3 else v
+                for k, v in outs.items()
+            }
+        out.add(name, outs)
+        if name == "dispatch" and ran(outs):
+            a = entry(trace, "dispatch", "a_batched")
+            e_l, t_max = a.shape[0], a.shape[1]
+            slot = entry(trace, "dispatch", "slot").long()
+            expert = entry(trace, "dispatch", "slot_expert").long()
+            masked_m = entry(trace, "dispatch", "masked_m").long()
+            scales = entry(trace, "dispatch", "a_scale_batched")
+            row = torch.arange(t_max, device=masked_m.device)[None, :]
+            local = torch.arange(e_l, device=masked_m.device)[:, None]
+            m_indices = torch.where(row < masked_m[:, None], local, -1).reshape(-1)
+            out.add(
+                "permute",
+                {
+                    "a_perm": a.reshape(e_l * t_max, a.shape[-1]),
+                    "a_scale_perm": scales.reshape(e_l * t_max, scales.shape[-1]),
+                    "m_indices": m_indices.to(torch.int32),
+                    "inv_perm": torch.where(slot >= 0, expert * t_max + slot, -1).to(torch.int32),
+                },
+            )
+    return out

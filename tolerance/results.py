@@ -1,0 +1,97 @@
+"""What a comparison returns: the worst coordinates, one check, one stage's results.
+
+Also the two keys a trace uses to mark a stage that did not run: {SKIP_KEY: reason} when it was
+skipped (StageSkipped), {ERROR_KEY: message} when it raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moe_verify.spec import Trace
+
+Status = Literal["pass", "fail", "skip", "error"]
+
+# The key a backend (or the runner, on StageSkipped) records as a stage's only output to mark it
+# skipped: trace.add(stage, {SKIP_KEY: "needs SM100 (m_grouped_fp8_fp4_gemm_nt_contiguous)"}).
+SKIP_KEY = "skipped"
+# The key the runner records when a stage raised: {ERROR_KEY: "RuntimeError: ... (at f.py:12)"}.
+ERROR_KEY = "error"
+
+
+def entry(trace: Trace, stage: str, name: str) -> object:
+    """trace[stage][name], or a ContractError naming what the stage has instead."""
+    outs = trace[stage]
+    if name not in outs:
+        raise ContractError(f"{trace.backend} {stage} has no {name!r} (it has {sorted(outs)})")
+    return outs[name]
+
+
+def ran(outputs: dict[str, object]) -> bool:
+    """The stage produced outputs (it was neither skipped nor raised)."""
+    return SKIP_KEY not in outputs and ERROR_KEY not in outputs
+
+
+@dataclass(frozen=True)
+class Worst:
+    """Where the worst (or first) difference is, and the value on each side.
+
+    expert is the global expert id (the golden's topk_ids[token, k]) where known; row is the row
+    of the other side's permuted buffer for permuted-layout stages.
+    """
+
+    token: int | None = None
+    k: int | None = None
+    expert: int | None = None
+    rank: int | None = None
+    column: int | None = None
+    golden: float | int | None = None
+    other: float | int | None = None
+    row: int | None = None
+
+    def coords(self) -> str:
+        """'(token 2, k 1, expert 3, rank 0, column 17)', '-' where unknown."""
+        names = ("token", "k", "expert", "rank", "column")
+        parts = [f"{n} {'-' if getattr(self, n) is None else getattr(self, n)}" for n in names]
+        return "(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check of one stage: the measured value against its limit, with the limit's reason."""
+
+    name: str
+    passed: bool
+    value: float
+    limit: float
+    reason: str
+    worst: Worst | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """All checks of one stage. status: pass, fail, skip (reason says why) or error (the
+    comparison itself raised; reason holds the exception)."""
+
+    stage: str
+    status: Status
+    checks: list[CheckResult] = field(default_factory=list)
+    reason: str = ""
+    rank: int | None = None  # the rank whose trace this is (None: single rank or cross-rank)
+    engine: str | None = None  # the GEMM engine the tested side reported, for GEMM stages
+
+    @property
+    def label(self) -> str:
+        """'gemm1@r1 [deepgemm]': stage, rank when multi-rank, engine when reported."""
+        text = self.stage if self.rank is None else f"{self.stage}@r{self.rank}"
+        return text if self.engine is None else f"{text} [{self.engine}]"
+
+    @property
+    def failed_checks(self) -> list[CheckResult]:
+        return [c for c in self.checks if not c.passed]
+
+
+class ContractError(Exception):
+    """A trace's stage outputs break the stage contract (missing entry, wrong dtype or shape)."""
