@@ -232,7 +232,9 @@ class ReferenceBackend:
         e_l = view.num_local_experts
         rows = batched_rows(plan)
         m_indices = batched_m_indices(plan.masked_m, max_tokens)
-        flat = PermutePlan(m_indices, rows, plan.masked_m * 0, plan.masked_m, e_l * max_tokens, 1)
+        # The batches as one contiguous buffer: expert e's batch starts at row e * max_tokens.
+        starts = torch.arange(e_l, device=ids.device, dtype=torch.int32) * max_tokens
+        flat = PermutePlan(m_indices, rows, starts, plan.masked_m, e_l * max_tokens, max_tokens)
         a_b = permute_rows(a1q, flat).view(e_l, max_tokens, a1q.shape[1])
         s_b = permute_rows(a1q_scale, flat).view(e_l, max_tokens, a1q_scale.shape[1])
         return {
