@@ -17,13 +17,15 @@ import torch
 from torch import Tensor
 
 from moe_verify.spec import FP8_MAX, Activation, ScaleFmt
+from reference.checks import (
+    require_finite,
+    require_positive_int,
+    require_scale_fmt,
+    require_tensor,
+)
 from reference.formats import (
     SCALE_FLOOR,
     _divide,
-    _require_finite,
-    _require_positive_int,
-    _require_scale_fmt,
-    _require_tensor,
     cast_to_fp8,
     ceil_ue8m0,
     pack_ue8m0,
@@ -54,7 +56,7 @@ def _f32(value: float, like: Tensor) -> Tensor:
 
 
 def _check_mm1(mm1: Tensor, activation: Activation) -> None:
-    _require_tensor("mm1", mm1, (torch.bfloat16,), 2)
+    require_tensor("mm1", mm1, (torch.bfloat16,), 2)
     if not isinstance(activation, Activation):
         raise ValueError(
             f"activation must be a moe_verify.spec.Activation, got {type(activation).__name__}"
@@ -63,7 +65,7 @@ def _check_mm1(mm1: Tensor, activation: Activation) -> None:
         raise ValueError(
             f"mm1 must hold [gate | up] halves: last dim 2I must be even, got {mm1.shape[-1]}"
         )
-    _require_finite("mm1", mm1)
+    require_finite("mm1", mm1)
 
 
 def swiglu(mm1: Tensor, activation: Activation, rounding: str) -> Tensor:
@@ -116,8 +118,8 @@ def act_quant(
     Zero groups: byte 94 (2^-33) packed; 1e-10/448 float32; 2^-42 (byte 85) ceil.
     """
     _check_mm1(mm1, activation)
-    group = _require_positive_int("group", group)
-    scale_fmt = _require_scale_fmt(scale_fmt)
+    group = require_positive_int("group", group)
+    scale_fmt = require_scale_fmt(scale_fmt)
     cols = mm1.shape[-1]
     if (cols // 2) % group:
         raise ValueError(

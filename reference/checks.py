@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
+from moe_verify.spec import ScaleFmt
 
 
 def require(cond: bool, arg: str, expected: str, actual: str) -> None:
@@ -11,17 +14,74 @@ def require(cond: bool, arg: str, expected: str, actual: str) -> None:
         raise ValueError(f"{arg}: expected {expected}, got {actual}")
 
 
-def require_dtype(t: torch.Tensor, arg: str, *dtypes: torch.dtype) -> None:
-    names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-    require(t.dtype in dtypes, arg, f"dtype {names}", f"{str(t.dtype).removeprefix('torch.')}")
+def require_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], min_ndim: int) -> None:
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(
+            f"{name} must have dtype {want}, got {str(t.dtype).removeprefix('torch.')}"
+        )
+    if t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
 
 
-def require_shape(t: torch.Tensor, arg: str, shape: tuple[int, ...]) -> None:
-    require(tuple(t.shape) == tuple(shape), arg, f"shape {tuple(shape)}", f"{tuple(t.shape)}")
+def require_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
-def require_finite(t: torch.Tensor, arg: str) -> None:
-    bad = ~torch.isfinite(t.float())
+def require_multiple(name: str, t: Tensor, group: int) -> None:
+    k = t.shape[-1]
+    if k % group:
+        raise ValueError(
+            f"{name}: last dim K={k} must be a multiple of group={group} (shape {tuple(t.shape)})"
+        )
+
+
+def first_index(mask: Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def require_finite(name: str, t: Tensor) -> None:
+    bad = ~torch.isfinite(t)
     if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{arg}: expected finite values, got {t[idx].item()} at {idx}")
+        at = first_index(bad)
+        raise ValueError(
+            f"{name} must be finite: {int(bad.sum())} NaN/Inf values, first at {at} "
+            f"({t[at].item()}); the golden models finite data only"
+        )
+
+
+def require_scale_values(name: str, scale: Tensor) -> None:
+    """Scales are divisors/multipliers: NaN, Inf or negative values are a bug upstream."""
+    bad = ~torch.isfinite(scale) | (scale < 0)
+    if bool(bad.any()):
+        at = first_index(bad)
+        raise ValueError(
+            f"{name} must be finite and >= 0: {int(bad.sum())} bad values "
+            f"(NaN {int(scale.isnan().sum())}), first at {at} ({scale[at].item()})"
+        )
+
+
+def require_shape(name: str, t: Tensor, shape: tuple[int, ...], why: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} ({why}), got {tuple(t.shape)}")
+
+
+def require_scale_fmt(value: object) -> ScaleFmt:
+    try:
+        return ScaleFmt(value)
+    except ValueError:
+        allowed = ", ".join(f.value for f in ScaleFmt)
+        raise ValueError(f"scale_fmt must be one of {allowed}, got {value!r}") from None
+
+
+def require_no_e8m0_nan(name: str, scale_bytes: Tensor) -> None:
+    bad = scale_bytes == 0xFF
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name} holds byte 0xFF (E8M0 NaN) at {first_index(bad)} ({int(bad.sum())} in all); "
+            "kernels read it as NaN (padded scales must not be 0xFF)"
+        )

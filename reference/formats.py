@@ -17,6 +17,17 @@ import torch
 from torch import Tensor
 
 from moe_verify.spec import E2M1_MAX, FP8_MAX, ScaleFmt
+from reference.checks import (
+    first_index,
+    require_finite,
+    require_multiple,
+    require_no_e8m0_nan,
+    require_positive_int,
+    require_scale_fmt,
+    require_scale_values,
+    require_shape,
+    require_tensor,
+)
 
 __all__ = [
     "E2M1_VALUES",
@@ -61,84 +72,6 @@ E2M1_VALUES: Tensor = torch.tensor(
 # Midpoints between consecutive magnitudes; a value exactly on one rounds DOWN (DeepGEMM counts
 # the thresholds strictly exceeded), which is not IEEE ties-to-even at 0.75, 1.75 and 3.5.
 _E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Input checks. Every message names the argument, what was expected and what came in.
-# ---------------------------------------------------------------------------------------------
-
-
-def _require_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], min_ndim: int) -> None:
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(
-            f"{name} must have dtype {want}, got {str(t.dtype).removeprefix('torch.')}"
-        )
-    if t.dim() < min_ndim:
-        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
-
-
-def _require_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _require_multiple(name: str, t: Tensor, group: int) -> None:
-    k = t.shape[-1]
-    if k % group:
-        raise ValueError(
-            f"{name}: last dim K={k} must be a multiple of group={group} (shape {tuple(t.shape)})"
-        )
-
-
-def _first_index(mask: Tensor) -> tuple[int, ...]:
-    return tuple(int(i) for i in mask.nonzero()[0])
-
-
-def _require_finite(name: str, t: Tensor) -> None:
-    bad = ~torch.isfinite(t)
-    if bool(bad.any()):
-        at = _first_index(bad)
-        raise ValueError(
-            f"{name} must be finite: {int(bad.sum())} NaN/Inf values, first at {at} "
-            f"({t[at].item()}); the golden models finite data only"
-        )
-
-
-def _require_scale_values(name: str, scale: Tensor) -> None:
-    """Scales are divisors/multipliers: NaN, Inf or negative values are a bug upstream."""
-    bad = ~torch.isfinite(scale) | (scale < 0)
-    if bool(bad.any()):
-        at = _first_index(bad)
-        raise ValueError(
-            f"{name} must be finite and >= 0: {int(bad.sum())} bad values "
-            f"(NaN {int(scale.isnan().sum())}), first at {at} ({scale[at].item()})"
-        )
-
-
-def _require_shape(name: str, t: Tensor, shape: tuple[int, ...], why: str) -> None:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape} ({why}), got {tuple(t.shape)}")
-
-
-def _require_scale_fmt(value: object) -> ScaleFmt:
-    try:
-        return ScaleFmt(value)
-    except ValueError:
-        allowed = ", ".join(f.value for f in ScaleFmt)
-        raise ValueError(f"scale_fmt must be one of {allowed}, got {value!r}") from None
-
-
-def _require_no_e8m0_nan(name: str, scale_bytes: Tensor) -> None:
-    bad = scale_bytes == 0xFF
-    if bool(bad.any()):
-        raise ValueError(
-            f"{name} holds byte 0xFF (E8M0 NaN) at {_first_index(bad)} ({int(bad.sum())} in all); "
-            "kernels read it as NaN (padded scales must not be 0xFF)"
-        )
 
 
 def _divide(a: Tensor, b: float) -> Tensor:
@@ -196,16 +129,16 @@ def ceil_ue8m0(x: Tensor) -> Tensor:
     producers clamp the exponent field to >= 1. Values above 2^127 raise: their ceiling (2^128)
     is not an fp32 number (quantizer scales never get there: amax/448 < 2^120).
     """
-    _require_tensor("x", x, (torch.float32,), 0)
+    require_tensor("x", x, (torch.float32,), 0)
     bad = ~torch.isfinite(x) | (x < 0)
     if bool(bad.any()):
-        at = _first_index(bad)
+        at = first_index(bad)
         raise ValueError(f"x must be finite and >= 0 for ceil_ue8m0, got {x[at].item()} at {at}")
     bits = _f32_bits(x) & 0x7FFFFFFF  # -0.0 is zero
     biased = (bits >> _MANTISSA_BITS) + ((bits & _MANTISSA_MASK) != 0).to(torch.int32)
     biased = biased.clamp(min=1)
     if bool((biased > 254).any()):
-        at = _first_index(biased > 254)
+        at = first_index(biased > 254)
         raise ValueError(
             f"x must be <= 2^127 for ceil_ue8m0 (larger values have no fp32 power-of-two "
             f"ceiling), got {x[at].item()} at {at}"
@@ -222,11 +155,11 @@ def ue8m0_bytes(scale: Tensor) -> Tensor:
     1..254) and +Inf (byte 255). Anything else (3.0, subnormals, negatives, -0.0, NaN) raises,
     where the kernel would trap.
     """
-    _require_tensor("scale", scale, (torch.float32,), 0)
+    require_tensor("scale", scale, (torch.float32,), 0)
     bits = _f32_bits(scale)
     bad = (bits < 0) | ((bits & _MANTISSA_MASK) != 0)  # sign bit or mantissa bits set
     if bool(bad.any()):
-        at = _first_index(bad)
+        at = first_index(bad)
         raise ValueError(
             f"scale must hold exact non-negative powers of two (DeepGEMM asserts "
             f"(bits & 0x807FFFFF) == 0 before packing UE8M0): {int(bad.sum())} values are not, "
@@ -244,7 +177,7 @@ def e8m0_to_fp32(b: Tensor) -> Tensor:
     """
     if isinstance(b, Tensor) and b.dtype == torch.float8_e8m0fnu:
         b = b.view(torch.uint8)
-    _require_tensor("b", b, (torch.uint8,), 0)
+    require_tensor("b", b, (torch.uint8,), 0)
     value = _exp2_int(b.to(torch.int32) - _EXPONENT_BIAS)
     return torch.where(b == 0xFF, torch.full_like(value, math.nan), value)
 
@@ -263,7 +196,7 @@ def cast_to_fp8(x: Tensor) -> Tensor:
     from 480 up). NaN stays NaN (an e4m3 NaN code, 0x7F or 0xFF);
     the quantizers below reject non-finite data before it gets here.
     """
-    _require_tensor("x", x, (torch.float32,), 0)
+    require_tensor("x", x, (torch.float32,), 0)
     # In range, torch's conversion is IEEE round-to-nearest-even (checked code by code in tests).
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
@@ -293,13 +226,13 @@ def quantize_fp8_groups(
     Returns (q fp8 [..., M, K], s fp32 [..., M, K/group] row-major). UE8M0_PACKED returns the
     same fp32 powers of two as FLOAT32_CEIL_UE8M0: packing is a layout step (`pack_ue8m0`).
     """
-    _require_tensor("x", x, _FLOATS, 1)
-    group = _require_positive_int("group", group)
-    scale_fmt = _require_scale_fmt(scale_fmt)
+    require_tensor("x", x, _FLOATS, 1)
+    group = require_positive_int("group", group)
+    scale_fmt = require_scale_fmt(scale_fmt)
     if not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
         raise ValueError(f"eps must be a positive finite float, got {eps!r}")
-    _require_multiple("x", x, group)
-    _require_finite("x", x)
+    require_multiple("x", x, group)
+    require_finite("x", x)
     xg = _group_view(x.float(), group)
     amax = xg.abs().amax(dim=-1).clamp(min=eps)
     scale = _divide(amax, FP8_MAX)
@@ -314,12 +247,12 @@ def dequantize_fp8_groups(q: Tensor, scale: Tensor, group: int = 128) -> Tensor:
 
     q: fp8 [..., M, K]; scale: fp32 [..., M, K/group] (any strides). Returns fp32 [..., M, K].
     """
-    _require_tensor("q", q, (FP8,), 1)
-    _require_tensor("scale", scale, (torch.float32,), 1)
-    group = _require_positive_int("group", group)
-    _require_multiple("q", q, group)
-    _require_shape("scale", scale, (*q.shape[:-1], q.shape[-1] // group), "one per group of q")
-    _require_scale_values("scale", scale)
+    require_tensor("q", q, (FP8,), 1)
+    require_tensor("scale", scale, (torch.float32,), 1)
+    group = require_positive_int("group", group)
+    require_multiple("q", q, group)
+    require_shape("scale", scale, (*q.shape[:-1], q.shape[-1] // group), "one per group of q")
+    require_scale_values("scale", scale)
     return (_group_view(q.float(), group) * scale.unsqueeze(-1)).reshape(q.shape)
 
 
@@ -327,8 +260,8 @@ def _require_block(block: object) -> tuple[int, int]:
     if not (isinstance(block, (tuple, list)) and len(block) == 2):
         raise ValueError(f"block must be a (rows, cols) pair, got {block!r}")
     return (
-        _require_positive_int("block[0]", block[0]),
-        _require_positive_int("block[1]", block[1]),
+        require_positive_int("block[0]", block[0]),
+        require_positive_int("block[1]", block[1]),
     )
 
 
@@ -344,9 +277,9 @@ def quantize_fp8_blocks(
     (DeepGEMM multiplies by 1/sf; that is identical when sf is a power of two.)
     Returns (q fp8 [..., N, K], sf fp32 [..., ceil(N/bm), ceil(K/bk)]).
     """
-    _require_tensor("w", w, _FLOATS, 2)
+    require_tensor("w", w, _FLOATS, 2)
     bm, bk = _require_block(block)
-    _require_finite("w", w)
+    require_finite("w", w)
     *lead, n, k = w.shape
     nb, kb = _ceil_div(n, bm), _ceil_div(k, bk)
     padded = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bm - n))
@@ -370,14 +303,14 @@ def dequantize_fp8_blocks(q: Tensor, scale: Tensor, block: tuple[int, int] = (12
 
     q: fp8 [..., N, K]; scale: fp32 [..., ceil(N/bm), ceil(K/bk)]. Returns fp32 [..., N, K].
     """
-    _require_tensor("q", q, (FP8,), 2)
-    _require_tensor("scale", scale, (torch.float32,), 2)
+    require_tensor("q", q, (FP8,), 2)
+    require_tensor("scale", scale, (torch.float32,), 2)
     bm, bk = _require_block(block)
     *lead, n, k = q.shape
-    _require_shape(
+    require_shape(
         "scale", scale, (*lead, _ceil_div(n, bm), _ceil_div(k, bk)), f"one per {bm}x{bk} block"
     )
-    _require_scale_values("scale", scale)
+    require_scale_values("scale", scale)
     return q.float() * _expand_block_scale(scale, (bm, bk), n, k)
 
 
@@ -392,8 +325,8 @@ def requantize_blocks_ue8m0(
     whose largest code magnitude is above 224 (any block a ceil-UE8M0 quantizer produced) it
     returns the input bitwise. Returns (q' fp8 [..., N, K], sf' fp32 powers of two).
     """
-    _require_tensor("q", q, (FP8,), 2)
-    _require_finite("q", q.float())  # NaN codes (0x7F, 0xFF) would otherwise surface as "w"
+    require_tensor("q", q, (FP8,), 2)
+    require_finite("q", q.float())  # NaN codes (0x7F, 0xFF) would otherwise surface as "w"
     return quantize_fp8_blocks(dequantize_fp8_blocks(q, scale, block), block, use_ue8m0=True)
 
 
@@ -414,10 +347,10 @@ def quantize_mxfp8(x: Tensor, group: int = 32) -> tuple[Tensor, Tensor]:
     Not vLLM's old torch fallback (floor(log2 amax), no e4m3 emax offset): a different quantizer.
     Returns (q fp8 [..., M, K], E8M0 bytes uint8 [..., M, K/group]).
     """
-    _require_tensor("x", x, _FLOATS, 1)
-    group = _require_positive_int("group", group)
-    _require_multiple("x", x, group)
-    _require_finite("x", x)
+    require_tensor("x", x, _FLOATS, 1)
+    group = require_positive_int("group", group)
+    require_multiple("x", x, group)
+    require_finite("x", x)
     xg = _group_view(x.float(), group)
     amax = xg.abs().amax(dim=-1)
     sf = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=x.device)
@@ -435,14 +368,14 @@ def dequantize_mxfp8(q: Tensor, scale_bytes: Tensor, group: int = 32) -> Tensor:
 
     q: fp8 [..., M, K]; scale_bytes: uint8 [..., M, K/group], never 0xFF. Returns fp32.
     """
-    _require_tensor("q", q, (FP8,), 1)
-    _require_tensor("scale_bytes", scale_bytes, (torch.uint8,), 1)
-    group = _require_positive_int("group", group)
-    _require_multiple("q", q, group)
-    _require_shape(
+    require_tensor("q", q, (FP8,), 1)
+    require_tensor("scale_bytes", scale_bytes, (torch.uint8,), 1)
+    group = require_positive_int("group", group)
+    require_multiple("q", q, group)
+    require_shape(
         "scale_bytes", scale_bytes, (*q.shape[:-1], q.shape[-1] // group), "one per group of q"
     )
-    _require_no_e8m0_nan("scale_bytes", scale_bytes)
+    require_no_e8m0_nan("scale_bytes", scale_bytes)
     scale = e8m0_to_fp32(scale_bytes)
     return (_group_view(q.float(), group) * scale.unsqueeze(-1)).reshape(q.shape)
 
@@ -463,12 +396,12 @@ def quantize_mxfp4(w: Tensor, group: int = 32) -> tuple[Tensor, Tensor]:
     Codes 2i and 2i+1 of a row share byte i: element 2i in the LOW nibble.
     Returns (packed uint8 [..., N, K/2], E8M0 bytes uint8 [..., N, K/group]).
     """
-    _require_tensor("w", w, _FLOATS, 1)
-    group = _require_positive_int("group", group)
+    require_tensor("w", w, _FLOATS, 1)
+    group = require_positive_int("group", group)
     if group % 2:
         raise ValueError(f"group must be even (two E2M1 codes per byte), got {group}")
-    _require_multiple("w", w, group)
-    _require_finite("w", w)
+    require_multiple("w", w, group)
+    require_finite("w", w)
     wg = _group_view(w.float(), group)
     amax = wg.abs().amax(dim=-1).clamp(min=BLOCK_AMAX_FLOOR)
     # amax >= 1e-4 keeps sf >= 2^-16 and amax <= fp32 max keeps it <= 2^126: the [1, 254] clamp
@@ -486,7 +419,7 @@ def quantize_mxfp4(w: Tensor, group: int = 32) -> tuple[Tensor, Tensor]:
 
 def unpack_e2m1_codes(packed: Tensor) -> Tensor:
     """uint8 [..., K/2] -> uint8 codes [..., K]: low nibble is element 2i, high nibble 2i+1."""
-    _require_tensor("packed", packed, (torch.uint8,), 1)
+    require_tensor("packed", packed, (torch.uint8,), 1)
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(
         *packed.shape[:-1], 2 * packed.shape[-1]
     )
@@ -498,18 +431,18 @@ def dequantize_mxfp4(packed: Tensor, scale_bytes: Tensor, group: int = 32) -> Te
     packed: uint8 [..., N, K/2]; scale_bytes: uint8 [..., N, K/group], never 0xFF.
     Returns fp32 [..., N, K]. Code 8 decodes to -0.0 (DeepGEMM's quantizer never emits it).
     """
-    _require_tensor("packed", packed, (torch.uint8,), 1)
-    _require_tensor("scale_bytes", scale_bytes, (torch.uint8,), 1)
-    group = _require_positive_int("group", group)
+    require_tensor("packed", packed, (torch.uint8,), 1)
+    require_tensor("scale_bytes", scale_bytes, (torch.uint8,), 1)
+    group = require_positive_int("group", group)
     codes = unpack_e2m1_codes(packed)
-    _require_multiple("packed (unpacked to K codes)", codes, group)
-    _require_shape(
+    require_multiple("packed (unpacked to K codes)", codes, group)
+    require_shape(
         "scale_bytes",
         scale_bytes,
         (*codes.shape[:-1], codes.shape[-1] // group),
         "one per group of the unpacked codes",
     )
-    _require_no_e8m0_nan("scale_bytes", scale_bytes)
+    require_no_e8m0_nan("scale_bytes", scale_bytes)
     values = E2M1_VALUES.to(packed.device)[codes.long()]
     scale = e8m0_to_fp32(scale_bytes)
     return (_group_view(values, group) * scale.unsqueeze(-1)).reshape(codes.shape)
@@ -533,7 +466,7 @@ def pack_ue8m0(exponents: Tensor) -> Tensor:
     rows MN..tma-1 (in storage, outside the view) are 0. The kernels leave those pad rows
     unwritten and differ on the pad bytes (see `act_quant`), so compare views, not storage.
     """
-    _require_tensor("exponents", exponents, (torch.uint8,), 2)
+    require_tensor("exponents", exponents, (torch.uint8,), 2)
     *lead, mn, g = exponents.shape
     if g < 1:
         raise ValueError(
@@ -562,8 +495,8 @@ def unpack_ue8m0(packed: Tensor, num_groups: int) -> Tensor:
     num_groups: G, with P == ceil(G/4). Pad bytes (groups >= G) are dropped unchecked, since
     implementations legitimately differ there (0 or 94).
     """
-    _require_tensor("packed", packed, (torch.int32,), 2)
-    g = _require_positive_int("num_groups", num_groups)
+    require_tensor("packed", packed, (torch.int32,), 2)
+    g = require_positive_int("num_groups", num_groups)
     p = packed.shape[-1]
     if p != _ceil_div(g, 4):
         raise ValueError(

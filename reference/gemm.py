@@ -11,16 +11,16 @@ import torch
 
 from moe_verify.spec import QuantizedWeight
 from reference import formats
-from reference.checks import require, require_dtype
+from reference.checks import require, require_tensor
 
 
 def dequantize_activations(a: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """fp8 [M, K] with fp32 [M, K/group] scales, or int32 packed UE8M0 scales -> fp32 [M, K]."""
-    require_dtype(a, "a", torch.float8_e4m3fn)
+    require_tensor("a", a, (torch.float8_e4m3fn,), 2)
     num_groups = a.shape[1] // group
     if scale.dtype == torch.int32:
         scale = formats.e8m0_to_fp32(formats.unpack_ue8m0(scale, num_groups))
-    require_dtype(scale, "a_scale", torch.float32, torch.int32)
+    require_tensor("a_scale", scale, (torch.float32, torch.int32), 2)
     require(
         tuple(scale.shape) == (a.shape[0], num_groups),
         "a_scale",

@@ -133,7 +133,7 @@ def permute_plan(
     order = torch.argsort(torch.where(live, flat, num_local_experts), stable=True)
     sorted_experts = flat[order]
     n_live = int(live.sum())
-    rank_in_expert = torch.arange(n_live, device=device) - _first_index(
+    rank_in_expert = torch.arange(n_live, device=device) - _run_start(
         sorted_experts[:n_live], counts.to(device)
     )
     rows = start.to(device)[sorted_experts[:n_live]] + rank_in_expert
@@ -152,7 +152,7 @@ def permute_plan(
     )
 
 
-def _first_index(sorted_experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _run_start(sorted_experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """For each entry of an expert-sorted list, the list position where its expert's run begins."""
     run_start = torch.cumsum(counts.long(), 0) - counts.long()
     return run_start[sorted_experts]
@@ -206,7 +206,7 @@ def batched_plan(
     order = torch.argsort(torch.where(live, flat, num_local_experts), stable=True)
     n_live = int(live.sum())
     sorted_experts = flat[order][:n_live]
-    rank = torch.arange(n_live, device=flat.device) - _first_index(sorted_experts, counts)
+    rank = torch.arange(n_live, device=flat.device) - _run_start(sorted_experts, counts)
     slot = torch.full_like(flat, -1)
     slot[order[:n_live]] = rank
     return BatchedPlan(counts, slot.view_as(local).to(torch.int32), local, max_tokens)
