@@ -79,7 +79,7 @@ SMOKE: list[MoEProblem] = [
 ]
 
 # Every topology vLLM runs, on small shapes (CPU-friendly; A=32 as DeepGEMM 2.6.1 picks on SM100
-# for small M) each row names its edge.
+# for small M); each row names its edge.
 _T = dict(tokens=16, hidden=128, intermediate=256, num_experts=6, topk=2, alignment=32)
 TOPOLOGY: list[MoEProblem] = [
     P(**_T, topology=Topology.parse("tp:2")),  # I split; bf16 partials summed
@@ -88,6 +88,7 @@ TOPOLOGY: list[MoEProblem] = [
         topology=Topology.parse("tp:4"),
         scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
     ),  # 4-way split of I
+    P(**{**_T, "intermediate": 1024}, topology=Topology.parse("tp:8")),  # 8 bf16 partials
     P(**_T, topology=Topology.parse("ep:4")),  # E % ranks != 0: remainder to the first ranks
     P(**_T, topology=Topology.parse("ep:4:round_robin")),  # expert e on rank e % 4
     P(**_T, topology=Topology.explicit_ep([[0, 1, 2, 3], [3, 4, 5, 0]])),  # EPLB replicas
@@ -156,7 +157,34 @@ def nightly() -> list[MoEProblem]:
     return cases
 
 
-PRESETS = {"smoke": lambda: list(SMOKE), "topology": lambda: list(TOPOLOGY), "nightly": nightly}
+def dsv3_ep8() -> list[MoEProblem]:
+    """DeepSeek-V3 at full scale, EP8 emulated on one GPU (E=256 global, k=8, T=4096 global)."""
+    full = dict(
+        tokens=4096,
+        hidden=7168,
+        intermediate=2048,
+        num_experts=256,
+        topk=8,
+        routing=Routing.GROUPED,
+        num_expert_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
+    )
+    return [
+        P(**full, topology=Topology.parse("ep:8")),  # every rank sees every token
+        P(**full, topology=Topology.parse("ep:8+ht")),  # dispatched tokens, exact M_sum
+        P(**{**full, "scale_fmt": ScaleFmt.FLOAT32}, topology=Topology.parse("ep:8+ll")),
+        # ^ batched masked layout (BatchedDeepGemmExperts: fp32 scales)
+    ]
+
+
+PRESETS = {
+    "smoke": lambda: list(SMOKE),
+    "topology": lambda: list(TOPOLOGY),
+    "nightly": nightly,
+    "dsv3-ep8": dsv3_ep8,
+}
 
 
 def preset(name: str) -> list[MoEProblem]:

@@ -1,0 +1,22 @@
+"""SM90 tier for topologies: DeepSeek-V3 at full scale with EP8 emulated on one H200, through
+DeepGEMM where TritonOrDeepGemm picks it (E8M0 on: always). Not yet run (docs/gpu-results.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_verify.cases import dsv3_ep8
+from moe_verify.spec import MoEProblem, TopologyKind
+from moe_verify.verify import verify
+
+pytestmark = [pytest.mark.sm90, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("problem", dsv3_ep8(), ids=lambda p: p.id)
+def test_dsv3_ep8_emulated(problem: MoEProblem, record_report) -> None:  # type: ignore[no-untyped-def]
+    report = record_report(verify(problem, mode="both"))
+    assert report.passed_strict, report.summary_line()
+    ranks = {r.rank for r in report.isolated if r.rank is not None}
+    assert ranks == set(range(8))
+    if problem.topology.kind is not TopologyKind.EP_LL:
+        assert report.engine("gemm1", "isolated") == "deepgemm"
