@@ -112,7 +112,10 @@ def test_policy_chained_row_outranks_recipe_row() -> None:
 
 
 def test_policy_rows_all_carry_reasons() -> None:
-    assert all(rule.check.reason for rule in POLICY)
+    for rule in POLICY:
+        assert isinstance(rule.check.reason, str) and rule.check.reason.strip(), rule
+        for name, limit in rule.check.limits().items():
+            assert isinstance(limit.reason, str) and limit.reason.strip(), (rule, name)
 
 
 def test_policy_unknown_stage_and_mode_are_refused() -> None:
