@@ -132,7 +132,7 @@ def sweep(
         outcome = run(problem, backend, mode, engine)
         outcomes.append(outcome)
         print(
-            f"[{n}/{len(cases)}] {outcome.seconds:7.1f}s {outcome.summary}",
+            f"{progress_bar(n, len(cases))} {outcome.seconds:7.1f}s {outcome.summary}",
             file=sys.stderr,
             flush=True,
         )
@@ -144,6 +144,13 @@ def sweep(
     passed = sum(o.status == "pass" for o in outcomes)
     print(f"{passed}/{len(outcomes)} cases passed; summaries in {out_dir}", file=sys.stderr)
     return summary
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """'[########------------]  8/20': one line per finished case (CI logs keep every line)."""
+    filled = width * done // max(total, 1)
+    digits = len(str(total))
+    return f"[{'#' * filled}{'-' * (width - filled)}] {done:>{digits}}/{total}"
 
 
 def summary_dict(summary: SweepSummary) -> dict:

@@ -89,3 +89,11 @@ def test_dump_and_replay_reproduce_a_failure(tmp_path: Path) -> None:
     m_sum = aligned_m_sum_upper_bound(16, 2, 4, 32)  # host ints survive in the metadata
     assert golden.stages[0] == "route" and golden["align"]["M_sum"] == m_sum
     assert golden["permute"]["a_perm"].dtype == torch.float8_e4m3fn
+
+
+def test_progress_bar() -> None:
+    from moe_verify.sweep import progress_bar
+
+    assert progress_bar(0, 4, width=8) == "[--------] 0/4"
+    assert progress_bar(3, 4, width=8) == "[######--] 3/4"
+    assert progress_bar(12, 12, width=4) == "[####] 12/12"
