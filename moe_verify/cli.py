@@ -154,7 +154,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     prepare_triton()
     from moe_verify.calibrate import calibrate
 
-    result = calibrate(seeds=args.seeds, out=Path(args.out) if args.out else None)
+    cases = None
+    if args.preset:
+        from moe_verify.cases import preset
+
+        cases = preset(args.preset)
+    result = calibrate(
+        seeds=args.seeds,
+        out=Path(args.out) if args.out else None,
+        cases=cases,
+        backend=args.backend,
+        engine=args.engine,
+    )
     print(result.to_markdown())
     return EXIT_PASS
 
@@ -256,6 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="measure the noise floor per stage and recipe")
     cal.add_argument("--seeds", type=int, default=5)
     cal.add_argument("--out", default=None, help="write the markdown table here")
+    cal.add_argument(
+        "--preset",
+        default=None,
+        help="calibrate on a preset's cases (e.g. nightly on the GPU) instead of the "
+        "built-in CPU-sized calibration list",
+    )
+    cal.add_argument("--backend", default="optimized", help="optimized | module:Class")
+    cal.add_argument("--engine", default="auto", choices=["auto", "deepgemm", "triton"])
     cal.set_defaults(func=cmd_calibrate)
 
     bn = sub.add_parser("bench", help="time each optimized stage against same-run ceilings")
