@@ -16,14 +16,32 @@ A stage recorded as `{SKIP_KEY: reason}` (StageSkipped) is reported as skipped, 
 from __future__ import annotations
 
 import dataclasses
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from moe_verify.spec import REDUCE_STAGE, MoEProblem, Trace
+from tolerance.checks import (
+    Ctx,
+    Slots,
+    bound_check,
+    bounded_checks,
+    decode_scale,
+    downstream_slots,
+    exact_check,
+    fp8_value,
+    int_of,
+    live_slots,
+    nonfinite_check,
+    rows_in_range,
+    shape_fail,
+    slot_name,
+    slot_worst,
+    take_rows,
+    tensor_of,
+    ulp_checks,
+)
 from tolerance.layouts import (
     _E8M0_NAN,
     comparable_scale_codes,
@@ -34,11 +52,7 @@ from tolerance.layouts import (
 from tolerance.metrics import (
     Mismatch,
     argmax_coords,
-    bf16_ulp_distance,
     bits,
-    calc_diff,
-    e4m3_value,
-    excess_ratio,
     first_true,
     fp8_code_distance,
     fp8_codes,
@@ -47,11 +61,8 @@ from tolerance.metrics import (
     int_mismatch,
     mismatch_of,
     nan_inf_counts,
-    nonfinite,
-    row_max,
-    row_rel_error,
 )
-from tolerance.policy import CONTRACT_REASON, MODES, NONFINITE_REASON, Check, Limit, policy_for
+from tolerance.policy import CONTRACT_REASON, MODES, policy_for
 from tolerance.results import (
     ERROR_KEY,
     SKIP_KEY,
@@ -60,312 +71,6 @@ from tolerance.results import (
     StageResult,
     Worst,
 )
-from tolerance.results import entry as _entry
-from tolerance.results import ran as _ran
-
-# Comparison context ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Ctx:
-    golden: Trace
-    other: Trace
-    problem: MoEProblem
-    check: Check
-    mode: str
-
-    @property
-    def rank(self) -> int:
-        return self.other.rank
-
-    @property
-    def name(self) -> str:
-        return self.other.backend
-
-    def token(self, t: int) -> int:
-        """Global token of local row t (ep+ht receives a subset, named by route.token_index)."""
-        route = self.golden["route"] if "route" in self.golden else {}
-        index = route.get("token_index")
-        return int(index[t]) if isinstance(index, torch.Tensor) else t
-
-    def token_note(self, t: int) -> str:
-        route = self.golden["route"] if "route" in self.golden else {}
-        ids = route.get("topk_ids")
-        if not isinstance(ids, torch.Tensor) or t >= ids.shape[0]:
-            return ""
-        return f"; golden routes token {self.token(t)} to experts {[int(e) for e in ids[t]]}"
-
-
-def _tensor(trace: Trace, stage: str, name: str) -> torch.Tensor:
-    value = _entry(trace, stage, name)
-    if not isinstance(value, torch.Tensor):
-        raise ContractError(
-            f"{trace.backend} {stage}.{name} is {type(value).__name__}, not a tensor"
-        )
-    return value.detach().cpu()
-
-
-def _int(trace: Trace, stage: str, name: str) -> int:
-    value = _entry(trace, stage, name)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return int(value.item())
-    if isinstance(value, int):
-        return value
-    raise ContractError(f"{trace.backend} {stage}.{name} must be an int, got {value!r}")
-
-
-def _py(x: torch.Tensor) -> float | int:
-    """One element as a Python number."""
-    return float(x) if x.is_floating_point() else int(x)
-
-
-def _fp8(code: torch.Tensor) -> float:
-    return float(e4m3_value(code.reshape(1))[0])
-
-
-def _decode_scale(code: int, kind: str) -> float | int:
-    """A scale code for display: fp32 raw bits -> the float; E8M0 bytes stay bytes."""
-    if kind == "fp32":
-        return struct.unpack("<f", struct.pack("<I", code & 0xFFFFFFFF))[0]
-    return code
-
-
-def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x[rows] with out-of-range rows clamped (callers mask them): [len(rows), *x.shape[1:]]."""
-    if x.shape[0] == 0:
-        return torch.zeros((rows.numel(), *x.shape[1:]), dtype=x.dtype)
-    return x[rows.clamp(0, x.shape[0] - 1)]
-
-
-def _bound(name: str, value: float, limit: Limit, worst: Worst | None, detail: str) -> CheckResult:
-    """value <= limit; the worst coordinates are dropped when nothing differs at all."""
-    worst = None if value == 0 else worst
-    return CheckResult(
-        name, bool(value <= limit.value), value, limit.value, limit.reason, worst, detail
-    )
-
-
-def _exact(
-    name: str, mism: Mismatch, what: str, reason: str, worst: Worst | None, note: str = ""
-) -> CheckResult:
-    """value = mismatch count, limit 0; detail '<count> of <total> <what><note>'."""
-    detail = f"{mism.count} of {mism.total} {what}{note if mism.count else ''}"
-    return CheckResult(
-        name, mism.count == 0, mism.count, 0, reason, worst if mism.count else None, detail
-    )
-
-
-def _shape_fail(ctx: _Ctx, name: str, other: torch.Tensor, golden: torch.Tensor) -> CheckResult:
-    return CheckResult(
-        f"{name} shape",
-        False,
-        1,
-        0,
-        CONTRACT_REASON,
-        None,
-        f"{ctx.name} {name} is {other.dtype} {tuple(other.shape)}, "
-        f"golden {golden.dtype} {tuple(golden.shape)}",
-    )
-
-
-# Live (token, k) slots ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Slots:
-    """The golden's live (token, k) slots and their rows on each side.
-
-    tk [L, 2] (token, k); gold_rows / other_rows [L]; experts [L] global ids (-1 unknown).
-    """
-
-    tk: torch.Tensor
-    gold_rows: torch.Tensor
-    other_rows: torch.Tensor
-    experts: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.tk.shape[0]
-
-    def select(self, keep: torch.Tensor) -> _Slots:
-        return _Slots(
-            self.tk[keep], self.gold_rows[keep], self.other_rows[keep], self.experts[keep]
-        )
-
-
-def _slots(golden: Trace, layout: Trace) -> _Slots:
-    """Live slots of the golden, with other rows read from `layout`'s permute.inv_perm."""
-    if "permute" in layout and not _ran(layout["permute"]):
-        raise ContractError(
-            f"{layout.backend}'s permute was skipped or raised, so its rows cannot be keyed by "
-            "(token, k)"
-        )
-    g_inv = _tensor(golden, "permute", "inv_perm").to(torch.int64)
-    o_inv = _tensor(layout, "permute", "inv_perm").to(torch.int64)
-    if o_inv.shape != g_inv.shape:
-        raise ContractError(
-            f"{layout.backend} permute.inv_perm is {tuple(o_inv.shape)}, "
-            f"golden {tuple(g_inv.shape)}"
-        )
-    live = g_inv >= 0
-    experts = torch.full(g_inv.shape, -1, dtype=torch.int64)
-    if "route" in golden and isinstance(golden["route"].get("topk_ids"), torch.Tensor):
-        ids = golden["route"]["topk_ids"].detach().cpu().to(torch.int64)
-        if ids.shape == g_inv.shape:
-            experts = ids
-    return _Slots(live.nonzero(), g_inv[live], o_inv[live], experts[live])
-
-
-def _downstream_slots(ctx: _Ctx) -> _Slots:
-    """Slots for a stage after permute: keyed by the permute that stage consumed."""
-    return _slots(ctx.golden, ctx.other if ctx.mode == "chained" else ctx.golden)
-
-
-def _slot_worst(ctx: _Ctx, s: _Slots, i: int, **values: object) -> Worst:
-    expert = int(s.experts[i])
-    return Worst(
-        token=ctx.token(int(s.tk[i, 0])),
-        k=int(s.tk[i, 1]),
-        expert=expert if expert >= 0 else None,
-        rank=ctx.rank,
-        row=int(s.other_rows[i]),
-        **values,  # type: ignore[arg-type]
-    )
-
-
-def _slot_name(ctx: _Ctx, s: _Slots, i: int) -> str:
-    return f"slot (token {ctx.token(int(s.tk[i, 0]))}, k {int(s.tk[i, 1])})"
-
-
-def _rows_in_range(
-    ctx: _Ctx, s: _Slots, n_rows: int, what: str
-) -> tuple[_Slots, CheckResult | None]:
-    """Keep slots whose other row indexes a tensor of n_rows rows; a failed check otherwise."""
-    ok = (s.other_rows >= 0) & (s.other_rows < n_rows)
-    if bool(ok.all()):
-        return s, None
-    i = int(torch.nonzero(~ok)[0, 0])
-    bad = int((~ok).sum())
-    result = CheckResult(
-        "row map",
-        False,
-        bad,
-        0,
-        CONTRACT_REASON,
-        _slot_worst(ctx, s, i),
-        f"{bad} of {len(s)} live slots map outside {ctx.name} {what} ({n_rows} rows); first: "
-        f"{_slot_name(ctx, s, i)} -> row {int(s.other_rows[i])}",
-    )
-    return s.select(ok), result
-
-
-# Shared bounded / ulp comparisons ----------------------------------------------------------------
-
-
-def _nonfinite_check(
-    ctx: _Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
-) -> CheckResult:
-    bad = nonfinite(a) | nonfinite(b)
-    na, ia = nan_inf_counts(a)
-    nb, ib = nan_inf_counts(b)
-    at = first_true(bad)
-    worst = None
-    if at is not None:
-        other = _fp8(a[at]) if a.dtype == torch.uint8 else _py(a[at])
-        golden = _fp8(b[at]) if b.dtype == torch.uint8 else _py(b[at])
-        worst = dataclasses.replace(locate(at[0]), column=at[1], golden=golden, other=other)
-    return CheckResult(
-        "nan_inf",
-        at is None,
-        na + ia + nb + ib,
-        0,
-        NONFINITE_REASON,
-        worst,
-        f"{ctx.name}: {na} NaN, {ia} Inf; golden: {nb} NaN, {ib} Inf (in {a.shape[0]} {rows})",
-    )
-
-
-def _per_row_check(
-    ctx: _Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
-) -> CheckResult:
-    limit = ctx.check.limit("row_err")
-    values, cols = row_rel_error(a, b)
-    at = argmax_coords(values)
-    if at is None:
-        return _bound("per-token", 0.0, limit, None, f"no {rows}")
-    r, c = at[0], int(cols[at[0]])
-    worst = dataclasses.replace(locate(r), column=c, golden=_py(b[r, c]), other=_py(a[r, c]))
-    over = int((~(values <= limit.value)).sum())
-    detail = (
-        f"{over} of {a.shape[0]} {rows} beyond max|a-b| <= {limit.value:g} x rowmax|golden|; "
-        f"worst row error {float(values[r]):.4g}"
-    )
-    return _bound("per-token", float(values[r]), limit, worst, detail)
-
-
-def _bounded_checks(
-    ctx: _Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
-) -> list[CheckResult]:
-    """gemm / reduce: NaN/Inf, per element (atol x rowmax + rtol), per row, calc_diff."""
-    check = ctx.check
-    atol, rtol, outliers = check.limit("atol"), check.limit("rtol"), check.limit("mismatch_frac")
-    out = [_nonfinite_check(ctx, a, b, locate, rows)]
-
-    ratio = excess_ratio(a, b, atol.value, rtol.value, row_max(b))
-    beyond = ~(ratio <= 1.0)
-    n_beyond, total = int(beyond.sum()), beyond.numel()
-    frac = n_beyond / total if total else 0.0
-    at = argmax_coords(ratio)
-    worst, note = None, ""
-    if at is not None and not bool(ratio[at] == 0):
-        worst = dataclasses.replace(
-            locate(at[0]), column=at[1], golden=_py(b[at]), other=_py(a[at])
-        )
-        err = abs(float(a[at]) - float(b[at]))
-        note = f"; worst |a-b| = {err:.4g}, {float(ratio[at]):.3g}x the allowed error"
-    out.append(
-        CheckResult(
-            "elementwise",
-            frac <= outliers.value,
-            frac,
-            outliers.value,
-            f"|a-b| <= {atol.value:g} x rowmax|golden| + {rtol.value:g} x |golden|: rtol: "
-            f"{rtol.reason}; atol: {atol.reason}; outliers: {outliers.reason}",
-            worst,
-            f"{n_beyond} of {total} elements beyond the bound{note}",
-        )
-    )
-    out.append(_per_row_check(ctx, a, b, locate, rows))
-    cd = check.limit("calc_diff")
-    value = calc_diff(a, b)
-    out.append(
-        _bound("calc_diff", value, cd, None, f"calc_diff over {total} elements = {value:.3g}")
-    )
-    return out
-
-
-def _ulp_checks(
-    ctx: _Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
-) -> list[CheckResult]:
-    """gather: NaN/Inf, per element bf16 ulps, per row."""
-    limit = ctx.check.limit("ulp")
-    out = [_nonfinite_check(ctx, a, b, locate, rows)]
-    ulp = bf16_ulp_distance(a, b)
-    at = argmax_coords(ulp)
-    value, worst, note = 0, None, ""
-    if at is not None:
-        value = int(ulp[at])
-        worst = dataclasses.replace(
-            locate(at[0]), column=at[1], golden=_py(b[at]), other=_py(a[at])
-        )
-        note = ctx.token_note(at[0]) if value > limit.value and worst.rank is not None else ""
-    over = int((ulp > limit.value).sum())
-    detail = (
-        f"{over} of {ulp.numel()} elements beyond {limit.value:g} bf16 ulp; max {value} ulp{note}"
-    )
-    out.append(_bound("ulp", value, limit, worst, detail))
-    out.append(_per_row_check(ctx, a, b, locate, rows))
-    return out
-
 
 # Stages ------------------------------------------------------------------------------------------
 
@@ -384,15 +89,15 @@ def _canonical_route(
     return ids1.gather(1, by_id), w1.gather(1, by_id), by_weight.gather(1, by_id)
 
 
-def _route(ctx: _Ctx) -> list[CheckResult]:
-    g_ids = _tensor(ctx.golden, "route", "topk_ids")
-    o_ids = _tensor(ctx.other, "route", "topk_ids")
+def _route(ctx: Ctx) -> list[CheckResult]:
+    g_ids = tensor_of(ctx.golden, "route", "topk_ids")
+    o_ids = tensor_of(ctx.other, "route", "topk_ids")
     if g_ids.shape != o_ids.shape:
-        return [_shape_fail(ctx, "topk_ids", o_ids, g_ids)]
-    g_w = _tensor(ctx.golden, "route", "topk_weights").to(torch.float32)
-    o_w = _tensor(ctx.other, "route", "topk_weights").to(torch.float32)
+        return [shape_fail(ctx, "topk_ids", o_ids, g_ids)]
+    g_w = tensor_of(ctx.golden, "route", "topk_weights").to(torch.float32)
+    o_w = tensor_of(ctx.other, "route", "topk_weights").to(torch.float32)
     if g_w.shape != o_w.shape or g_w.shape != g_ids.shape:
-        return [_shape_fail(ctx, "topk_weights", o_w, g_w)]
+        return [shape_fail(ctx, "topk_weights", o_w, g_w)]
     gi, gw, gk = _canonical_route(g_ids.to(torch.int64), g_w)
     oi, ow, _ = _canonical_route(o_ids.to(torch.int64), o_w)
 
@@ -441,7 +146,7 @@ def _route(ctx: _Ctx) -> list[CheckResult]:
             other=float(ow[at]),
         )
     out.append(
-        _bound(
+        bound_check(
             "topk_weights",
             value,
             ctx.check.limit("ulp"),
@@ -452,27 +157,29 @@ def _route(ctx: _Ctx) -> list[CheckResult]:
     )
 
     if "token_index" in ctx.golden["route"]:
-        g_tok = _tensor(ctx.golden, "route", "token_index")
-        o_tok = _tensor(ctx.other, "route", "token_index")
+        g_tok = tensor_of(ctx.golden, "route", "token_index")
+        o_tok = tensor_of(ctx.other, "route", "token_index")
         if g_tok.shape != o_tok.shape:
-            out.append(_shape_fail(ctx, "token_index", o_tok, g_tok))
+            out.append(shape_fail(ctx, "token_index", o_tok, g_tok))
         else:
             mm = int_mismatch(o_tok, g_tok)
             worst = None
             if mm.first is not None:
                 (t,) = mm.first
                 worst = Worst(rank=ctx.rank, golden=int(g_tok[t]), other=int(o_tok[t]), row=t)
-            out.append(_exact("token_index", mm, "received rows differ", ctx.check.reason, worst))
+            out.append(
+                exact_check("token_index", mm, "received rows differ", ctx.check.reason, worst)
+            )
     return out
 
 
-def _quant_input(ctx: _Ctx) -> list[CheckResult]:
+def _quant_input(ctx: Ctx) -> list[CheckResult]:
     reason = ctx.check.reason
     out = []
-    g_q = _tensor(ctx.golden, "quant_input", "a1q")
-    o_q = _tensor(ctx.other, "quant_input", "a1q")
+    g_q = tensor_of(ctx.golden, "quant_input", "a1q")
+    o_q = tensor_of(ctx.other, "quant_input", "a1q")
     if g_q.shape != o_q.shape:
-        out.append(_shape_fail(ctx, "a1q", o_q, g_q))
+        out.append(shape_fail(ctx, "a1q", o_q, g_q))
     else:
         gc, oc = fp8_codes(g_q), fp8_codes(o_q)
         mm = mismatch_of(oc != gc)
@@ -483,20 +190,20 @@ def _quant_input(ctx: _Ctx) -> list[CheckResult]:
                 token=ctx.token(t),
                 rank=ctx.rank,
                 column=c,
-                golden=_fp8(gc[t, c]),
-                other=_fp8(oc[t, c]),
+                golden=fp8_value(gc[t, c]),
+                other=fp8_value(oc[t, c]),
             )
             note = f"; first: code 0x{int(oc[t, c]):02x} vs golden 0x{int(gc[t, c]):02x}"
         nan = nan_inf_counts(oc)[0]
         what = f"fp8 codes differ ({nan} NaN codes on {ctx.name})"
-        out.append(_exact("a1q codes", mm, what, reason, worst, note))
+        out.append(exact_check("a1q codes", mm, what, reason, worst, note))
 
     hidden = g_q.shape[1]
     group = ctx.problem.recipe.act_group
-    g_s = _tensor(ctx.golden, "quant_input", "a1q_scale")
-    o_s = _tensor(ctx.other, "quant_input", "a1q_scale")
+    g_s = tensor_of(ctx.golden, "quant_input", "a1q_scale")
+    o_s = tensor_of(ctx.other, "quant_input", "a1q_scale")
     if o_s.shape[0] != g_s.shape[0]:
-        out.append(_shape_fail(ctx, "a1q_scale", o_s, g_s))
+        out.append(shape_fail(ctx, "a1q_scale", o_s, g_s))
         return out
     co, cg, kind = comparable_scale_codes(o_s, g_s, hidden // group)
     mm = mismatch_of(co != cg)
@@ -507,28 +214,28 @@ def _quant_input(ctx: _Ctx) -> list[CheckResult]:
             token=ctx.token(t),
             rank=ctx.rank,
             column=gi * group,
-            golden=_decode_scale(int(cg[t, gi]), kind),
-            other=_decode_scale(int(co[t, gi]), kind),
+            golden=decode_scale(int(cg[t, gi]), kind),
+            other=decode_scale(int(co[t, gi]), kind),
         )
     what = f"scale groups differ ({group} columns each; compared as {kind} bits)"
-    out.append(_exact("a1q_scale", mm, what, reason, worst))
+    out.append(exact_check("a1q_scale", mm, what, reason, worst))
     return out
 
 
-def _align(ctx: _Ctx) -> list[CheckResult]:
+def _align(ctx: Ctx) -> list[CheckResult]:
     reason = ctx.check.reason
     out = []
     for name in ("M_sum", "alignment"):
-        o, g = _int(ctx.other, "align", name), _int(ctx.golden, "align", name)
+        o, g = int_of(ctx.other, "align", name), int_of(ctx.golden, "align", name)
         worst = None if o == g else Worst(rank=ctx.rank, golden=g, other=o)
         out.append(
             CheckResult(name, o == g, abs(o - g), 0, reason, worst, f"{ctx.name} {o}, golden {g}")
         )
 
-    g_c = _tensor(ctx.golden, "align", "counts").to(torch.int64)
-    o_c = _tensor(ctx.other, "align", "counts").to(torch.int64)
+    g_c = tensor_of(ctx.golden, "align", "counts").to(torch.int64)
+    o_c = tensor_of(ctx.other, "align", "counts").to(torch.int64)
     if g_c.shape != o_c.shape:
-        out.append(_shape_fail(ctx, "counts", o_c, g_c))
+        out.append(shape_fail(ctx, "counts", o_c, g_c))
     else:
         mm = int_mismatch(o_c, g_c)
         worst, note = None, ""
@@ -536,9 +243,9 @@ def _align(ctx: _Ctx) -> list[CheckResult]:
             (e,) = mm.first
             worst = Worst(rank=ctx.rank, golden=int(g_c[e]), other=int(o_c[e]))
             note = f"; first: local expert {e}: golden {int(g_c[e])}, {ctx.name} {int(o_c[e])}"
-        out.append(_exact("counts", mm, "local experts' counts differ", reason, worst, note))
+        out.append(exact_check("counts", mm, "local experts' counts differ", reason, worst, note))
 
-    m_sum, align = _int(ctx.other, "align", "M_sum"), _int(ctx.other, "align", "alignment")
+    m_sum, align = int_of(ctx.other, "align", "M_sum"), int_of(ctx.other, "align", "alignment")
     if align < 1:
         raise ContractError(f"{ctx.name} align.alignment must be >= 1, got {align}")
     remainder = m_sum % align
@@ -569,76 +276,78 @@ def _align(ctx: _Ctx) -> list[CheckResult]:
     return out
 
 
-def _permute(ctx: _Ctx) -> list[CheckResult]:
+def _permute(ctx: Ctx) -> list[CheckResult]:
     reason = ctx.check.reason
     G, B = ctx.golden, ctx.other
     out = []
-    g_m = _tensor(G, "permute", "m_indices").to(torch.int64)
-    o_m = _tensor(B, "permute", "m_indices").to(torch.int64)
+    g_m = tensor_of(G, "permute", "m_indices").to(torch.int64)
+    o_m = tensor_of(B, "permute", "m_indices").to(torch.int64)
     m_sum = o_m.numel()
 
     if g_m.shape != o_m.shape:
-        out.append(_shape_fail(ctx, "m_indices", o_m, g_m))
+        out.append(shape_fail(ctx, "m_indices", o_m, g_m))
     else:
         mm = int_mismatch(o_m, g_m)
         worst = None
         if mm.first is not None:
             (r,) = mm.first
             worst = Worst(rank=ctx.rank, golden=int(g_m[r]), other=int(o_m[r]), row=r)
-        out.append(_exact("m_indices", mm, "rows' local experts differ", reason, worst))
+        out.append(exact_check("m_indices", mm, "rows' local experts differ", reason, worst))
     if "expert_start" in G["permute"]:
-        g_e = _tensor(G, "permute", "expert_start").to(torch.int64)
-        o_e = _tensor(B, "permute", "expert_start").to(torch.int64)
+        g_e = tensor_of(G, "permute", "expert_start").to(torch.int64)
+        o_e = tensor_of(B, "permute", "expert_start").to(torch.int64)
         if g_e.shape != o_e.shape:
-            out.append(_shape_fail(ctx, "expert_start", o_e, g_e))
+            out.append(shape_fail(ctx, "expert_start", o_e, g_e))
         else:
             mm = int_mismatch(o_e, g_e)
             worst = None
             if mm.first is not None:
                 (e,) = mm.first
                 worst = Worst(rank=ctx.rank, golden=int(g_e[e]), other=int(o_e[e]))
-            out.append(_exact("expert_start", mm, "segment starts differ", reason, worst))
+            out.append(exact_check("expert_start", mm, "segment starts differ", reason, worst))
 
     # inv_perm: every live slot owns one distinct row inside [0, M_sum).
-    s = _slots(G, B)
+    s = live_slots(G, B)
     rows = s.other_rows
     in_range = (rows >= 0) & (rows < m_sum)
-    hits = _take(torch.bincount(rows[in_range], minlength=m_sum), rows)
+    hits = take_rows(torch.bincount(rows[in_range], minlength=m_sum), rows)
     shared = in_range & (hits > 1)
     bad = ~in_range | shared
     worst, note = None, ""
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
-        worst = _slot_worst(ctx, s, i, other=int(rows[i]), golden=int(s.gold_rows[i]))
+        worst = slot_worst(ctx, s, i, other=int(rows[i]), golden=int(s.gold_rows[i]))
         why = "is shared with another slot" if bool(in_range[i]) else f"is outside [0, {m_sum})"
-        note = f"; first: {_slot_name(ctx, s, i)} -> row {int(rows[i])}, which {why}"
+        note = f"; first: {slot_name(ctx, s, i)} -> row {int(rows[i])}, which {why}"
     what = "live slots map to an invalid row"
-    out.append(_exact("inv_perm", mismatch_of(bad), what, reason, worst, note))
+    out.append(exact_check("inv_perm", mismatch_of(bad), what, reason, worst, note))
     ok = ~bad
 
     # a_perm: the row of each live slot holds the golden row's bytes.
-    g_a = fp8_codes(_tensor(G, "permute", "a_perm"))
-    o_a = fp8_codes(_tensor(B, "permute", "a_perm"))
+    g_a = fp8_codes(tensor_of(G, "permute", "a_perm"))
+    o_a = fp8_codes(tensor_of(B, "permute", "a_perm"))
     if o_a.dim() != 2 or o_a.shape[1] != g_a.shape[1] or (m_sum and o_a.shape[0] != m_sum):
-        out.append(_shape_fail(ctx, "a_perm", o_a, g_a))
+        out.append(shape_fail(ctx, "a_perm", o_a, g_a))
     else:
-        gr, orow = g_a[s.gold_rows], _take(o_a, rows)
+        gr, orow = g_a[s.gold_rows], take_rows(o_a, rows)
         diff = (gr != orow) & ok[:, None]
-        out.append(_slot_rows_check(ctx, s, diff, "a_perm rows", reason, gr, orow, _fp8, "bytes"))
+        out.append(
+            _slot_rows_check(ctx, s, diff, "a_perm rows", reason, gr, orow, fp8_value, "bytes")
+        )
 
     # a_scale_perm: same, on the scale groups that exist (pad bytes of packed words ignored).
     hidden, group = g_a.shape[1], ctx.problem.recipe.act_group
     groups = hidden // group
-    g_s = _tensor(G, "permute", "a_scale_perm")
-    o_s = _tensor(B, "permute", "a_scale_perm")
+    g_s = tensor_of(G, "permute", "a_scale_perm")
+    o_s = tensor_of(B, "permute", "a_scale_perm")
     if m_sum and o_s.shape[0] != m_sum:
-        out.append(_shape_fail(ctx, "a_scale_perm", o_s, g_s))
+        out.append(shape_fail(ctx, "a_scale_perm", o_s, g_s))
         o_codes = None
     else:
         o_codes, g_codes, kind = comparable_scale_codes(o_s, g_s, groups)
-        gr, orow = g_codes[s.gold_rows], _take(o_codes, rows)
+        gr, orow = g_codes[s.gold_rows], take_rows(o_codes, rows)
         diff = (gr != orow) & ok[:, None]
-        decode = partial(_decode_scale, kind=kind)
+        decode = partial(decode_scale, kind=kind)
         out.append(
             _slot_rows_check(
                 ctx, s, diff, "a_scale_perm rows", reason, gr, orow, decode, "scale groups", group
@@ -646,18 +355,18 @@ def _permute(ctx: _Ctx) -> list[CheckResult]:
         )
 
     # Per-expert row sets: each live slot sits in its expert's segment.
-    expected, got = g_m[s.gold_rows], _take(o_m, rows)
+    expected, got = g_m[s.gold_rows], take_rows(o_m, rows)
     wrong = ok & (got != expected)
     worst, note = None, ""
     if bool(wrong.any()):
         i = int(torch.nonzero(wrong)[0, 0])
-        worst = _slot_worst(ctx, s, i, golden=int(expected[i]), other=int(got[i]))
+        worst = slot_worst(ctx, s, i, golden=int(expected[i]), other=int(got[i]))
         note = (
-            f"; first: {_slot_name(ctx, s, i)} sits in row {int(rows[i])} of local expert "
+            f"; first: {slot_name(ctx, s, i)} sits in row {int(rows[i])} of local expert "
             f"{int(got[i])}'s segment, golden local expert {int(expected[i])}"
         )
     what = "live slots sit in another expert's segment"
-    out.append(_exact("expert rows", mismatch_of(wrong), what, reason, worst, note))
+    out.append(exact_check("expert rows", mismatch_of(wrong), what, reason, worst, note))
 
     # Padding contract on rows claimed by no live slot.
     claimed = torch.zeros(m_sum, dtype=torch.bool)
@@ -671,15 +380,15 @@ def _permute(ctx: _Ctx) -> list[CheckResult]:
         note = f"; first: row {r} holds {int(o_m[r])}"
     mism = Mismatch(int(bad_pad.sum()), int(pad.sum()), None)
     what = "padding rows (claimed by no live slot) do not hold -1"
-    out.append(_exact("padding m_indices", mism, what, reason, worst, note))
+    out.append(exact_check("padding m_indices", mism, what, reason, worst, note))
     if o_codes is not None:
         out.append(_padding_scales(ctx, o_s, pad, groups, group, reason))
     return out
 
 
 def _slot_rows_check(
-    ctx: _Ctx,
-    s: _Slots,
+    ctx: Ctx,
+    s: Slots,
     diff: torch.Tensor,
     name: str,
     reason: str,
@@ -696,7 +405,7 @@ def _slot_rows_check(
     if mism.first is not None:
         (i,) = mism.first
         c = int(torch.nonzero(diff[i])[0, 0])
-        worst = _slot_worst(
+        worst = slot_worst(
             ctx,
             s,
             i,
@@ -705,14 +414,14 @@ def _slot_rows_check(
             other=decode(other_rows[i, c]),
         )
         note = (
-            f"; first: {_slot_name(ctx, s, i)} -> {ctx.name} row {int(s.other_rows[i])} vs golden "
+            f"; first: {slot_name(ctx, s, i)} -> {ctx.name} row {int(s.other_rows[i])} vs golden "
             f"row {int(s.gold_rows[i])}: {int(diff[i].sum())} of {diff.shape[1]} {unit} differ"
         )
-    return _exact(name, mism, "live slots' rows differ", reason, worst, note)
+    return exact_check(name, mism, "live slots' rows differ", reason, worst, note)
 
 
 def _padding_scales(
-    ctx: _Ctx, scales: torch.Tensor, pad: torch.Tensor, groups: int, group: int, reason: str
+    ctx: Ctx, scales: torch.Tensor, pad: torch.Tensor, groups: int, group: int, reason: str
 ) -> CheckResult:
     """fp32 padding rows must be +0.0 (bitwise); packed padding bytes must not be 0xFF (NaN)."""
     if scales.dtype == torch.int32:
@@ -730,18 +439,18 @@ def _padding_scales(
         other = int(codes[r, c]) if scales.dtype == torch.int32 else float(scales[r, c])
         worst = Worst(rank=ctx.rank, column=c * group, golden=want, other=other, row=r)
         note = f"; first: row {r}, group {c} holds {other}"
-    return _exact("padding scales", mism, what, reason, worst, note)
+    return exact_check("padding scales", mism, what, reason, worst, note)
 
 
-def _gemm(ctx: _Ctx, stage: str, name: str) -> list[CheckResult]:
-    s = _downstream_slots(ctx)
-    g = _tensor(ctx.golden, stage, name)
-    o = _tensor(ctx.other, stage, name)
+def _gemm(ctx: Ctx, stage: str, name: str) -> list[CheckResult]:
+    s = downstream_slots(ctx)
+    g = tensor_of(ctx.golden, stage, name)
+    o = tensor_of(ctx.other, stage, name)
     if o.dim() != 2 or o.shape[1] != g.shape[1]:
-        return [_shape_fail(ctx, name, o, g)]
-    s, row_fail = _rows_in_range(ctx, s, o.shape[0], name)
+        return [shape_fail(ctx, name, o, g)]
+    s, row_fail = rows_in_range(ctx, s, o.shape[0], name)
     a, b = o[s.other_rows], g[s.gold_rows]
-    checks = _bounded_checks(ctx, a, b, lambda i: _slot_worst(ctx, s, i), "live (token, k) rows")
+    checks = bounded_checks(ctx, a, b, lambda i: slot_worst(ctx, s, i), "live (token, k) rows")
     return [row_fail, *checks] if row_fail else checks
 
 
@@ -753,39 +462,39 @@ def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group: int) -> 
     return values * scales.float().repeat_interleave(group, dim=1)
 
 
-def _act_quant(ctx: _Ctx) -> list[CheckResult]:
+def _act_quant(ctx: Ctx) -> list[CheckResult]:
     check = ctx.check
-    s = _downstream_slots(ctx)
-    g_q = fp8_codes(_tensor(ctx.golden, "act_quant", "a2q"))
-    o_q = fp8_codes(_tensor(ctx.other, "act_quant", "a2q"))
+    s = downstream_slots(ctx)
+    g_q = fp8_codes(tensor_of(ctx.golden, "act_quant", "a2q"))
+    o_q = fp8_codes(tensor_of(ctx.other, "act_quant", "a2q"))
     if o_q.dim() != 2 or o_q.shape[1] != g_q.shape[1]:
-        return [_shape_fail(ctx, "a2q", o_q, g_q)]
+        return [shape_fail(ctx, "a2q", o_q, g_q)]
     group = ctx.problem.recipe.act_group
     groups = g_q.shape[1] // group
-    g_s = scale_values(_tensor(ctx.golden, "act_quant", "a2q_scale"), groups)
-    o_s = scale_values(_tensor(ctx.other, "act_quant", "a2q_scale"), groups)
-    s, row_fail = _rows_in_range(ctx, s, min(o_q.shape[0], o_s.shape[0]), "a2q / a2q_scale")
+    g_s = scale_values(tensor_of(ctx.golden, "act_quant", "a2q_scale"), groups)
+    o_s = scale_values(tensor_of(ctx.other, "act_quant", "a2q_scale"), groups)
+    s, row_fail = rows_in_range(ctx, s, min(o_q.shape[0], o_s.shape[0]), "a2q / a2q_scale")
     qa, qb = o_q[s.other_rows], g_q[s.gold_rows]
     sa, sb = o_s[s.other_rows], g_s[s.gold_rows]
     out = [row_fail] if row_fail else []
-    locate = partial(_slot_worst, ctx, s)
+    locate = partial(slot_worst, ctx, s)
 
     # NaN codes, and scales that are NaN/Inf (an E8M0 0xFF byte reads as NaN).
-    nonfinite_check = _nonfinite_check(ctx, qa, qb, locate, "live (token, k) rows")
+    finite = nonfinite_check(ctx, qa, qb, locate, "live (token, k) rows")
     bad_scales = int((~torch.isfinite(sa)).sum() + (~torch.isfinite(sb)).sum())
     if bad_scales:
-        nonfinite_check = dataclasses.replace(
-            nonfinite_check,
+        finite = dataclasses.replace(
+            finite,
             passed=False,
-            value=nonfinite_check.value + bad_scales,
-            detail=nonfinite_check.detail + f"; {bad_scales} non-finite scales",
+            value=finite.value + bad_scales,
+            detail=finite.detail + f"; {bad_scales} non-finite scales",
         )
-    out.append(nonfinite_check)
+    out.append(finite)
 
     if check.kind == "act_quant_values":
         a_val = _dequantize_codes(qa, sa, group)
         b_val = _dequantize_codes(qb, sb, group)
-        return out + _bounded_checks(ctx, a_val, b_val, locate, "live (token, k) rows")[1:]
+        return out + bounded_checks(ctx, a_val, b_val, locate, "live (token, k) rows")[1:]
 
     differ = ~(sa == sb)
     n_groups = differ.numel()
@@ -799,7 +508,7 @@ def _act_quant(ctx: _Ctx) -> list[CheckResult]:
         )
     flip_limit = check.limit("scale_flip_frac")
     out.append(
-        _bound(
+        bound_check(
             "scale flips",
             flips / n_groups if n_groups else 0.0,
             flip_limit,
@@ -817,7 +526,7 @@ def _act_quant(ctx: _Ctx) -> list[CheckResult]:
             locate(at[0]), column=at[1] * group, golden=float(sb[at]), other=float(sa[at])
         )
     out.append(
-        _bound(
+        bound_check(
             "scale step",
             value,
             check.limit("scale_step"),
@@ -840,8 +549,8 @@ def _act_quant(ctx: _Ctx) -> list[CheckResult]:
         worst = dataclasses.replace(
             locate(at[0]),
             column=at[1],
-            golden=_fp8(qb[at]) * float(sb_el[at]),
-            other=_fp8(qa[at]) * float(sa_el[at]),
+            golden=fp8_value(qb[at]) * float(sb_el[at]),
+            other=fp8_value(qa[at]) * float(sa_el[at]),
         )
         note = (
             f"; worst: code 0x{int(qa[at]):02x} vs golden 0x{int(qb[at]):02x} "
@@ -849,7 +558,7 @@ def _act_quant(ctx: _Ctx) -> list[CheckResult]:
         )
     moved = int((~(dist == 0)).sum())
     out.append(
-        _bound(
+        bound_check(
             "code distance",
             value,
             check.limit("code_dist"),
@@ -859,7 +568,7 @@ def _act_quant(ctx: _Ctx) -> list[CheckResult]:
     )
     total = dist.numel()
     out.append(
-        _bound(
+        bound_check(
             "code fraction",
             moved / total if total else 0.0,
             check.limit("code_frac"),
@@ -870,12 +579,12 @@ def _act_quant(ctx: _Ctx) -> list[CheckResult]:
     return out
 
 
-def _token_output(ctx: _Ctx, stage: str) -> list[CheckResult]:
+def _token_output(ctx: Ctx, stage: str) -> list[CheckResult]:
     """gather / shared / reduce: out [M, H] per element and per token."""
-    g = _tensor(ctx.golden, stage, "out")
-    o = _tensor(ctx.other, stage, "out")
+    g = tensor_of(ctx.golden, stage, "out")
+    o = tensor_of(ctx.other, stage, "out")
     if o.shape != g.shape:
-        return [_shape_fail(ctx, "out", o, g)]
+        return [shape_fail(ctx, "out", o, g)]
     rank = None if stage == REDUCE_STAGE else ctx.rank
 
     def locate(t: int) -> Worst:
@@ -883,13 +592,13 @@ def _token_output(ctx: _Ctx, stage: str) -> list[CheckResult]:
 
     kind = ctx.check.kind
     if kind == "gather":
-        return _ulp_checks(ctx, o, g, locate, "tokens")
+        return ulp_checks(ctx, o, g, locate, "tokens")
     if kind in ("gemm", "reduce"):
-        return _bounded_checks(ctx, o, g, locate, "tokens")
+        return bounded_checks(ctx, o, g, locate, "tokens")
     raise ValueError(f"policy gives {stage} a {kind!r} check; it takes gather, gemm or reduce")
 
 
-_COMPARERS: dict[str, Callable[[_Ctx], list[CheckResult]]] = {
+_COMPARERS: dict[str, Callable[[Ctx], list[CheckResult]]] = {
     "route": _route,
     "quant_input": _quant_input,
     "align": _align,
@@ -943,7 +652,7 @@ def compare_stage(
     if comparer is None:
         return StageResult(stage, "error", [], f"no comparison is defined for stage {stage!r}")
     try:
-        checks = comparer(_Ctx(golden, other, problem, policy_for(stage, problem, mode), mode))
+        checks = comparer(Ctx(golden, other, problem, policy_for(stage, problem, mode), mode))
     except ContractError as exc:
         contract = CheckResult("contract", False, 1, 0, CONTRACT_REASON, None, str(exc))
         return StageResult(stage, "fail", [contract])

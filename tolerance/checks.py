@@ -1,0 +1,338 @@
+"""The comparison toolkit every stage comparer shares: the context of one stage comparison,
+the live (token, k) slots and how each side's rows are keyed, and the generic bounded, ulp and
+NaN/Inf checks with their worst coordinates."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moe_verify.spec import MoEProblem, Trace
+from tolerance.metrics import (
+    Mismatch,
+    argmax_coords,
+    bf16_ulp_distance,
+    calc_diff,
+    e4m3_value,
+    excess_ratio,
+    first_true,
+    nan_inf_counts,
+    nonfinite,
+    row_max,
+    row_rel_error,
+)
+from tolerance.policy import CONTRACT_REASON, NONFINITE_REASON, Check, Limit
+from tolerance.results import (
+    CheckResult,
+    ContractError,
+    Worst,
+)
+from tolerance.results import entry as _entry
+from tolerance.results import ran as _ran
+
+# Comparison context ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ctx:
+    golden: Trace
+    other: Trace
+    problem: MoEProblem
+    check: Check
+    mode: str
+
+    @property
+    def rank(self) -> int:
+        return self.other.rank
+
+    @property
+    def name(self) -> str:
+        return self.other.backend
+
+    def token(self, t: int) -> int:
+        """Global token of local row t (ep+ht receives a subset, named by route.token_index)."""
+        route = self.golden["route"] if "route" in self.golden else {}
+        index = route.get("token_index")
+        return int(index[t]) if isinstance(index, torch.Tensor) else t
+
+    def token_note(self, t: int) -> str:
+        route = self.golden["route"] if "route" in self.golden else {}
+        ids = route.get("topk_ids")
+        if not isinstance(ids, torch.Tensor) or t >= ids.shape[0]:
+            return ""
+        return f"; golden routes token {self.token(t)} to experts {[int(e) for e in ids[t]]}"
+
+
+def tensor_of(trace: Trace, stage: str, name: str) -> torch.Tensor:
+    value = _entry(trace, stage, name)
+    if not isinstance(value, torch.Tensor):
+        raise ContractError(
+            f"{trace.backend} {stage}.{name} is {type(value).__name__}, not a tensor"
+        )
+    return value.detach().cpu()
+
+
+def int_of(trace: Trace, stage: str, name: str) -> int:
+    value = _entry(trace, stage, name)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return int(value.item())
+    if isinstance(value, int):
+        return value
+    raise ContractError(f"{trace.backend} {stage}.{name} must be an int, got {value!r}")
+
+
+def py_scalar(x: torch.Tensor) -> float | int:
+    """One element as a Python number."""
+    return float(x) if x.is_floating_point() else int(x)
+
+
+def fp8_value(code: torch.Tensor) -> float:
+    return float(e4m3_value(code.reshape(1))[0])
+
+
+def decode_scale(code: int, kind: str) -> float | int:
+    """A scale code for display: fp32 raw bits -> the float; E8M0 bytes stay bytes."""
+    if kind == "fp32":
+        return struct.unpack("<f", struct.pack("<I", code & 0xFFFFFFFF))[0]
+    return code
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[rows] with out-of-range rows clamped (callers mask them): [len(rows), *x.shape[1:]]."""
+    if x.shape[0] == 0:
+        return torch.zeros((rows.numel(), *x.shape[1:]), dtype=x.dtype)
+    return x[rows.clamp(0, x.shape[0] - 1)]
+
+
+def bound_check(
+    name: str, value: float, limit: Limit, worst: Worst | None, detail: str
+) -> CheckResult:
+    """value <= limit; the worst coordinates are dropped when nothing differs at all."""
+    worst = None if value == 0 else worst
+    return CheckResult(
+        name, bool(value <= limit.value), value, limit.value, limit.reason, worst, detail
+    )
+
+
+def exact_check(
+    name: str, mism: Mismatch, what: str, reason: str, worst: Worst | None, note: str = ""
+) -> CheckResult:
+    """value = mismatch count, limit 0; detail '<count> of <total> <what><note>'."""
+    detail = f"{mism.count} of {mism.total} {what}{note if mism.count else ''}"
+    return CheckResult(
+        name, mism.count == 0, mism.count, 0, reason, worst if mism.count else None, detail
+    )
+
+
+def shape_fail(ctx: Ctx, name: str, other: torch.Tensor, golden: torch.Tensor) -> CheckResult:
+    return CheckResult(
+        f"{name} shape",
+        False,
+        1,
+        0,
+        CONTRACT_REASON,
+        None,
+        f"{ctx.name} {name} is {other.dtype} {tuple(other.shape)}, "
+        f"golden {golden.dtype} {tuple(golden.shape)}",
+    )
+
+
+# Live (token, k) slots ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slots:
+    """The golden's live (token, k) slots and their rows on each side.
+
+    tk [L, 2] (token, k); gold_rows / other_rows [L]; experts [L] global ids (-1 unknown).
+    """
+
+    tk: torch.Tensor
+    gold_rows: torch.Tensor
+    other_rows: torch.Tensor
+    experts: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tk.shape[0]
+
+    def select(self, keep: torch.Tensor) -> Slots:
+        return Slots(self.tk[keep], self.gold_rows[keep], self.other_rows[keep], self.experts[keep])
+
+
+def live_slots(golden: Trace, layout: Trace) -> Slots:
+    """Live slots of the golden, with other rows read from `layout`'s permute.inv_perm."""
+    if "permute" in layout and not _ran(layout["permute"]):
+        raise ContractError(
+            f"{layout.backend}'s permute was skipped or raised, so its rows cannot be keyed by "
+            "(token, k)"
+        )
+    g_inv = tensor_of(golden, "permute", "inv_perm").to(torch.int64)
+    o_inv = tensor_of(layout, "permute", "inv_perm").to(torch.int64)
+    if o_inv.shape != g_inv.shape:
+        raise ContractError(
+            f"{layout.backend} permute.inv_perm is {tuple(o_inv.shape)}, "
+            f"golden {tuple(g_inv.shape)}"
+        )
+    live = g_inv >= 0
+    experts = torch.full(g_inv.shape, -1, dtype=torch.int64)
+    if "route" in golden and isinstance(golden["route"].get("topk_ids"), torch.Tensor):
+        ids = golden["route"]["topk_ids"].detach().cpu().to(torch.int64)
+        if ids.shape == g_inv.shape:
+            experts = ids
+    return Slots(live.nonzero(), g_inv[live], o_inv[live], experts[live])
+
+
+def downstream_slots(ctx: Ctx) -> Slots:
+    """Slots for a stage after permute: keyed by the permute that stage consumed."""
+    return live_slots(ctx.golden, ctx.other if ctx.mode == "chained" else ctx.golden)
+
+
+def slot_worst(ctx: Ctx, s: Slots, i: int, **values: object) -> Worst:
+    expert = int(s.experts[i])
+    return Worst(
+        token=ctx.token(int(s.tk[i, 0])),
+        k=int(s.tk[i, 1]),
+        expert=expert if expert >= 0 else None,
+        rank=ctx.rank,
+        row=int(s.other_rows[i]),
+        **values,  # type: ignore[arg-type]
+    )
+
+
+def slot_name(ctx: Ctx, s: Slots, i: int) -> str:
+    return f"slot (token {ctx.token(int(s.tk[i, 0]))}, k {int(s.tk[i, 1])})"
+
+
+def rows_in_range(ctx: Ctx, s: Slots, n_rows: int, what: str) -> tuple[Slots, CheckResult | None]:
+    """Keep slots whose other row indexes a tensor of n_rows rows; a failed check otherwise."""
+    ok = (s.other_rows >= 0) & (s.other_rows < n_rows)
+    if bool(ok.all()):
+        return s, None
+    i = int(torch.nonzero(~ok)[0, 0])
+    bad = int((~ok).sum())
+    result = CheckResult(
+        "row map",
+        False,
+        bad,
+        0,
+        CONTRACT_REASON,
+        slot_worst(ctx, s, i),
+        f"{bad} of {len(s)} live slots map outside {ctx.name} {what} ({n_rows} rows); first: "
+        f"{slot_name(ctx, s, i)} -> row {int(s.other_rows[i])}",
+    )
+    return s.select(ok), result
+
+
+# Shared bounded / ulp comparisons ----------------------------------------------------------------
+
+
+def nonfinite_check(
+    ctx: Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
+) -> CheckResult:
+    bad = nonfinite(a) | nonfinite(b)
+    na, ia = nan_inf_counts(a)
+    nb, ib = nan_inf_counts(b)
+    at = first_true(bad)
+    worst = None
+    if at is not None:
+        other = fp8_value(a[at]) if a.dtype == torch.uint8 else py_scalar(a[at])
+        golden = fp8_value(b[at]) if b.dtype == torch.uint8 else py_scalar(b[at])
+        worst = dataclasses.replace(locate(at[0]), column=at[1], golden=golden, other=other)
+    return CheckResult(
+        "nan_inf",
+        at is None,
+        na + ia + nb + ib,
+        0,
+        NONFINITE_REASON,
+        worst,
+        f"{ctx.name}: {na} NaN, {ia} Inf; golden: {nb} NaN, {ib} Inf (in {a.shape[0]} {rows})",
+    )
+
+
+def per_row_check(
+    ctx: Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
+) -> CheckResult:
+    limit = ctx.check.limit("row_err")
+    values, cols = row_rel_error(a, b)
+    at = argmax_coords(values)
+    if at is None:
+        return bound_check("per-token", 0.0, limit, None, f"no {rows}")
+    r, c = at[0], int(cols[at[0]])
+    worst = dataclasses.replace(
+        locate(r), column=c, golden=py_scalar(b[r, c]), other=py_scalar(a[r, c])
+    )
+    over = int((~(values <= limit.value)).sum())
+    detail = (
+        f"{over} of {a.shape[0]} {rows} beyond max|a-b| <= {limit.value:g} x rowmax|golden|; "
+        f"worst row error {float(values[r]):.4g}"
+    )
+    return bound_check("per-token", float(values[r]), limit, worst, detail)
+
+
+def bounded_checks(
+    ctx: Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
+) -> list[CheckResult]:
+    """gemm / reduce: NaN/Inf, per element (atol x rowmax + rtol), per row, calc_diff."""
+    check = ctx.check
+    atol, rtol, outliers = check.limit("atol"), check.limit("rtol"), check.limit("mismatch_frac")
+    out = [nonfinite_check(ctx, a, b, locate, rows)]
+
+    ratio = excess_ratio(a, b, atol.value, rtol.value, row_max(b))
+    beyond = ~(ratio <= 1.0)
+    n_beyond, total = int(beyond.sum()), beyond.numel()
+    frac = n_beyond / total if total else 0.0
+    at = argmax_coords(ratio)
+    worst, note = None, ""
+    if at is not None and not bool(ratio[at] == 0):
+        worst = dataclasses.replace(
+            locate(at[0]), column=at[1], golden=py_scalar(b[at]), other=py_scalar(a[at])
+        )
+        err = abs(float(a[at]) - float(b[at]))
+        note = f"; worst |a-b| = {err:.4g}, {float(ratio[at]):.3g}x the allowed error"
+    out.append(
+        CheckResult(
+            "elementwise",
+            frac <= outliers.value,
+            frac,
+            outliers.value,
+            f"|a-b| <= {atol.value:g} x rowmax|golden| + {rtol.value:g} x |golden|: rtol: "
+            f"{rtol.reason}; atol: {atol.reason}; outliers: {outliers.reason}",
+            worst,
+            f"{n_beyond} of {total} elements beyond the bound{note}",
+        )
+    )
+    out.append(per_row_check(ctx, a, b, locate, rows))
+    cd = check.limit("calc_diff")
+    value = calc_diff(a, b)
+    out.append(
+        bound_check("calc_diff", value, cd, None, f"calc_diff over {total} elements = {value:.3g}")
+    )
+    return out
+
+
+def ulp_checks(
+    ctx: Ctx, a: torch.Tensor, b: torch.Tensor, locate: Callable[[int], Worst], rows: str
+) -> list[CheckResult]:
+    """gather: NaN/Inf, per element bf16 ulps, per row."""
+    limit = ctx.check.limit("ulp")
+    out = [nonfinite_check(ctx, a, b, locate, rows)]
+    ulp = bf16_ulp_distance(a, b)
+    at = argmax_coords(ulp)
+    value, worst, note = 0, None, ""
+    if at is not None:
+        value = int(ulp[at])
+        worst = dataclasses.replace(
+            locate(at[0]), column=at[1], golden=py_scalar(b[at]), other=py_scalar(a[at])
+        )
+        note = ctx.token_note(at[0]) if value > limit.value and worst.rank is not None else ""
+    over = int((ulp > limit.value).sum())
+    detail = (
+        f"{over} of {ulp.numel()} elements beyond {limit.value:g} bf16 ulp; max {value} ulp{note}"
+    )
+    out.append(bound_check("ulp", value, limit, worst, detail))
+    out.append(per_row_check(ctx, a, b, locate, rows))
+    return out
