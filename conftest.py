@@ -25,16 +25,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run under its interpreter; the flag must be set before triton is
-# imported anywhere, and the interpreter's wrong FP8 cast is replaced (ENVIRONMENT.md).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# imported anywhere, and the interpreter's wrong float casts are replaced (ENVIRONMENT.md).
+from moe_verify.device import cuda_arch_major, prepare_triton  # noqa: E402
 
-from moe_verify.device import cuda_arch_major, interpreter_mode  # noqa: E402
-
-if interpreter_mode():
-    from optimized.triton_compat import install_interpreter_fp8_fix
-
-    install_interpreter_fp8_fix()
+prepare_triton()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

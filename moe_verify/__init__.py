@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
+# `verify` names both a submodule and the function; binding the function here, after the
+# submodule import, makes `from moe_verify import verify` the function in every import order.
+from moe_verify.inputs import make_inputs  # noqa: E402
 from moe_verify.spec import (
     LL_STAGES,
     STAGES,
@@ -21,10 +22,7 @@ from moe_verify.spec import (
     TopologyKind,
     Trace,
 )
-
-if TYPE_CHECKING:
-    from moe_verify.inputs import make_inputs
-    from moe_verify.verify import verify
+from moe_verify.verify import verify  # noqa: E402
 
 __all__ = [
     "LL_STAGES",
@@ -45,16 +43,3 @@ __all__ = [
     "make_inputs",
     "verify",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # Imported lazily so `import moe_verify` stays light and never pulls triton or deep_gemm.
-    if name == "make_inputs":
-        from moe_verify.inputs import make_inputs
-
-        return make_inputs
-    if name == "verify":
-        from moe_verify.verify import verify
-
-        return verify
-    raise AttributeError(f"module 'moe_verify' has no attribute {name!r}")

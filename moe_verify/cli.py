@@ -8,25 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from moe_verify.device import prepare_triton
+
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
-
-
-def prepare_triton() -> None:
-    """Without a usable GPU, Triton kernels run under its interpreter (set before import)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from moe_verify.device import interpreter_mode
-
-    if interpreter_mode():
-        from optimized.triton_compat import install_interpreter_fp8_fix
-
-        install_interpreter_fp8_fix()
 
 
 def _add_problem_args(p: argparse.ArgumentParser) -> None:

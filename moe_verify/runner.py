@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from moe_verify.device import prepare_triton
 from moe_verify.spec import (
     REDUCE_STAGE,
     Backend,
@@ -35,6 +36,7 @@ def resolve_backend(spec: str | Backend, engine: str = "auto") -> Backend:
     if not isinstance(spec, str):
         return spec
     if spec == "optimized":
+        prepare_triton()
         from optimized.backend import OptimizedBackend
 
         return OptimizedBackend(engine=engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,19 @@ def test_summary_puts_modes_side_by_side_one_line_per_stage() -> None:
     assert permute.split()[1:3] == ["fail", "fail"] and "a_perm rows" in permute
     gemm1 = next(line for line in text.splitlines() if line.startswith("gemm1 [triton]"))
     assert gemm1.split()[2:4] == ["pass", "fail"]  # isolated clean, chained inherits the swap
+
+
+def test_python_api_runs_on_a_cpu_without_setup() -> None:
+    """README's Python example: no TRITON_INTERPRET set by hand, `verify` is the function."""
+    code = (
+        "from moe_verify import MoEProblem, verify\n"
+        "r = verify(MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=4, topk=2,"
+        " alignment=32), mode='both')\n"
+        "print(r.passed, r.first_failure)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("True None")
