@@ -20,6 +20,7 @@ from tolerance.metrics import (
     e4m3_value,
     excess_ratio,
     first_true,
+    int_mismatch,
     nan_inf_counts,
     nonfinite,
     row_max,
@@ -336,3 +337,27 @@ def ulp_checks(
     out.append(bound_check("ulp", value, limit, worst, detail))
     out.append(per_row_check(ctx, a, b, locate, rows))
     return out
+
+
+def exact_int_vector(
+    ctx: Ctx, stage: str, name: str, what: str, reason: str, index_name: str | None = None
+) -> CheckResult:
+    """A 1-D integer entry of `stage` compared element for element (ids, counts, starts).
+
+    index_name names what an index means in the failure note (e.g. "local expert"); the worst
+    coordinates carry the row when the index is a row of a permuted buffer (index_name None).
+    """
+    g = tensor_of(ctx.golden, stage, name).to(torch.int64)
+    o = tensor_of(ctx.other, stage, name).to(torch.int64)
+    if g.shape != o.shape:
+        return shape_fail(ctx, name, o, g)
+    mm = int_mismatch(o, g)
+    worst, note = None, ""
+    if mm.first is not None:
+        (i,) = mm.first
+        worst = Worst(
+            rank=ctx.rank, golden=int(g[i]), other=int(o[i]), row=i if index_name is None else None
+        )
+        if index_name is not None:
+            note = f"; first: {index_name} {i}: golden {int(g[i])}, {ctx.name} {int(o[i])}"
+    return exact_check(name, mm, what, reason, worst, note)

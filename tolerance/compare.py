@@ -30,6 +30,7 @@ from tolerance.checks import (
     decode_scale,
     downstream_slots,
     exact_check,
+    exact_int_vector,
     fp8_value,
     int_of,
     live_slots,
@@ -58,7 +59,6 @@ from tolerance.metrics import (
     fp8_codes,
     fp8_value_distance,
     fp32_ulp_distance,
-    int_mismatch,
     mismatch_of,
     nan_inf_counts,
 )
@@ -157,19 +157,9 @@ def _route(ctx: Ctx) -> list[CheckResult]:
     )
 
     if "token_index" in ctx.golden["route"]:
-        g_tok = tensor_of(ctx.golden, "route", "token_index")
-        o_tok = tensor_of(ctx.other, "route", "token_index")
-        if g_tok.shape != o_tok.shape:
-            out.append(shape_fail(ctx, "token_index", o_tok, g_tok))
-        else:
-            mm = int_mismatch(o_tok, g_tok)
-            worst = None
-            if mm.first is not None:
-                (t,) = mm.first
-                worst = Worst(rank=ctx.rank, golden=int(g_tok[t]), other=int(o_tok[t]), row=t)
-            out.append(
-                exact_check("token_index", mm, "received rows differ", ctx.check.reason, worst)
-            )
+        out.append(
+            exact_int_vector(ctx, "route", "token_index", "received rows differ", ctx.check.reason)
+        )
     return out
 
 
@@ -232,18 +222,11 @@ def _align(ctx: Ctx) -> list[CheckResult]:
             CheckResult(name, o == g, abs(o - g), 0, reason, worst, f"{ctx.name} {o}, golden {g}")
         )
 
-    g_c = tensor_of(ctx.golden, "align", "counts").to(torch.int64)
-    o_c = tensor_of(ctx.other, "align", "counts").to(torch.int64)
-    if g_c.shape != o_c.shape:
-        out.append(shape_fail(ctx, "counts", o_c, g_c))
-    else:
-        mm = int_mismatch(o_c, g_c)
-        worst, note = None, ""
-        if mm.first is not None:
-            (e,) = mm.first
-            worst = Worst(rank=ctx.rank, golden=int(g_c[e]), other=int(o_c[e]))
-            note = f"; first: local expert {e}: golden {int(g_c[e])}, {ctx.name} {int(o_c[e])}"
-        out.append(exact_check("counts", mm, "local experts' counts differ", reason, worst, note))
+    out.append(
+        exact_int_vector(
+            ctx, "align", "counts", "local experts' counts differ", reason, "local expert"
+        )
+    )
 
     m_sum, align = int_of(ctx.other, "align", "M_sum"), int_of(ctx.other, "align", "alignment")
     if align < 1:
@@ -260,6 +243,7 @@ def _align(ctx: Ctx) -> list[CheckResult]:
             f"{ctx.name} M_sum {m_sum} with alignment {align} leaves {remainder}",
         )
     )
+    g_c = tensor_of(ctx.golden, "align", "counts").to(torch.int64)
     need = int((((g_c + align - 1) // align) * align).sum())
     out.append(
         CheckResult(
@@ -284,27 +268,13 @@ def _permute(ctx: Ctx) -> list[CheckResult]:
     o_m = tensor_of(B, "permute", "m_indices").to(torch.int64)
     m_sum = o_m.numel()
 
-    if g_m.shape != o_m.shape:
-        out.append(shape_fail(ctx, "m_indices", o_m, g_m))
-    else:
-        mm = int_mismatch(o_m, g_m)
-        worst = None
-        if mm.first is not None:
-            (r,) = mm.first
-            worst = Worst(rank=ctx.rank, golden=int(g_m[r]), other=int(o_m[r]), row=r)
-        out.append(exact_check("m_indices", mm, "rows' local experts differ", reason, worst))
+    out.append(exact_int_vector(ctx, "permute", "m_indices", "rows' local experts differ", reason))
     if "expert_start" in G["permute"]:
-        g_e = tensor_of(G, "permute", "expert_start").to(torch.int64)
-        o_e = tensor_of(B, "permute", "expert_start").to(torch.int64)
-        if g_e.shape != o_e.shape:
-            out.append(shape_fail(ctx, "expert_start", o_e, g_e))
-        else:
-            mm = int_mismatch(o_e, g_e)
-            worst = None
-            if mm.first is not None:
-                (e,) = mm.first
-                worst = Worst(rank=ctx.rank, golden=int(g_e[e]), other=int(o_e[e]))
-            out.append(exact_check("expert_start", mm, "segment starts differ", reason, worst))
+        out.append(
+            exact_int_vector(
+                ctx, "permute", "expert_start", "segment starts differ", reason, "local expert"
+            )
+        )
 
     # inv_perm: every live slot owns one distinct row inside [0, M_sum).
     s = live_slots(G, B)
