@@ -108,6 +108,8 @@ TOPOLOGY: list[MoEProblem] = [
         recipe=Recipe.MXFP4_W4A8,
         scale_fmt=ScaleFmt.UE8M0_PACKED,
     ),  # FP4 weights split along I
+    P(**_T, topology=Topology.parse("ep:2"), shared_experts=1),  # shared + routed, then reduce
+    P(**_T, topology=Topology.parse("ep:2+ht"), shared_experts=1),  # combine reduced: shared apart
 ]
 
 # GPU nightly: the shapes vLLM runs (issue 3), FP8 block through DeepGEMM, both SM90 formats.

@@ -158,12 +158,6 @@ class OptimizedBackend:
     def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         sh = self.shard(p, x, rank)
         ids = up["route"]["topk_ids"]
-        if sh.num_local_experts == 0:  # more ranks than experts: this rank owns none
-            m_sum = scatter.aligned_m_sum_upper_bound(ids.shape[0], ids.shape[1], 0, p.alignment)
-            if p.topology.kind is TopologyKind.EP_HT:
-                m_sum = 0
-            empty = torch.zeros(0, dtype=torch.int32, device=ids.device)
-            return {"M_sum": m_sum, "alignment": p.alignment, "counts": empty}
         counts = scatter.count_expert_tokens(ids, sh.num_local_experts, sh.expert_map)
         if p.topology.kind is TopologyKind.EP_HT:
             m_sum = scatter.aligned_m_sum_exact(counts, p.alignment)
@@ -176,8 +170,6 @@ class OptimizedBackend:
     def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         sh = self.shard(p, x, rank)
         align = up["align"]
-        if sh.num_local_experts == 0:
-            return _empty_permute(up)
         a1q = up["quant_input"]["a1q"]
         a_perm, a_scale_perm, m_indices, inv_perm, expert_start = scatter.ep_scatter(
             a1q,
@@ -201,8 +193,6 @@ class OptimizedBackend:
         }
 
     def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        if self.shard(p, x, rank).num_local_experts == 0:
-            return _no_experts(up, 2 * p.intermediate_per_rank, "mm1")
         if "dispatch" in up:
             d = up["dispatch"]
             r = self._batched_gemm(
@@ -244,8 +234,6 @@ class OptimizedBackend:
         return {"a2q": q, "a2q_scale": s}
 
     def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        if self.shard(p, x, rank).num_local_experts == 0:
-            return _no_experts(up, p.hidden, "mm2")
         act = up["act_quant"]
         if "dispatch" in up:
             r = self._batched_gemm(
@@ -449,35 +437,6 @@ class OptimizedBackend:
             a_group,
             p.scale_fmt.is_ue8m0,
         )
-
-
-def _empty_permute(up: Trace) -> Outputs:
-    """The permuted layout of a rank that owns no expert: M_sum padding rows, every slot skipped."""
-    a1q, scale = up["quant_input"]["a1q"], up["quant_input"]["a1q_scale"]
-    ids, m_sum = up["route"]["topk_ids"], up["align"]["M_sum"]
-    if scale.dtype == torch.uint8:  # MXFP8 bytes travel packed four per int32, MN-major
-        pitch = -(-m_sum // 4) * 4
-        packs = -(-scale.shape[1] // 4)
-        storage = torch.zeros(packs * pitch, dtype=torch.int32, device=a1q.device)
-        scale_perm = storage.as_strided((m_sum, packs), (1, pitch))
-    else:
-        scale_perm = scale.new_zeros(m_sum, scale.shape[1])
-    return {
-        "a_perm": torch.zeros(m_sum, a1q.shape[1], dtype=torch.uint8, device=a1q.device).view(
-            a1q.dtype
-        ),
-        "a_scale_perm": scale_perm,
-        "m_indices": torch.full((m_sum,), -1, dtype=torch.int32, device=a1q.device),
-        "inv_perm": torch.full(ids.shape, -1, dtype=torch.int32, device=a1q.device),
-        "expert_start": torch.zeros(0, dtype=torch.int32, device=a1q.device),
-    }
-
-
-def _no_experts(up: Trace, n: int, name: str) -> Outputs:
-    rows = up["align"]["M_sum"] if "align" in up else 0
-    device = up["quant_input"]["a1q"].device
-    out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-    return {name: out, "engine": "none", "engine_reason": "this rank owns no expert"}
 
 
 def _act_group(problem: MoEProblem) -> int:

@@ -312,8 +312,9 @@ def _check_ids(
     validate: bool,
 ) -> None:
     """Dtypes and shapes always; the id range (a device sync) only with `validate`."""
-    if not isinstance(num_local_experts, int) or num_local_experts < 1:
-        fail(fn, f"num_local_experts must be an int >= 1, got {num_local_experts!r}")
+    if not isinstance(num_local_experts, int) or num_local_experts < 0:
+        # 0 is legal: with more EP ranks than experts some ranks host none (every slot skipped).
+        fail(fn, f"num_local_experts must be an int >= 0, got {num_local_experts!r}")
     check_tensor(fn, "topk_ids", topk_ids, None, 2)
     check_signed_ids(fn, "topk_ids", topk_ids)
     if expert_map is not None:
@@ -353,7 +354,7 @@ def _launch_count(
     counts: torch.Tensor,
 ) -> None:
     num_slots = topk_ids.numel()
-    if num_slots == 0:
+    if num_slots == 0 or num_local_experts == 0:
         return
     block = (
         1024 if not interpreter_mode() else max(16, triton.next_power_of_2(min(num_slots, 4096)))
@@ -542,8 +543,9 @@ def ep_scatter(
     m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=device)
     inv_perm = torch.full((m, topk), -1, dtype=torch.int32, device=device)
     expert_start = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
-    if m_sum == 0:
-        # No rows at all (validation proved every count is 0): every slot is skipped.
+    if m_sum == 0 or num_local_experts == 0:
+        # No rows, or only padding rows (a rank that hosts no expert): every slot is skipped.
+        a_perm.view(torch.uint8).zero_()
         return a_perm, a_scale_perm, m_indices, inv_perm, expert_start
 
     a_bytes = a1q.view(torch.uint8)
