@@ -121,6 +121,16 @@ class OptimizedBackend:
         """A stage output the trace may keep: a copy when it lives in a reused workspace."""
         return t.clone() if self.workspace else t
 
+    def _deepgemm_weight_scales(
+        self, p: MoEProblem, x: MoEInputs, rank: int, which: str, w: QuantizedWeight
+    ) -> torch.Tensor:
+        """This rank's w13/w2 scales in DeepGEMM's layout, transformed once per inputs object."""
+        self.shard(p, x, rank)  # resets the caches when x is a new inputs object
+        key = (p, rank, which)
+        if key not in self._dg_scales:
+            self._dg_scales[key] = deepgemm.prepare_weight_scales(w, p.scale_fmt.is_ue8m0)
+        return self._dg_scales[key]
+
     def shard(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Shard:
         if inputs is not self._weights_of:
             self._weights_of, self._shards, self._dg_scales = inputs, {}, {}
@@ -367,14 +377,11 @@ class OptimizedBackend:
         sh = self.shard(p, x, rank)
         w = sh.w13 if which == "w13" else sh.w2
         if choice.engine == "deepgemm":
-            key = (p, rank, which)
-            if key not in self._dg_scales:
-                self._dg_scales[key] = deepgemm.prepare_weight_scales(w, p.scale_fmt.is_ue8m0)
             out = deepgemm.m_grouped_gemm_masked(
                 a,
                 a_scale,
                 w,
-                self._dg_scales[key],
+                self._deepgemm_weight_scales(p, x, rank, which, w),
                 d["masked_m"],
                 int(d["expected_m"]),
                 p.scale_fmt.is_ue8m0,
@@ -423,15 +430,11 @@ class OptimizedBackend:
                 a, a_scale, a_group, w.q, w.scale, w.block, m_indices, p.alignment, out=out
             )
             return self._own(d)
-        self.shard(p, x, rank)  # resets the caches when x is a new inputs object
-        key = (p, rank, which)
-        if key not in self._dg_scales:
-            self._dg_scales[key] = deepgemm.prepare_weight_scales(w, p.scale_fmt.is_ue8m0)
         return deepgemm.m_grouped_gemm(
             a,
             a_scale,
             w,
-            self._dg_scales[key],
+            self._deepgemm_weight_scales(p, x, rank, which, w),
             m_indices,
             p.alignment,
             a_group,
