@@ -215,6 +215,47 @@ def validate_contiguous_call(
             check_power_of_two_scales(fn, "a_scale", a_scale)
 
 
+def validate_masked_call(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: QuantizedWeight,
+    masked_m: torch.Tensor,
+    expected_m: int,
+    use_ue8m0: bool,
+) -> None:
+    """The invariants DeepGEMM's m-grouped masked GEMM assumes, checked on the host first.
+
+    The kernel trusts masked_m: a count above M_max reads A and writes D past their batch. A batch
+    count other than the weights' pairs batches with the wrong experts (a workspace shaped with
+    the global expert count: anchors #21). Ref §9.3 and §10.5.
+    """
+    from optimized.kernels._validate import check_power_of_two_scales, check_range, fail
+
+    fn = "deepgemm.m_grouped_gemm_masked"
+    if a.dim() != 3 or a.dtype != torch.float8_e4m3fn or a.stride(-1) != 1:
+        fail(fn, f"a must be a K-major float8_e4m3fn [G, M_max, K], got {a.dtype} {a.shape}")
+    groups, max_m, k = a.shape
+    if groups != w.shape[0] or k != w.shape[2]:
+        fail(fn, f"a is [G={groups}, M_max, K={k}] but the weights are {tuple(w.shape)}")
+    if k % 128 or w.shape[1] % 8:
+        fail(fn, f"K={k} must be a multiple of 128 and N={w.shape[1]} of 8")
+    if a_scale.dim() != 3 or a_scale.shape[:2] != (groups, max_m):
+        fail(fn, f"a_scale must be [G={groups}, M_max={max_m}, K/128], got {a_scale.shape}")
+    if masked_m.dtype != torch.int32 or masked_m.shape != (groups,):
+        fail(fn, f"masked_m must be int32 [G={groups}], got {masked_m.dtype} {masked_m.shape}")
+    if not masked_m.is_contiguous():
+        fail(fn, "masked_m must be contiguous")
+    if expected_m <= 0:
+        fail(fn, f"expected_m must be > 0 (DeepGEMM asserts it), got {expected_m}")
+    check_range(
+        fn, "masked_m", masked_m, 0, max_m + 1,
+        f"a batch's row count must be in [0, M_max={max_m}]; another value makes the kernel "
+        "read A and write D outside the batch",
+    )  # fmt: skip
+    if use_ue8m0 and a_scale.dtype == torch.float32 and probe().arch_major == 10:
+        check_power_of_two_scales(fn, "a_scale", a_scale)
+
+
 def m_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -261,6 +302,7 @@ def m_grouped_gemm_masked(
 ) -> torch.Tensor:
     """d[e, :masked_m[e]] = A[e] @ B[e]^T through m_grouped_fp8_gemm_nt_masked."""
     dg = module()
+    validate_masked_call(a, a_scale, w, masked_m, expected_m, use_ue8m0)
     e, max_m, _ = a.shape
     d = torch.empty(e, max_m, w.shape[1], dtype=torch.bfloat16, device=a.device)
     dg.m_grouped_fp8_gemm_nt_masked(

@@ -102,3 +102,89 @@ def test_first_deepgemm_call_runs_in_a_subprocess() -> None:
 
     ok, why = deepgemm.probe_first_call()
     assert ok, why
+
+
+# DeepEP low-latency layout through DeepGEMM's masked GEMM: M_max below 64 was wrong on H20 in
+# DeepGEMM's issue 268 (anchors #24), and one batch of one expert per rank is the degenerate case.
+LL_CASES = [
+    MoEProblem(tokens=t, hidden=2048, intermediate=2048, num_experts=16, topk=4, topology="ep:2+ll")
+    for t in (20, 64, 200)
+] + [
+    MoEProblem(
+        tokens=40,
+        hidden=2048,
+        intermediate=1024,
+        num_experts=4,
+        topk=2,
+        topology="ep:4+ll",
+        scale_fmt="float32_ceil_ue8m0",
+    )
+]
+
+
+@pytest.mark.parametrize("problem", LL_CASES, ids=lambda p: p.id)
+def test_masked_deepgemm_matches_golden(problem: MoEProblem, record_report) -> None:  # type: ignore[no-untyped-def]
+    from optimized.backend import OptimizedBackend
+
+    report = record_report(
+        verify(problem, backend=OptimizedBackend(engine="deepgemm"), mode="both")
+    )
+    assert report.passed_strict, report.summary_line()
+    for mode in ("isolated", "chained"):
+        assert report.engine("gemm1", mode) == report.engine("gemm2", mode) == "deepgemm"
+
+
+@pytest.mark.parametrize("scale_fmt", ["float32", "float32_ceil_ue8m0"])
+def test_poisoned_workspaces_agree_with_a_fresh_run(scale_fmt: str) -> None:
+    """Workspaces reused across calls and poisoned before each (vLLM's workspace pattern, anchors
+    #2, #8): every live row of every stage must be bitwise the fresh run's under both poisons."""
+    from moe_verify.inputs import make_inputs
+    from optimized.backend import OptimizedBackend
+
+    problem = MoEProblem(
+        tokens=300, hidden=2048, intermediate=2048, num_experts=16, topk=4, scale_fmt=scale_fmt
+    )
+    inputs = make_inputs(problem, "cuda")
+    fresh = OptimizedBackend(engine="deepgemm").run(problem, inputs)
+    live = fresh["permute"]["m_indices"] >= 0
+    assert fresh["gemm1"]["engine"] == "deepgemm"
+    for poison in (0x00, 0xFF):
+        backend = OptimizedBackend(engine="deepgemm", workspace=True, poison=poison)
+        backend.run(problem, inputs)
+        trace = backend.run(problem, inputs)
+        assert torch.equal(trace["gather"]["out"], fresh["gather"]["out"]), poison
+        for stage, name in (("gemm1", "mm1"), ("act_quant", "a2q"), ("gemm2", "mm2")):
+            got = trace[stage][name][live].view(torch.uint8)
+            assert torch.equal(got, fresh[stage][name][live].view(torch.uint8)), (stage, poison)
+
+
+def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> None:
+    """A misrouting m_indices or an oversized masked_m must raise before launch (no IMA), and the
+    next valid call must still run: the CUDA context is not poisoned."""
+    from moe_verify.spec import QuantizedWeight
+    from optimized import deepgemm
+    from optimized.kernels._validate import InvalidKernelInput
+
+    g, m, n, k = 2, 256, 256, 256
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(m, k // 128, device="cuda")
+    w = QuantizedWeight(
+        torch.randn(g, n, k, device="cuda").to(torch.float8_e4m3fn),
+        torch.ones(g, n // 128, k // 128, device="cuda"),
+        (128, 128),
+    )
+    good = torch.tensor([0] * 128 + [1] * 128, dtype=torch.int32, device="cuda")
+    before = deepgemm.m_grouped_gemm(a, sa, w, w.scale, good, 128, 128, use_ue8m0=False)
+    bad = good.clone()
+    bad[200] = g  # an expert id past the weights: DeepGEMM would read outside b
+    with pytest.raises(InvalidKernelInput, match="outside"):
+        deepgemm.m_grouped_gemm(a, sa, w, w.scale, bad, 128, 128, use_ue8m0=False)
+    counts = torch.tensor([3, 129], dtype=torch.int32, device="cuda")
+    with pytest.raises(InvalidKernelInput, match="masked_m"):
+        deepgemm.m_grouped_gemm_masked(
+            a.view(g, 128, k), sa.view(g, 128, -1), w, w.scale, counts, 64, use_ue8m0=False
+        )
+    after = deepgemm.m_grouped_gemm(a, sa, w, w.scale, good, 128, 128, use_ue8m0=False)
+    torch.cuda.synchronize()
+    assert bool(before.isfinite().all()) and bool(before.abs().amax() > 0)
+    assert torch.equal(after, before), "the same GEMM gave other bits after the refused calls"

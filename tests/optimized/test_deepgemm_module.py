@@ -72,6 +72,38 @@ def test_broken_invariants_are_reported_before_launch(m_indices, alignment, scal
         _call(m_indices, alignment, scale)
 
 
+def _masked_call(masked_m: list[int], groups: int = 2, max_m: int = 4, expected_m: int = 2):  # type: ignore[no-untyped-def]
+    a = torch.zeros(groups, max_m, 128).to(torch.float8_e4m3fn)
+    sa = torch.ones(groups, max_m, 1)
+    w = QuantizedWeight(
+        torch.zeros(2, 128, 128).to(torch.float8_e4m3fn), torch.ones(2, 1, 1), (128, 128)
+    )
+    counts = torch.tensor(masked_m, dtype=torch.int32)
+    deepgemm.validate_masked_call(a, sa, w, counts, expected_m, use_ue8m0=False)
+
+
+def test_valid_masked_layout_passes_validation() -> None:
+    _masked_call([0, 4])
+
+
+@pytest.mark.parametrize(
+    ("masked_m", "groups", "expected_m", "message"),
+    [
+        ([1, 5], 2, 2, r"masked_m\[1\] = 5 is outside \[0, 5\)"),  # count above M_max
+        ([-1, 2], 2, 2, "outside"),  # negative count
+        ([1, 1, 1], 3, 2, "but the weights are"),  # batches shaped by the global experts (#21)
+        ([1], 2, 2, "masked_m must be int32"),  # one count for two batches
+        ([1, 1], 2, 0, "expected_m must be > 0"),
+    ],
+    ids=["above-max-m", "negative", "global-expert-batches", "count-length", "expected-m-zero"],
+)
+def test_broken_masked_invariants_are_reported_before_launch(  # type: ignore[no-untyped-def]
+    masked_m, groups, expected_m, message
+) -> None:
+    with pytest.raises(InvalidKernelInput, match=message):
+        _masked_call(masked_m, groups=groups, expected_m=expected_m)
+
+
 def test_support_table_names_the_arch_limits() -> None:
     if deepgemm.probe().usable:
         pytest.skip("support() on a real GPU is covered by the GPU tier")
