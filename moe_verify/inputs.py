@@ -34,13 +34,21 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale
 
+    def weight_stack(n: int, k: int) -> torch.Tensor:
+        """bf16 [E, n, k] ~ N(0, 1/k), drawn one expert at a time: an fp32 [E, n, k] temporary
+        would be 28 GiB for DeepSeek-V3's w13 (E = 256)."""
+        out = torch.empty(e, n, k, dtype=torch.bfloat16, device=device)
+        for j in range(e):
+            out[j] = randn(n, k, scale=1.0 / math.sqrt(k))
+        return out
+
     hidden_states = randn(t, h).to(torch.bfloat16)
     if p.provenance:
         hidden_states = tag_hidden_states(hidden_states)
     router_logits = randn(t, e)
     score_bias = randn(e, scale=0.1) if p.routing is Routing.GROUPED else None
-    w13 = randn(e, 2 * i, h, scale=1.0 / math.sqrt(h)).to(torch.bfloat16)
-    w2 = randn(e, h, i, scale=1.0 / math.sqrt(i)).to(torch.bfloat16)
+    w13 = weight_stack(2 * i, h)
+    w2 = weight_stack(h, i)
 
     router_logits, topk_ids, topk_weights = _routing(p, router_logits, gen)
     w13_q, w13_ckpt = quantize_weight(w13, p)
@@ -69,6 +77,11 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
     )
 
 
+# Experts are quantized in chunks of about this many elements, so the fp32 temporaries stay near
+# 1 GiB whatever E is.
+_CHUNK_ELEMENTS = 1 << 28
+
+
 def quantize_weight(
     w: torch.Tensor, problem: MoEProblem
 ) -> tuple[QuantizedWeight, QuantizedWeight | None]:
@@ -76,8 +89,27 @@ def quantize_weight(
 
     FP8 block weights with a UE8M0 scale format are requantized to power-of-two scales (lossy
     double quantization, §8.1): the kernel sees the requantized tensors, returned first; the
-    checkpoint before requant is returned second so its error can be measured apart.
+    checkpoint before requant is returned second so its error can be measured apart. Experts are
+    quantized independently, so chunking them changes no bit.
     """
+    step = max(1, _CHUNK_ELEMENTS // max(1, w[0].numel())) if w.shape[0] else 1
+    if w.shape[0] <= step:
+        return _quantize_experts(w, problem)
+    parts = [_quantize_experts(w[j : j + step], problem) for j in range(0, w.shape[0], step)]
+
+    def stack(ws: list[QuantizedWeight]) -> QuantizedWeight:
+        return QuantizedWeight(
+            torch.cat([x.q for x in ws]), torch.cat([x.scale for x in ws]), ws[0].block
+        )
+
+    kernel = stack([k for k, _ in parts])
+    ckpts = [c for _, c in parts if c is not None]
+    return kernel, stack(ckpts) if ckpts else None
+
+
+def _quantize_experts(
+    w: torch.Tensor, problem: MoEProblem
+) -> tuple[QuantizedWeight, QuantizedWeight | None]:
     recipe = problem.recipe
     if recipe is Recipe.FP8_BLOCK:
         q, s = formats.quantize_fp8_blocks(w.float(), (128, 128), use_ue8m0=False)

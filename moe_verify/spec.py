@@ -39,6 +39,8 @@ LL_STAGES: tuple[str, ...] = (
 )
 # Cross-rank stage, produced by the topology runner from every rank's trace.
 REDUCE_STAGE = "reduce"
+# ep:N+ll batches hold whole blocks of this many rows (the masked GEMM's largest BLOCK_M).
+LL_BLOCK_ROWS = 128
 
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
@@ -371,6 +373,18 @@ class MoEProblem:
     def stages(self) -> tuple[str, ...]:
         """This rank's stages: the topology's, then `shared` when there are shared experts."""
         return self.topology.stages + (("shared",) if self.shared_experts else ())
+
+    @property
+    def ll_max_tokens(self) -> int:
+        """Rows of each local expert's batch in the ep:N+ll layout (M_max of the masked GEMM).
+
+        DeepEP sizes its low-latency receive buffers from a configured capacity (vLLM: its DP
+        chunk, 256 tokens by default, times the ranks), not from the batch at hand; here the
+        tokens rounded up to whole 128-row blocks. DeepGEMM's masked GEMM needs whole blocks: it
+        views the batches as one [E_l * M_max] matrix, so a block running past M_max reads and
+        overwrites the next expert's rows (seen on the H200 at M_max = 20, docs/gpu-results.md).
+        """
+        return -(-self.tokens // LL_BLOCK_ROWS) * LL_BLOCK_ROWS
 
     @property
     def intermediate_per_rank(self) -> int:

@@ -326,7 +326,7 @@ class OptimizedBackend:
         sh = self.shard(p, x, rank)
         ids = up["route"]["topk_ids"]
         a1q, a1q_scale = up["quant_input"]["a1q"], up["quant_input"]["a1q_scale"]
-        e_l, t_max = sh.num_local_experts, ids.shape[0]
+        e_l, t_max = sh.num_local_experts, p.ll_max_tokens
         if e_l == 0:  # this rank owns no expert: empty batches, every slot skipped
             skipped = torch.full(ids.shape, -1, dtype=torch.int32, device=ids.device)
             return {
@@ -345,7 +345,7 @@ class OptimizedBackend:
         slot_of = (torch.cumsum(one_hot, dim=0) - one_hot).gather(1, flat.clamp(min=0)[:, None])
         slot = torch.where(flat >= 0, slot_of.squeeze(1), -1).view_as(local)
         masked_m = one_hot.sum(dim=0).to(torch.int32)
-        tokens = torch.arange(t_max, device=ids.device)[:, None].expand_as(local)
+        tokens = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(local)
         live = slot >= 0
         a_b = torch.zeros(e_l, t_max, a1q.shape[1], dtype=torch.uint8, device=a1q.device)
         s_b = torch.zeros(e_l, t_max, a1q_scale.shape[1], dtype=a1q_scale.dtype, device=a1q.device)
@@ -430,7 +430,7 @@ class OptimizedBackend:
                 a, a_scale, a_group, w.q, w.scale, w.block, m_indices, p.alignment, out=out
             )
             return self._own(d)
-        return deepgemm.m_grouped_gemm(
+        d = deepgemm.m_grouped_gemm(
             a,
             a_scale,
             w,
@@ -439,7 +439,9 @@ class OptimizedBackend:
             p.alignment,
             a_group,
             p.scale_fmt.is_ue8m0,
+            out=out,
         )
+        return self._own(d)
 
 
 def _act_group(problem: MoEProblem) -> int:

@@ -20,6 +20,12 @@ from types import ModuleType
 import torch
 
 from moe_verify.spec import MoEProblem, QuantizedWeight, Recipe, ScaleFmt
+from optimized.kernels._validate import (
+    check_power_of_two_scales,
+    check_range,
+    fail,
+    output_buffer,
+)
 
 MIN_VERSION = (2, 6)
 # Names our calls need; their absence means an old or partial build.
@@ -186,7 +192,6 @@ def validate_contiguous_call(
     Violations fault or silently misroute inside the kernel (ref §14.1, §14.17, anchors #6, #25);
     here they raise InvalidKernelInput naming the broken rule instead.
     """
-    from optimized.kernels._validate import check_power_of_two_scales, fail
     from optimized.kernels.grouped_gemm import _check_m_indices
 
     fn = "deepgemm.m_grouped_gemm"
@@ -215,6 +220,10 @@ def validate_contiguous_call(
             check_power_of_two_scales(fn, "a_scale", a_scale)
 
 
+# The largest BLOCK_M DeepGEMM picks for the masked GEMM (SM90 heuristics: 64 or 128).
+MASKED_BLOCK_M = 128
+
+
 def validate_masked_call(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -229,8 +238,6 @@ def validate_masked_call(
     count other than the weights' pairs batches with the wrong experts (a workspace shaped with
     the global expert count: anchors #21). Ref §9.3 and §10.5.
     """
-    from optimized.kernels._validate import check_power_of_two_scales, check_range, fail
-
     fn = "deepgemm.m_grouped_gemm_masked"
     if a.dim() != 3 or a.dtype != torch.float8_e4m3fn or a.stride(-1) != 1:
         fail(fn, f"a must be a K-major float8_e4m3fn [G, M_max, K], got {a.dtype} {a.shape}")
@@ -252,6 +259,22 @@ def validate_masked_call(
         f"a batch's row count must be in [0, M_max={max_m}]; another value makes the kernel "
         "read A and write D outside the batch",
     )  # fmt: skip
+    # DeepGEMM tiles a batch in BLOCK_M-row blocks (64 or 128 on SM90; the mk alignment, 128 by
+    # default, on SM100) and its TMA descriptors view A and D as one [G * M_max] matrix: a block
+    # running past M_max reads the next batch's A rows and stores over its D rows. Measured on the
+    # H200 with DeepGEMM 2.6.1: M_max = 20 gave 47% wrong elements (DeepGEMM issue 268, anchors
+    # #24). Every batch's rows, rounded up to 128, must fit.
+    need = (masked_m.to(torch.int64) + MASKED_BLOCK_M - 1) // MASKED_BLOCK_M * MASKED_BLOCK_M
+    over = need > max_m
+    if bool(over.any()):
+        g = int(over.nonzero()[0])
+        fail(
+            fn,
+            f"masked_m[{g}] = {int(masked_m[g])} fills {int(need[g])} rows in DeepGEMM's "
+            f"{MASKED_BLOCK_M}-row blocks but M_max = {max_m}: the last block would read batch "
+            f"{g + 1}'s rows of A and overwrite its rows of D. Size the batches (DeepEP's "
+            f"dispatch capacity) to a multiple of {MASKED_BLOCK_M} rows",
+        )
     if use_ue8m0 and a_scale.dtype == torch.float32 and probe().arch_major == 10:
         check_power_of_two_scales(fn, "a_scale", a_scale)
 
@@ -272,7 +295,7 @@ def m_grouped_gemm(
     dg = module()
     m_sum = a.shape[0]
     n = w.shape[1]
-    d = out if out is not None else torch.empty(m_sum, n, dtype=torch.bfloat16, device=a.device)
+    d = output_buffer("deepgemm.m_grouped_gemm", "out", out, (m_sum, n), torch.bfloat16, a.device)
     if m_sum == 0:
         return d
     validate_contiguous_call(a, a_scale, w, m_indices, alignment, use_ue8m0)

@@ -226,7 +226,7 @@ class ReferenceBackend:
     def _dispatch(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
         """DeepEP low-latency dispatch: each local expert's slots in a [max_tokens, H] batch."""
         ids = up["route"]["topk_ids"]
-        max_tokens = ids.shape[0]  # one dispatcher: at most every token reaches an expert
+        max_tokens = p.ll_max_tokens  # DeepEP's capacity: >= T, so every slot fits
         plan = batched_plan(ids, view.num_local_experts, max_tokens, view.expert_map)
         a1q, a1q_scale = up["quant_input"]["a1q"], up["quant_input"]["a1q_scale"]
         e_l = view.num_local_experts

@@ -113,6 +113,33 @@ def test_ue8m0_formats_requantize_weights_to_powers_of_two() -> None:
 
 
 @pytest.mark.parametrize(
+    ("recipe", "fmt"),
+    [
+        (Recipe.FP8_BLOCK, ScaleFmt.FLOAT32),
+        (Recipe.FP8_BLOCK, ScaleFmt.FLOAT32_CEIL_UE8M0),
+        (Recipe.MXFP8, ScaleFmt.UE8M0_PACKED),
+        (Recipe.MXFP4_W4A8, ScaleFmt.FLOAT32_CEIL_UE8M0),
+    ],
+    ids=str,
+)
+def test_weights_quantized_in_chunks_are_bitwise_the_whole_stack(
+    recipe: Recipe, fmt: ScaleFmt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moe_verify import inputs
+
+    problem = MoEProblem(hidden=256, intermediate=256, num_experts=5, recipe=recipe, scale_fmt=fmt)
+    w = make_inputs(problem, "cpu").w13
+    whole = inputs.quantize_weight(w, problem)
+    monkeypatch.setattr(inputs, "_CHUNK_ELEMENTS", 2 * w[0].numel())  # chunks of 2, 2 and 1
+    chunked = inputs.quantize_weight(w, problem)
+    assert (whole[1] is None) == (chunked[1] is None)
+    for a, b in zip(whole, chunked, strict=True):
+        if a is not None and b is not None:
+            assert torch.equal(a.q.view(torch.uint8), b.q.view(torch.uint8))
+            assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"hidden": 100}, "hidden=100 must be a multiple of 128"),

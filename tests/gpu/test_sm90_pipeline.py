@@ -104,8 +104,8 @@ def test_first_deepgemm_call_runs_in_a_subprocess() -> None:
     assert ok, why
 
 
-# DeepEP low-latency layout through DeepGEMM's masked GEMM: M_max below 64 was wrong on H20 in
-# DeepGEMM's issue 268 (anchors #24), and one batch of one expert per rank is the degenerate case.
+# DeepEP low-latency layout through DeepGEMM's masked GEMM, from a few rows per batch (T = 20:
+# M_max is the 128-row capacity, MoEProblem.ll_max_tokens) to several blocks.
 LL_CASES = [
     MoEProblem(tokens=t, hidden=2048, intermediate=2048, num_experts=16, topk=4, topology="ep:2+ll")
     for t in (20, 64, 200)
@@ -140,22 +140,25 @@ def test_poisoned_workspaces_agree_with_a_fresh_run(scale_fmt: str) -> None:
     #2, #8): every live row of every stage must be bitwise the fresh run's under both poisons."""
     from moe_verify.inputs import make_inputs
     from optimized.backend import OptimizedBackend
+    from tolerance.checks import live_slots
 
     problem = MoEProblem(
         tokens=300, hidden=2048, intermediate=2048, num_experts=16, topk=4, scale_fmt=scale_fmt
     )
     inputs = make_inputs(problem, "cuda")
     fresh = OptimizedBackend(engine="deepgemm").run(problem, inputs)
-    live = fresh["permute"]["m_indices"] >= 0
     assert fresh["gemm1"]["engine"] == "deepgemm"
     for poison in (0x00, 0xFF):
         backend = OptimizedBackend(engine="deepgemm", workspace=True, poison=poison)
         backend.run(problem, inputs)
         trace = backend.run(problem, inputs)
         assert torch.equal(trace["gather"]["out"], fresh["gather"]["out"]), poison
+        # ep_scatter places a segment's rows by atomics: key rows by (token, k), not position.
+        slots = live_slots(fresh, trace)
         for stage, name in (("gemm1", "mm1"), ("act_quant", "a2q"), ("gemm2", "mm2")):
-            got = trace[stage][name][live].view(torch.uint8)
-            assert torch.equal(got, fresh[stage][name][live].view(torch.uint8)), (stage, poison)
+            got = trace[stage][name][slots.other_rows].view(torch.uint8)
+            want = fresh[stage][name][slots.gold_rows].view(torch.uint8)
+            assert torch.equal(got, want), (stage, poison)
 
 
 def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> None:
@@ -184,6 +187,11 @@ def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> N
         deepgemm.m_grouped_gemm_masked(
             a.view(g, 128, k), sa.view(g, 128, -1), w, w.scale, counts, 64, use_ue8m0=False
         )
+    with pytest.raises(InvalidKernelInput, match="fills 128 rows"):  # DeepGEMM issue 268
+        deepgemm.m_grouped_gemm_masked(
+            a[:40].view(g, 20, k), sa[:40].view(g, 20, -1), w, w.scale, counts - counts + 20, 20,
+            use_ue8m0=False,
+        )  # fmt: skip
     after = deepgemm.m_grouped_gemm(a, sa, w, w.scale, good, 128, 128, use_ue8m0=False)
     torch.cuda.synchronize()
     assert bool(before.isfinite().all()) and bool(before.abs().amax() > 0)

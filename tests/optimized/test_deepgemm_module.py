@@ -72,7 +72,7 @@ def test_broken_invariants_are_reported_before_launch(m_indices, alignment, scal
         _call(m_indices, alignment, scale)
 
 
-def _masked_call(masked_m: list[int], groups: int = 2, max_m: int = 4, expected_m: int = 2):  # type: ignore[no-untyped-def]
+def _masked_call(masked_m: list[int], groups: int = 2, max_m: int = 256, expected_m: int = 2):  # type: ignore[no-untyped-def]
     a = torch.zeros(groups, max_m, 128).to(torch.float8_e4m3fn)
     sa = torch.ones(groups, max_m, 1)
     w = QuantizedWeight(
@@ -83,25 +83,36 @@ def _masked_call(masked_m: list[int], groups: int = 2, max_m: int = 4, expected_
 
 
 def test_valid_masked_layout_passes_validation() -> None:
-    _masked_call([0, 4])
+    _masked_call([0, 256])
+    _masked_call([128, 100], max_m=200)  # M_max need not be aligned while the blocks fit
 
 
 @pytest.mark.parametrize(
-    ("masked_m", "groups", "expected_m", "message"),
+    ("masked_m", "groups", "max_m", "expected_m", "message"),
     [
-        ([1, 5], 2, 2, r"masked_m\[1\] = 5 is outside \[0, 5\)"),  # count above M_max
-        ([-1, 2], 2, 2, "outside"),  # negative count
-        ([1, 1, 1], 3, 2, "but the weights are"),  # batches shaped by the global experts (#21)
-        ([1], 2, 2, "masked_m must be int32"),  # one count for two batches
-        ([1, 1], 2, 0, "expected_m must be > 0"),
+        ([1, 257], 2, 256, 2, r"masked_m\[1\] = 257 is outside \[0, 257\)"),  # above M_max
+        ([150, 1], 2, 200, 2, r"masked_m\[0\] = 150 fills 256 rows .* M_max = 200"),
+        ([20, 20], 2, 20, 2, r"masked_m\[0\] = 20 fills 128 rows"),  # DeepGEMM issue 268
+        ([-1, 2], 2, 256, 2, "outside"),  # negative count
+        ([1, 1, 1], 3, 256, 2, "but the weights are"),  # batches of the global experts (#21)
+        ([1], 2, 256, 2, "masked_m must be int32"),  # one count for two batches
+        ([1, 1], 2, 256, 0, "expected_m must be > 0"),
     ],
-    ids=["above-max-m", "negative", "global-expert-batches", "count-length", "expected-m-zero"],
+    ids=[
+        "above-max-m",
+        "last-block-crosses-batch",
+        "max-m-below-one-block",
+        "negative",
+        "global-expert-batches",
+        "count-length",
+        "expected-m-zero",
+    ],
 )
 def test_broken_masked_invariants_are_reported_before_launch(  # type: ignore[no-untyped-def]
-    masked_m, groups, expected_m, message
+    masked_m, groups, max_m, expected_m, message
 ) -> None:
     with pytest.raises(InvalidKernelInput, match=message):
-        _masked_call(masked_m, groups=groups, expected_m=expected_m)
+        _masked_call(masked_m, groups=groups, max_m=max_m, expected_m=expected_m)
 
 
 def test_support_table_names_the_arch_limits() -> None:
