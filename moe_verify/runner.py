@@ -67,6 +67,17 @@ class RankRun:
     chained: Trace | None = None
     isolated: Trace | None = None
 
+    def for_reduce(self) -> RankRun:
+        """Only what `reduce_ranks` reads (route, gather, shared), so a rank's large
+        intermediates can be freed once they are compared (DeepSeek-V3 at EP8 holds ~4 GB per
+        trace)."""
+        keep = REDUCE_INPUTS
+
+        def thin(t: Trace | None) -> Trace | None:
+            return None if t is None else t.only(keep)
+
+        return RankRun(self.rank, self.golden.only(keep), thin(self.chained), thin(self.isolated))
+
 
 def _breadcrumb(problem: MoEProblem, rank: int, stage: str, mode: str) -> None:
     path = os.environ.get("MOE_VERIFY_BREADCRUMB")
@@ -147,25 +158,41 @@ def run_all_ranks(
     golden: Backend,
     modes: tuple[str, ...] = MODES,
 ) -> list[RankRun]:
+    return [
+        run_rank(problem, inputs, backend, golden, modes, rank)
+        for rank in range(problem.topology.size)
+    ]
+
+
+def run_rank(
+    problem: MoEProblem,
+    inputs: MoEInputs,
+    backend: Backend,
+    golden: Backend,
+    modes: tuple[str, ...],
+    rank: int,
+) -> RankRun:
+    """The golden of `rank`, then the backend in each of `modes` on that rank."""
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    runs = []
-    for rank in range(problem.topology.size):
-        gold = run_chained(golden, problem, inputs, rank)
-        failed = [s for s in gold if did_not_run(gold[s])]
-        if failed:
-            raise RuntimeError(
-                f"{problem.id} rank {rank}: the golden itself failed at {failed[0]}: "
-                f"{did_not_run(gold[failed[0]])}"
-            )
-        run = RankRun(rank, gold)
-        if "chained" in modes:
-            run.chained = run_chained(backend, problem, inputs, rank)
-        if "isolated" in modes:
-            run.isolated = run_isolated(backend, problem, inputs, gold, rank)
-        runs.append(run)
-    return runs
+    gold = run_chained(golden, problem, inputs, rank)
+    failed = [s for s in gold if did_not_run(gold[s])]
+    if failed:
+        raise RuntimeError(
+            f"{problem.id} rank {rank}: the golden itself failed at {failed[0]}: "
+            f"{did_not_run(gold[failed[0]])}"
+        )
+    run = RankRun(rank, gold)
+    if "chained" in modes:
+        run.chained = run_chained(backend, problem, inputs, rank)
+    if "isolated" in modes:
+        run.isolated = run_isolated(backend, problem, inputs, gold, rank)
+    return run
+
+
+# The stages `reduce_ranks` reads from each rank's trace.
+REDUCE_INPUTS = ("route", "gather", "shared")
 
 
 def reduce_ranks(traces: list[Trace], problem: MoEProblem) -> dict[str, object]:
@@ -198,6 +225,7 @@ __all__ = [
     "reduce_ranks",
     "resolve_backend",
     "run_all_ranks",
+    "run_rank",
     "run_chained",
     "run_isolated",
 ]

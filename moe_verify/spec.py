@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -593,6 +593,14 @@ class Trace:
             if name == stage:
                 break
             out.add(name, outs)
+        return out
+
+    def only(self, stages: Sequence[str]) -> Trace:
+        """A copy holding only `stages` (those it has), in trace order."""
+        out = Trace(self.backend, self.rank)
+        for name, outs in self._stages.items():
+            if name in stages:
+                out.add(name, outs)
         return out
 
     def __repr__(self) -> str:

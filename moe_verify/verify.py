@@ -14,7 +14,7 @@ import torch
 
 from moe_verify.inputs import make_inputs
 from moe_verify.provenance import check_permuted_tokens
-from moe_verify.runner import RankRun, reduce_ranks, resolve_backend, run_all_ranks
+from moe_verify.runner import RankRun, reduce_ranks, resolve_backend, run_rank
 from moe_verify.spec import REDUCE_STAGE, Backend, MoEInputs, MoEProblem, TopologyKind, Trace
 from tolerance.compare import CheckResult, StageResult, Worst, compare, compare_stage
 from tolerance.report import Report
@@ -44,8 +44,17 @@ def verify(
     golden = resolve_backend("golden")
     if inputs is None:
         inputs = make_inputs(problem, device)
-    runs = run_all_ranks(problem, inputs, tested, golden, modes)
-    results = {m: _compare_mode(problem, runs, m) for m in modes}
+    # Rank by rank: compare, then keep only what the reduce needs (every trace when dumping),
+    # so memory holds one rank's intermediates at a time.
+    runs: list[RankRun] = []
+    per_rank: dict[str, list[list[StageResult]]] = {m: [] for m in modes}
+    for rank in range(problem.topology.size):
+        run = run_rank(problem, inputs, tested, golden, modes, rank)
+        for m in modes:
+            per_rank[m].append(_compare_rank(problem, run, m))
+        runs.append(run if dump_dir is not None else run.for_reduce())
+        del run
+    results = {m: _merge_ranks(problem, runs, per_rank[m], m) for m in modes}
     report = Report(
         problem,
         tested.name,
@@ -62,24 +71,26 @@ def verify(
     return report
 
 
-def _compare_mode(problem: MoEProblem, runs: list[RankRun], mode: str) -> list[StageResult]:
-    """Per stage, every rank's result (ranks tagged when there are several), then `reduce`."""
-    multi = len(runs) > 1
-    per_rank: list[list[StageResult]] = []
-    for run in runs:
-        other: Trace = getattr(run, mode)
-        results = compare(run.golden, other, problem, list(problem.stages), mode=mode)
-        results = [
-            dataclasses.replace(
-                r, rank=run.rank if multi else None, engine=engine_of(other, r.stage)
-            )
-            for r in results
-        ]
-        if problem.provenance:
-            results = [with_provenance(r, other, run.rank) for r in results]
-        per_rank.append(results)
+def _compare_rank(problem: MoEProblem, run: RankRun, mode: str) -> list[StageResult]:
+    """One rank's stage results in `mode` (ranks tagged when there are several)."""
+    other: Trace = getattr(run, mode)
+    results = compare(run.golden, other, problem, list(problem.stages), mode=mode)
+    multi = problem.topology.size > 1
+    results = [
+        dataclasses.replace(r, rank=run.rank if multi else None, engine=engine_of(other, r.stage))
+        for r in results
+    ]
+    if problem.provenance:
+        results = [with_provenance(r, other, run.rank) for r in results]
+    return results
+
+
+def _merge_ranks(
+    problem: MoEProblem, runs: list[RankRun], per_rank: list[list[StageResult]], mode: str
+) -> list[StageResult]:
+    """Per stage, every rank's result, then `reduce` (the runner's finish)."""
     ordered = [results[i] for i in range(len(per_rank[0])) for results in per_rank]
-    if multi or problem.shared_experts:  # the runner's finish: ranks summed, shared added
+    if len(runs) > 1 or problem.shared_experts:  # the runner's finish: ranks summed, shared added
         ordered.append(_compare_reduce(problem, runs, mode))
     return ordered
 
