@@ -271,9 +271,10 @@ def validate_masked_call(
         fail(
             fn,
             f"masked_m[{g}] = {int(masked_m[g])} fills {int(need[g])} rows in DeepGEMM's "
-            f"{MASKED_BLOCK_M}-row blocks but M_max = {max_m}: the last block would read batch "
-            f"{g + 1}'s rows of A and overwrite its rows of D. Size the batches (DeepEP's "
-            f"dispatch capacity) to a multiple of {MASKED_BLOCK_M} rows",
+            f"{MASKED_BLOCK_M}-row blocks but M_max = {max_m}: its last block would read the "
+            "next batch's rows of A and overwrite its rows of D (past the end of both for the "
+            f"last batch). Size the batches (DeepEP's dispatch capacity) to a multiple of "
+            f"{MASKED_BLOCK_M} rows",
         )
     if use_ue8m0 and a_scale.dtype == torch.float32 and probe().arch_major == 10:
         check_power_of_two_scales(fn, "a_scale", a_scale)
