@@ -189,9 +189,14 @@ def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> N
         )
     with pytest.raises(InvalidKernelInput, match="fills 128 rows"):  # DeepGEMM issue 268
         deepgemm.m_grouped_gemm_masked(
-            a[:40].view(g, 20, k), sa[:40].view(g, 20, -1), w, w.scale, counts - counts + 20, 20,
+            a[:40].view(g, 20, k),
+            sa[:40].view(g, 20, -1),
+            w,
+            w.scale,
+            torch.full((g,), 20, dtype=torch.int32, device="cuda"),
+            20,
             use_ue8m0=False,
-        )  # fmt: skip
+        )
     after = deepgemm.m_grouped_gemm(a, sa, w, w.scale, good, 128, 128, use_ue8m0=False)
     torch.cuda.synchronize()
     assert bool(before.isfinite().all()) and bool(before.abs().amax() > 0)
