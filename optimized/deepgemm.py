@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from moe_verify.spec import MoEProblem, QuantizedWeight, Recipe, ScaleFmt
+from moe_verify.spec import LL_BLOCK_ROWS, MoEProblem, QuantizedWeight, Recipe, ScaleFmt
 from optimized.kernels._validate import (
     check_power_of_two_scales,
     check_range,
@@ -220,8 +220,9 @@ def validate_contiguous_call(
             check_power_of_two_scales(fn, "a_scale", a_scale)
 
 
-# The largest BLOCK_M DeepGEMM picks for the masked GEMM (SM90 heuristics: 64 or 128).
-MASKED_BLOCK_M = 128
+# The largest BLOCK_M DeepGEMM picks for the masked GEMM (SM90 heuristics: 64 or 128); the LL
+# dispatch capacity (MoEProblem.ll_max_tokens) is sized in these blocks.
+MASKED_BLOCK_M = LL_BLOCK_ROWS
 
 
 def validate_masked_call(

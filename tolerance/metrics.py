@@ -191,21 +191,28 @@ def _ordered_ints(raw: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where((raw & sign) != 0, -magnitude, magnitude)
 
 
+def _ulp_distance(
+    a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, width: int, nan_distance: int
+) -> torch.Tensor:
+    """int64 [...]: |a - b| in ulps of `dtype` (both cast to it first); 0 for +0 vs -0 and for
+    NaN vs NaN, `nan_distance` for a NaN on one side only."""
+    _same_shape(a, b)
+    ca, cb = a.to(dtype), b.to(dtype)
+    mask = (1 << width) - 1
+    ra = bits(ca).to(torch.int64) & mask
+    rb = bits(cb).to(torch.int64) & mask
+    dist = (_ordered_ints(ra, width) - _ordered_ints(rb, width)).abs()
+    na, nb = torch.isnan(ca), torch.isnan(cb)
+    return torch.where(na ^ nb, torch.full_like(dist, nan_distance), dist.masked_fill(na & nb, 0))
+
+
 def bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """int64 [...]: distance between a and b in bf16 ulps (both rounded to bf16 first, RNE).
 
     +0 and -0 are 0 apart; the largest finite value and Inf are 1 apart; a NaN on either side
     (unless both are NaN) gives BF16_NAN_DISTANCE.
     """
-    _same_shape(a, b)
-    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    ra = bits(a16).to(torch.int64) & 0xFFFF
-    rb = bits(b16).to(torch.int64) & 0xFFFF
-    dist = (_ordered_ints(ra, 16) - _ordered_ints(rb, 16)).abs()
-    na, nb = torch.isnan(a16), torch.isnan(b16)
-    return torch.where(
-        na ^ nb, torch.full_like(dist, BF16_NAN_DISTANCE), dist.masked_fill(na & nb, 0)
-    )
+    return _ulp_distance(a, b, torch.bfloat16, 16, BF16_NAN_DISTANCE)
 
 
 def fp32_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -213,15 +220,7 @@ def fp32_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     NaN on exactly one side gives FP32_NAN_DISTANCE.
     """
-    _same_shape(a, b)
-    a32, b32 = a.to(torch.float32), b.to(torch.float32)
-    ra = bits(a32).to(torch.int64) & 0xFFFFFFFF
-    rb = bits(b32).to(torch.int64) & 0xFFFFFFFF
-    dist = (_ordered_ints(ra, 32) - _ordered_ints(rb, 32)).abs()
-    na, nb = torch.isnan(a32), torch.isnan(b32)
-    return torch.where(
-        na ^ nb, torch.full_like(dist, FP32_NAN_DISTANCE), dist.masked_fill(na & nb, 0)
-    )
+    return _ulp_distance(a, b, torch.float32, 32, FP32_NAN_DISTANCE)
 
 
 def calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
