@@ -5,6 +5,7 @@ golden's upstream (isolated, so stages are timed on identical inputs), timed wit
 the median of repeats, and compared with a device-to-device copy (bandwidth-bound stages) and a
 dense bf16 matmul (GEMMs) measured in the same process, plus the Triton vs DeepGEMM engines on
 the same GEMM. GEMM FLOPs count live rows only (padding rows are waste, reported apart).
+`compare_cost` times the suite's own comparisons on the golden's device against the host.
 """
 
 from __future__ import annotations
@@ -169,7 +170,51 @@ def bench(
     return timings
 
 
-def to_markdown(problem: MoEProblem, timings: list[StageTiming]) -> str:
+@dataclass(frozen=True)
+class CompareTiming:
+    """Seconds to compare one rank's traces, both modes, with the comparisons on `device`."""
+
+    device: str
+    seconds: float
+
+
+def compare_cost(
+    problem: MoEProblem, repeats: int = 3, device: torch.device | str | None = None
+) -> list[CompareTiming]:
+    """What verification itself costs: rank 0's golden and optimized traces (isolated and
+    chained) compared on the golden's device and on the host, side by side on the same traces."""
+    from moe_verify.runner import MODES, resolve_backend, run_rank
+    from tolerance.compare import compare
+
+    inputs = make_inputs(problem, device)
+    run = run_rank(
+        problem, inputs, resolve_backend("optimized"), resolve_backend("golden"), MODES, 0
+    )
+    here = inputs.hidden_states.device
+
+    def compare_on(where: torch.device) -> Callable[[], object]:
+        def once() -> None:
+            for mode in MODES:
+                other = getattr(run, mode)
+                compare(run.golden, other, problem, list(problem.stages), mode=mode, device=where)
+
+        return once
+
+    places = [here] if here.type == "cpu" else [here, torch.device("cpu")]
+    out = []
+    for where in places:
+        samples = []
+        for _ in range(repeats):  # comparisons end in host reads, so wall time is device time
+            t0 = time.perf_counter()
+            compare_on(where)()
+            samples.append(time.perf_counter() - t0)
+        out.append(CompareTiming(str(where), statistics.median(samples)))
+    return out
+
+
+def to_markdown(
+    problem: MoEProblem, timings: list[StageTiming], compare: list[CompareTiming] | None = None
+) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (interpreter)"
     lines = [
         f"### {problem.id} on {device}",
@@ -182,4 +227,10 @@ def to_markdown(problem: MoEProblem, timings: list[StageTiming]) -> str:
             f"| {t.stage} | {t.engine} | {t.median_us:.1f} | {t.achieved:.1f} {t.unit} | "
             f"{t.ceiling:.1f} {t.unit} | {t.of_ceiling:.0%} | {t.padded_fraction:.0%} |"
         )
+    if compare:
+        base = compare[0].seconds
+        lines += ["", "| verification: compare rank 0, both modes, on | median s | vs first |"]
+        lines.append("| --- | --- | --- |")
+        for c in compare:
+            lines.append(f"| {c.device} | {c.seconds:.3f} | {c.seconds / base:.2f}x |")
     return "\n".join(lines) + "\n"

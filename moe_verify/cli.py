@@ -102,6 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         mode=args.mode,
         engine=args.engine,
         dump_dir=Path(args.dump_dir) if args.dump_dir else None,
+        compare_device="cpu" if args.compare_on == "cpu" else None,
     )
     print(report.to_table() if args.verbose else report.to_summary())
     if args.json:
@@ -159,11 +160,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     prepare_triton()
-    from moe_verify.bench import bench, to_markdown
+    from moe_verify.bench import bench, compare_cost, to_markdown
 
     problem = problem_from_args(args)
     engines = tuple(e for e in args.engines.split(",") if e)
-    text = to_markdown(problem, bench(problem, engines=engines, repeats=args.repeats))
+    timings = bench(problem, engines=engines, repeats=args.repeats)
+    costs = compare_cost(problem) if args.compare_cost else None
+    text = to_markdown(problem, timings, costs)
     print(text)
     if args.out:
         with open(args.out, "a") as f:
@@ -232,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--nproc", type=int, default=None, help="torchrun processes (default and only value: ranks)"
     )
+    run.add_argument(
+        "--compare-on",
+        choices=["golden", "cpu"],
+        default="golden",
+        help="where stages are compared: the golden's device (a GPU run is compared on the GPU), "
+        "or the CPU, which spends no GPU memory on comparisons but copies every stage to the host",
+    )
     run.set_defaults(func=cmd_run)
 
     sw = sub.add_parser("sweep", help="run a preset case list; junit XML, JSON, markdown")
@@ -269,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--engines", default="triton,deepgemm", help="GEMM engines to time")
     bn.add_argument("--repeats", type=int, default=20)
     bn.add_argument("--out", default=None, help="append the markdown table to this file")
+    bn.add_argument(
+        "--compare-cost",
+        action="store_true",
+        help="also time the suite's comparisons of rank 0 on the golden's device vs the host",
+    )
     bn.set_defaults(func=cmd_bench)
 
     doc = sub.add_parser("doctor", help="what this machine can run")

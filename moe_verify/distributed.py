@@ -405,13 +405,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def rank_problem(args: argparse.Namespace) -> MoEProblem:
-    """The problem of `moe-verify run`'s flags (or --problem-json); no --dump-dir under torchrun."""
+    """The problem of `moe-verify run`'s flags (or --problem-json); flags that torchrun ranks do not
+    honour yet are refused rather than ignored."""
     from moe_verify.cli import problem_from_args
 
     if getattr(args, "dump_dir", None):
         raise ValueError("--dump-dir is not supported with --launcher torchrun yet")
     if getattr(args, "shared_experts", 0):
         raise ValueError("--shared-experts is not supported with --launcher torchrun yet")
+    if getattr(args, "compare_on", "golden") != "golden":
+        raise ValueError("--compare-on cpu is not supported with --launcher torchrun yet")
     if args.problem_json:
         return MoEProblem.from_dict(json.loads(Path(args.problem_json).read_text()))
     return problem_from_args(args)

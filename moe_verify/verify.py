@@ -31,11 +31,14 @@ def verify(
     device: torch.device | str | None = None,
     engine: str = "auto",
     dump_dir: Path | None = None,
+    compare_device: torch.device | str | None = None,
 ) -> Report:
     """Verify `backend` against the golden on `problem`; see the module docstring for modes.
 
     `backend` is "optimized", "golden", "module:Class", or a Backend instance. On failure with
-    `dump_dir`, the inputs and every trace are written there for `moe-verify replay`.
+    `dump_dir`, the inputs and every trace are written there for `moe-verify replay`. Stages are
+    compared on the golden's device unless `compare_device` names another (e.g. "cpu" to spend no
+    GPU memory on the comparison's float64 temporaries).
     """
     if mode not in _MODES:
         raise ValueError(f"mode: expected one of {sorted(_MODES)}, got {mode!r}")
@@ -51,10 +54,10 @@ def verify(
     for rank in range(problem.topology.size):
         run = run_rank(problem, inputs, tested, golden, modes, rank)
         for m in modes:
-            per_rank[m].append(_compare_rank(problem, run, m))
+            per_rank[m].append(_compare_rank(problem, run, m, compare_device))
         runs.append(run if dump_dir is not None else run.for_reduce())
         del run
-    results = {m: _merge_ranks(problem, runs, per_rank[m], m) for m in modes}
+    results = {m: _merge_ranks(problem, runs, per_rank[m], m, compare_device) for m in modes}
     report = Report(
         problem,
         tested.name,
@@ -71,10 +74,12 @@ def verify(
     return report
 
 
-def _compare_rank(problem: MoEProblem, run: RankRun, mode: str) -> list[StageResult]:
+def _compare_rank(
+    problem: MoEProblem, run: RankRun, mode: str, device: torch.device | str | None
+) -> list[StageResult]:
     """One rank's stage results in `mode` (ranks tagged when there are several)."""
     other: Trace = getattr(run, mode)
-    results = compare(run.golden, other, problem, list(problem.stages), mode=mode)
+    results = compare(run.golden, other, problem, list(problem.stages), mode=mode, device=device)
     multi = problem.topology.size > 1
     results = [
         dataclasses.replace(r, rank=run.rank if multi else None, engine=engine_of(other, r.stage))
@@ -86,12 +91,16 @@ def _compare_rank(problem: MoEProblem, run: RankRun, mode: str) -> list[StageRes
 
 
 def _merge_ranks(
-    problem: MoEProblem, runs: list[RankRun], per_rank: list[list[StageResult]], mode: str
+    problem: MoEProblem,
+    runs: list[RankRun],
+    per_rank: list[list[StageResult]],
+    mode: str,
+    device: torch.device | str | None,
 ) -> list[StageResult]:
     """Per stage, every rank's result, then `reduce` (the runner's finish)."""
     ordered = [results[i] for i in range(len(per_rank[0])) for results in per_rank]
     if len(runs) > 1 or problem.shared_experts:  # the runner's finish: ranks summed, shared added
-        ordered.append(_compare_reduce(problem, runs, mode))
+        ordered.append(_compare_reduce(problem, runs, mode, device))
     return ordered
 
 
@@ -137,9 +146,11 @@ def engine_of(trace: Trace, stage: str) -> str | None:
     return engine if isinstance(engine, str) else None
 
 
-def _compare_reduce(problem: MoEProblem, runs: list[RankRun], mode: str) -> StageResult:
+def _compare_reduce(
+    problem: MoEProblem, runs: list[RankRun], mode: str, device: torch.device | str | None
+) -> StageResult:
     golden = Trace("golden")
     golden.add(REDUCE_STAGE, reduce_ranks([r.golden for r in runs], problem))
     other = Trace(getattr(runs[0], mode).backend)
     other.add(REDUCE_STAGE, reduce_ranks([getattr(r, mode) for r in runs], problem))
-    return compare_stage(REDUCE_STAGE, golden, other, problem, mode=mode)
+    return compare_stage(REDUCE_STAGE, golden, other, problem, mode=mode, device=device)

@@ -5,6 +5,9 @@ Depends on `moe_verify.spec` and torch only (never on the golden or the optimize
 
 from __future__ import annotations
 
+# moe_verify first: its __init__ imports moe_verify.verify, which imports tolerance.compare; were
+# tolerance.compare first, it would reach moe_verify.spec mid-import and find itself half-built.
+import moe_verify  # noqa: F401
 from tolerance.compare import (
     ERROR_KEY,
     SKIP_KEY,

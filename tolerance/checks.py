@@ -45,6 +45,7 @@ class Ctx:
     problem: MoEProblem
     check: Check
     mode: str
+    device: torch.device  # where both sides are compared (`comparison_device`)
 
     @property
     def rank(self) -> int:
@@ -67,14 +68,32 @@ class Ctx:
             return ""
         return f"; golden routes token {self.token(t)} to experts {[int(e) for e in ids[t]]}"
 
+    def pair(self, stage: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(golden, other) tensors of `stage.name`, both on the comparison device."""
+        return (
+            tensor_of(self.golden, stage, name, self.device),
+            tensor_of(self.other, stage, name, self.device),
+        )
 
-def tensor_of(trace: Trace, stage: str, name: str) -> torch.Tensor:
+
+def comparison_device(golden: Trace, stage: str) -> torch.device:
+    """Where a stage is compared: on the golden's device, so a GPU run is compared on the GPU
+    (host copies and float64 math on the host were 90% of a DeepSeek-V3 EP8 verify,
+    docs/gpu-results.md); the tested side is moved there when it lives elsewhere."""
+    outs = golden[stage] if stage in golden else {}
+    for value in outs.values():
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def tensor_of(trace: Trace, stage: str, name: str, device: torch.device) -> torch.Tensor:
     value = _entry(trace, stage, name)
     if not isinstance(value, torch.Tensor):
         raise ContractError(
             f"{trace.backend} {stage}.{name} is {type(value).__name__}, not a tensor"
         )
-    return value.detach().cpu()
+    return value.detach().to(device)
 
 
 def int_of(trace: Trace, stage: str, name: str) -> int:
@@ -105,7 +124,7 @@ def decode_scale(code: int, kind: str) -> float | int:
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x[rows] with out-of-range rows clamped (callers mask them): [len(rows), *x.shape[1:]]."""
     if x.shape[0] == 0:
-        return torch.zeros((rows.numel(), *x.shape[1:]), dtype=x.dtype)
+        return torch.zeros((rows.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
     return x[rows.clamp(0, x.shape[0] - 1)]
 
 
@@ -164,24 +183,27 @@ class Slots:
         return Slots(self.tk[keep], self.gold_rows[keep], self.other_rows[keep], self.experts[keep])
 
 
-def live_slots(golden: Trace, layout: Trace) -> Slots:
-    """Live slots of the golden, with other rows read from `layout`'s permute.inv_perm."""
+def live_slots(golden: Trace, layout: Trace, device: torch.device | None = None) -> Slots:
+    """Live slots of the golden, with other rows read from `layout`'s permute.inv_perm; on
+    `device` (the golden permute's device unless given)."""
     if "permute" in layout and not _ran(layout["permute"]):
         raise ContractError(
             f"{layout.backend}'s permute was skipped or raised, so its rows cannot be keyed by "
             "(token, k)"
         )
-    g_inv = tensor_of(golden, "permute", "inv_perm").to(torch.int64)
-    o_inv = tensor_of(layout, "permute", "inv_perm").to(torch.int64)
+    if device is None:
+        device = comparison_device(golden, "permute")
+    g_inv = tensor_of(golden, "permute", "inv_perm", device).to(torch.int64)
+    o_inv = tensor_of(layout, "permute", "inv_perm", device).to(torch.int64)
     if o_inv.shape != g_inv.shape:
         raise ContractError(
             f"{layout.backend} permute.inv_perm is {tuple(o_inv.shape)}, "
             f"golden {tuple(g_inv.shape)}"
         )
     live = g_inv >= 0
-    experts = torch.full(g_inv.shape, -1, dtype=torch.int64)
+    experts = torch.full(g_inv.shape, -1, dtype=torch.int64, device=device)
     if "route" in golden and isinstance(golden["route"].get("topk_ids"), torch.Tensor):
-        ids = golden["route"]["topk_ids"].detach().cpu().to(torch.int64)
+        ids = golden["route"]["topk_ids"].detach().to(device, torch.int64)
         if ids.shape == g_inv.shape:
             experts = ids
     return Slots(live.nonzero(), g_inv[live], o_inv[live], experts[live])
@@ -189,7 +211,7 @@ def live_slots(golden: Trace, layout: Trace) -> Slots:
 
 def downstream_slots(ctx: Ctx) -> Slots:
     """Slots for a stage after permute: keyed by the permute that stage consumed."""
-    return live_slots(ctx.golden, ctx.other if ctx.mode == "chained" else ctx.golden)
+    return live_slots(ctx.golden, ctx.other if ctx.mode == "chained" else ctx.golden, ctx.device)
 
 
 def slot_worst(ctx: Ctx, s: Slots, i: int, **values: object) -> Worst:
@@ -347,8 +369,7 @@ def exact_int_vector(
     index_name names what an index means in the failure note (e.g. "local expert"); the worst
     coordinates carry the row when the index is a row of a permuted buffer (index_name None).
     """
-    g = tensor_of(ctx.golden, stage, name).to(torch.int64)
-    o = tensor_of(ctx.other, stage, name).to(torch.int64)
+    g, o = (x.to(torch.int64) for x in ctx.pair(stage, name))
     if g.shape != o.shape:
         return shape_fail(ctx, name, o, g)
     mm = int_mismatch(o, g)

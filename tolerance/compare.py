@@ -27,6 +27,7 @@ from tolerance.checks import (
     Slots,
     bound_check,
     bounded_checks,
+    comparison_device,
     decode_scale,
     downstream_slots,
     exact_check,
@@ -90,12 +91,10 @@ def _canonical_route(
 
 
 def _route(ctx: Ctx) -> list[CheckResult]:
-    g_ids = tensor_of(ctx.golden, "route", "topk_ids")
-    o_ids = tensor_of(ctx.other, "route", "topk_ids")
+    g_ids, o_ids = ctx.pair("route", "topk_ids")
     if g_ids.shape != o_ids.shape:
         return [shape_fail(ctx, "topk_ids", o_ids, g_ids)]
-    g_w = tensor_of(ctx.golden, "route", "topk_weights").to(torch.float32)
-    o_w = tensor_of(ctx.other, "route", "topk_weights").to(torch.float32)
+    g_w, o_w = (w.to(torch.float32) for w in ctx.pair("route", "topk_weights"))
     if g_w.shape != o_w.shape or g_w.shape != g_ids.shape:
         return [shape_fail(ctx, "topk_weights", o_w, g_w)]
     gi, gw, gk = _canonical_route(g_ids.to(torch.int64), g_w)
@@ -166,8 +165,7 @@ def _route(ctx: Ctx) -> list[CheckResult]:
 def _quant_input(ctx: Ctx) -> list[CheckResult]:
     reason = ctx.check.reason
     out = []
-    g_q = tensor_of(ctx.golden, "quant_input", "a1q")
-    o_q = tensor_of(ctx.other, "quant_input", "a1q")
+    g_q, o_q = ctx.pair("quant_input", "a1q")
     if g_q.shape != o_q.shape:
         out.append(shape_fail(ctx, "a1q", o_q, g_q))
     else:
@@ -190,8 +188,7 @@ def _quant_input(ctx: Ctx) -> list[CheckResult]:
 
     hidden = g_q.shape[1]
     group = ctx.problem.recipe.act_group
-    g_s = tensor_of(ctx.golden, "quant_input", "a1q_scale")
-    o_s = tensor_of(ctx.other, "quant_input", "a1q_scale")
+    g_s, o_s = ctx.pair("quant_input", "a1q_scale")
     if o_s.shape[0] != g_s.shape[0]:
         out.append(shape_fail(ctx, "a1q_scale", o_s, g_s))
         return out
@@ -243,7 +240,7 @@ def _align(ctx: Ctx) -> list[CheckResult]:
             f"{ctx.name} M_sum {m_sum} with alignment {align} leaves {remainder}",
         )
     )
-    g_c = tensor_of(ctx.golden, "align", "counts").to(torch.int64)
+    g_c = tensor_of(ctx.golden, "align", "counts", ctx.device).to(torch.int64)
     need = int((((g_c + align - 1) // align) * align).sum())
     out.append(
         CheckResult(
@@ -264,8 +261,7 @@ def _permute(ctx: Ctx) -> list[CheckResult]:
     reason = ctx.check.reason
     G, B = ctx.golden, ctx.other
     out = []
-    g_m = tensor_of(G, "permute", "m_indices").to(torch.int64)
-    o_m = tensor_of(B, "permute", "m_indices").to(torch.int64)
+    g_m, o_m = (m.to(torch.int64) for m in ctx.pair("permute", "m_indices"))
     m_sum = o_m.numel()
 
     out.append(exact_int_vector(ctx, "permute", "m_indices", "rows' local experts differ", reason))
@@ -277,7 +273,7 @@ def _permute(ctx: Ctx) -> list[CheckResult]:
         )
 
     # inv_perm: every live slot owns one distinct row inside [0, M_sum).
-    s = live_slots(G, B)
+    s = live_slots(G, B, ctx.device)
     rows = s.other_rows
     in_range = (rows >= 0) & (rows < m_sum)
     hits = take_rows(torch.bincount(rows[in_range], minlength=m_sum), rows)
@@ -294,8 +290,7 @@ def _permute(ctx: Ctx) -> list[CheckResult]:
     ok = ~bad
 
     # a_perm: the row of each live slot holds the golden row's bytes.
-    g_a = fp8_codes(tensor_of(G, "permute", "a_perm"))
-    o_a = fp8_codes(tensor_of(B, "permute", "a_perm"))
+    g_a, o_a = (fp8_codes(a) for a in ctx.pair("permute", "a_perm"))
     if o_a.dim() != 2 or o_a.shape[1] != g_a.shape[1] or (m_sum and o_a.shape[0] != m_sum):
         out.append(shape_fail(ctx, "a_perm", o_a, g_a))
     else:
@@ -308,8 +303,7 @@ def _permute(ctx: Ctx) -> list[CheckResult]:
     # a_scale_perm: same, on the scale groups that exist (pad bytes of packed words ignored).
     hidden, group = g_a.shape[1], ctx.problem.recipe.act_group
     groups = hidden // group
-    g_s = tensor_of(G, "permute", "a_scale_perm")
-    o_s = tensor_of(B, "permute", "a_scale_perm")
+    g_s, o_s = ctx.pair("permute", "a_scale_perm")
     if m_sum and o_s.shape[0] != m_sum:
         out.append(shape_fail(ctx, "a_scale_perm", o_s, g_s))
         o_codes = None
@@ -339,7 +333,7 @@ def _permute(ctx: Ctx) -> list[CheckResult]:
     out.append(exact_check("expert rows", mismatch_of(wrong), what, reason, worst, note))
 
     # Padding contract on rows claimed by no live slot.
-    claimed = torch.zeros(m_sum, dtype=torch.bool)
+    claimed = torch.zeros(m_sum, dtype=torch.bool, device=ctx.device)
     claimed[rows[in_range]] = True
     pad = ~claimed
     bad_pad = pad & (o_m != -1)
@@ -414,8 +408,7 @@ def _padding_scales(
 
 def _gemm(ctx: Ctx, stage: str, name: str) -> list[CheckResult]:
     s = downstream_slots(ctx)
-    g = tensor_of(ctx.golden, stage, name)
-    o = tensor_of(ctx.other, stage, name)
+    g, o = ctx.pair(stage, name)
     if o.dim() != 2 or o.shape[1] != g.shape[1]:
         return [shape_fail(ctx, name, o, g)]
     s, row_fail = rows_in_range(ctx, s, o.shape[0], name)
@@ -435,14 +428,12 @@ def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group: int) -> 
 def _act_quant(ctx: Ctx) -> list[CheckResult]:
     check = ctx.check
     s = downstream_slots(ctx)
-    g_q = fp8_codes(tensor_of(ctx.golden, "act_quant", "a2q"))
-    o_q = fp8_codes(tensor_of(ctx.other, "act_quant", "a2q"))
+    g_q, o_q = (fp8_codes(q) for q in ctx.pair("act_quant", "a2q"))
     if o_q.dim() != 2 or o_q.shape[1] != g_q.shape[1]:
         return [shape_fail(ctx, "a2q", o_q, g_q)]
     group = ctx.problem.recipe.act_group
     groups = g_q.shape[1] // group
-    g_s = scale_values(tensor_of(ctx.golden, "act_quant", "a2q_scale"), groups)
-    o_s = scale_values(tensor_of(ctx.other, "act_quant", "a2q_scale"), groups)
+    g_s, o_s = (scale_values(x, groups) for x in ctx.pair("act_quant", "a2q_scale"))
     s, row_fail = rows_in_range(ctx, s, min(o_q.shape[0], o_s.shape[0]), "a2q / a2q_scale")
     qa, qb = o_q[s.other_rows], g_q[s.gold_rows]
     sa, sb = o_s[s.other_rows], g_s[s.gold_rows]
@@ -551,8 +542,7 @@ def _act_quant(ctx: Ctx) -> list[CheckResult]:
 
 def _token_output(ctx: Ctx, stage: str) -> list[CheckResult]:
     """gather / shared / reduce: out [M, H] per element and per token."""
-    g = tensor_of(ctx.golden, stage, "out")
-    o = tensor_of(ctx.other, stage, "out")
+    g, o = ctx.pair(stage, "out")
     if o.shape != g.shape:
         return [shape_fail(ctx, "out", o, g)]
     rank = None if stage == REDUCE_STAGE else ctx.rank
@@ -608,9 +598,18 @@ def not_compared(stage: str, golden: Trace, other: Trace) -> StageResult | None:
 
 
 def compare_stage(
-    stage: str, golden: Trace, other: Trace, problem: MoEProblem, *, mode: str = "isolated"
+    stage: str,
+    golden: Trace,
+    other: Trace,
+    problem: MoEProblem,
+    *,
+    mode: str = "isolated",
+    device: torch.device | str | None = None,
 ) -> StageResult:
-    """Compare one stage; never raises for a broken trace (status fail/skip/error instead)."""
+    """Compare one stage; never raises for a broken trace (status fail/skip/error instead).
+
+    device: where to compare (both sides are moved there); the golden's device by default.
+    """
     early = not_compared(stage, golden, other)
     if early is not None:
         return early
@@ -621,8 +620,10 @@ def compare_stage(
             comparer = _permute
     if comparer is None:
         return StageResult(stage, "error", [], f"no comparison is defined for stage {stage!r}")
+    where = torch.device(device) if device is not None else comparison_device(golden, stage)
     try:
-        checks = comparer(Ctx(golden, other, problem, policy_for(stage, problem, mode), mode))
+        check = policy_for(stage, problem, mode)
+        checks = comparer(Ctx(golden, other, problem, check, mode, where))
     except ContractError as exc:
         contract = CheckResult("contract", False, 1, 0, CONTRACT_REASON, None, str(exc))
         return StageResult(stage, "fail", [contract])
@@ -638,13 +639,17 @@ def compare(
     stages: list[str] | None = None,
     *,
     mode: str = "isolated",
+    device: torch.device | str | None = None,
 ) -> list[StageResult]:
     """Compare `other` against `golden` stage by stage (all of `default_stages` unless given).
 
     mode: "isolated" when each of `other`'s stages ran on the golden's upstream, "chained" when it
     ran end to end on its own; it picks the policy rows and which inv_perm keys permuted rows.
+    device: where to compare, the golden's device by default (`comparison_device`).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     names = list(stages) if stages is not None else default_stages(problem, golden, other)
-    return [compare_stage(stage, golden, other, problem, mode=mode) for stage in names]
+    return [
+        compare_stage(stage, golden, other, problem, mode=mode, device=device) for stage in names
+    ]

@@ -28,7 +28,7 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
         raise ContractError(
             f"packed scales hold {4 * packed.shape[1]} groups per row, need {groups}"
         )
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=packed.device)
     data = (packed.to(torch.int64)[:, :, None] >> shifts) & 0xFF
     return data.reshape(packed.shape[0], 4 * packed.shape[1])[:, :groups]
 

@@ -157,14 +157,19 @@ def fp8_code_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def e4m3_ulp(magnitude: torch.Tensor) -> torch.Tensor:
     """float64 [...]: spacing of e4m3 values at |value| `magnitude` (the subnormal step below
-    the smallest normal)."""
+    the smallest normal).
+
+    The binade comes from frexp, which is exact, not from log2, whose last-ulp rounding near a
+    power of two may differ between the CPU and a GPU and so flip a verdict with the device.
+    """
     m = magnitude.to(torch.float64).abs()
-    exponent = torch.floor(torch.log2(m.clamp_min(2.0**E4M3_MIN_NORMAL_EXP)))
-    return torch.where(
+    _, exponent = torch.frexp(m.clamp_min(2.0**E4M3_MIN_NORMAL_EXP))  # m = f * 2^exponent, f < 1
+    ulp = torch.where(
         m < 2.0**E4M3_MIN_NORMAL_EXP,
         torch.full_like(m, E4M3_SUBNORMAL_STEP),
-        torch.exp2(exponent - E4M3_MANTISSA_BITS),
+        torch.ldexp(torch.ones_like(m), exponent - 1 - E4M3_MANTISSA_BITS),
     )
+    return torch.where(torch.isfinite(m), ulp, m)  # Inf and NaN stay what they are
 
 
 def fp8_value_distance(
@@ -266,7 +271,7 @@ def row_max(x: torch.Tensor) -> torch.Tensor:
     """float64 [R, 1]: max |x| of each row of a [R, N] tensor (NaN ignored; 0 for empty rows)."""
     mag = x.to(torch.float64).abs().nan_to_num(nan=0.0)
     if mag.shape[1] == 0:
-        return torch.zeros(mag.shape[0], 1, dtype=torch.float64)
+        return mag.new_zeros(mag.shape[0], 1)
     return mag.amax(dim=1, keepdim=True)
 
 
@@ -277,9 +282,7 @@ def row_worst(err: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     e = err.to(torch.float64)
     if e.shape[1] == 0:
-        return torch.zeros(e.shape[0], dtype=torch.float64), torch.zeros(
-            e.shape[0], dtype=torch.long
-        )
+        return e.new_zeros(e.shape[0]), e.new_zeros(e.shape[0], dtype=torch.long)
     ranked = e.nan_to_num(nan=float("inf"))
     cols = ranked.argmax(dim=1)
     return e.gather(1, cols[:, None])[:, 0], cols
@@ -303,7 +306,9 @@ def allowed_error(
 ) -> torch.Tensor:
     """float64 [...]: the bound atol*scale + rtol*|b| (scale, e.g. a row max, broadcasts)."""
     ref = b.to(torch.float64).abs()
-    return atol * torch.as_tensor(scale, dtype=torch.float64) + rtol * ref
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(ref.device, torch.float64)
+    return atol * scale + rtol * ref
 
 
 def beyond_tolerance(
@@ -351,7 +356,7 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.uint8 or x.dtype in _FP8_DTYPES:
         return e4m3_is_nan(x)
     if not x.is_floating_point():
-        return torch.zeros(x.shape, dtype=torch.bool)
+        return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
     return ~torch.isfinite(x)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.bench import bench, to_markdown
+from moe_verify.bench import bench, compare_cost, to_markdown
 from moe_verify.spec import MoEProblem
 
 pytestmark = pytest.mark.cpu
@@ -22,3 +22,12 @@ def test_bench_times_every_kernel_stage_and_reports_unavailable_engines() -> Non
     assert triton_gemm.median_us > 0 and triton_gemm.work == 2.0 * 8 * 256 * 128
     table = to_markdown(problem, timings)
     assert problem.id in table and "gather" in table
+
+
+def test_compare_cost_times_the_comparisons_where_the_golden_lives() -> None:
+    problem = MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=2, topk=1)
+    costs = compare_cost(problem, repeats=1)
+    assert [c.device for c in costs] == ["cpu"]  # a CPU run has no second place to compare
+    assert costs[0].seconds > 0
+    table = to_markdown(problem, [], costs)
+    assert "| cpu |" in table and "1.00x" in table

@@ -39,6 +39,29 @@ def test_bad_argument_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> N
     assert "hidden=100 must be a multiple of 128" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "module", ["tolerance", "tolerance.metrics", "reference", "optimized", "moe_verify.cli"]
+)
+def test_each_package_imports_first_in_a_fresh_interpreter(module: str) -> None:
+    """The packages import one another (tolerance <-> moe_verify); none may need another to
+    have been imported before it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_compare_on_cpu_runs_and_torchrun_refuses_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "-T", "8", "-H", "128", "-I", "128", "-E", "4", "--compare-on", "cpu"]) == 0
+    assert "verdict PASS" in capsys.readouterr().out
+    assert main(["run", "--launcher", "torchrun", "--topology", "ep:2", "--compare-on", "cpu"]) == 2
+    assert "--compare-on cpu is not supported with --launcher torchrun" in capsys.readouterr().err
+
+
 class DeclinesGemm2(OptimizedBackend):
     """A backend that skips a stage it should run."""
 

@@ -106,6 +106,18 @@ def test_fp8_value_distance_one_exponent_flip_is_within_one_coarse_ulp() -> None
 # -- ulp distances --------------------------------------------------------------------------------
 
 
+def test_e4m3_ulp_is_the_gap_to_the_next_code_everywhere() -> None:
+    codes = torch.arange(0, 0x7E, dtype=torch.uint8)  # +0 up to 416, each with a finite successor
+    values = m.e4m3_value(codes).double()
+    gap = m.e4m3_value(codes + 1).double() - values
+    assert torch.equal(m.e4m3_ulp(values), gap)
+    assert torch.equal(m.e4m3_ulp(-values), gap)  # magnitude only
+    below_a_binade = values[1:] - gap[:-1] / 4  # just under each code: the lower binade's gap
+    assert torch.equal(m.e4m3_ulp(below_a_binade), gap[:-1])
+    inf_nan = m.e4m3_ulp(torch.tensor([math.inf, math.nan], dtype=torch.float64))
+    assert math.isinf(inf_nan[0]) and math.isnan(inf_nan[1])
+
+
 def test_bf16_ulp_distance_counts_representable_steps() -> None:
     a = torch.tensor([1.0, 1.0, -1.0, 0.0, 0.0], dtype=torch.bfloat16)
     up = torch.nextafter(a.float(), torch.tensor(float("inf"))).to(torch.bfloat16)
