@@ -114,8 +114,10 @@ def fp8_value(code: torch.Tensor) -> float:
     return float(e4m3_value(code.reshape(1))[0])
 
 
-def decode_scale(code: int, kind: str) -> float | int:
-    """A scale code for display: fp32 raw bits -> the float; E8M0 bytes stay bytes."""
+def decode_scale(code: int | torch.Tensor, kind: str) -> float | int:
+    """A scale code (an int or one-element tensor) for display: fp32 raw bits -> the float;
+    E8M0 bytes stay bytes, as a Python int."""
+    code = int(code)
     if kind == "fp32":
         return struct.unpack("<f", struct.pack("<I", code & 0xFFFFFFFF))[0]
     return code

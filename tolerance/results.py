@@ -6,6 +6,7 @@ skipped (StageSkipped), {ERROR_KEY: message} when it raised.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,6 +50,14 @@ class Worst:
     golden: float | int | None = None
     other: float | int | None = None
     row: int | None = None
+
+    def __post_init__(self) -> None:
+        # Reports outlive the traces: a tensor here would pin device memory and print as
+        # tensor(..., device='cuda:0'), so every field must be a plain number.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and not isinstance(value, (int, float)):
+                raise TypeError(f"Worst.{f.name} must be a number, got {type(value).__name__}")
 
     def coords(self) -> str:
         """'(token 2, k 1, expert 3, rank 0, column 17)', '-' where unknown."""

@@ -9,7 +9,7 @@ import torch
 
 from moe_verify.spec import MoEProblem, Trace
 from tests.tolerance import build_golden, clone_trace, replace_stage, slot_row, tiny_problem
-from tolerance import SKIP_KEY, CheckResult, Report, StageResult, compare
+from tolerance import SKIP_KEY, CheckResult, Report, StageResult, Worst, compare
 
 pytestmark = pytest.mark.cpu
 
@@ -160,3 +160,10 @@ def test_report_results_follow_primary_mode(problem: MoEProblem) -> None:
     assert report.results is chained
     assert report.isolated is None
     assert report.first_failure == "route"
+
+
+def test_worst_holds_plain_numbers_only() -> None:
+    """A tensor in a report pins device memory and prints as tensor(..., device=...)."""
+    assert Worst(golden=1, other=2.5).other == 2.5
+    with pytest.raises(TypeError, match="Worst.golden must be a number, got Tensor"):
+        Worst(golden=torch.tensor(119))  # type: ignore[arg-type]
