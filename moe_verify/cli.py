@@ -174,6 +174,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+def cmd_audit_e8m0(args: argparse.Namespace) -> int:
+    from moe_verify.audit import DEFAULT_MAX_RATIO, audit, write_report
+
+    report = audit(
+        args.checkpoint,
+        experts_per_layer=args.experts_per_layer,
+        tokens=args.tokens,
+        seed=args.seed,
+        device=args.device,
+        max_ratio=DEFAULT_MAX_RATIO if args.max_ratio is None else args.max_ratio,
+    )
+    files = write_report(report, Path(args.out))
+    print(f"verdict {report.verdict}: {report.reason}")
+    print("wrote " + ", ".join(str(f) for f in files))
+    return EXIT_FAIL if report.verdict == "at-risk" else EXIT_PASS
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     """What this machine can run: torch, triton mode, GPU arch, DeepGEMM and its first call."""
     import torch
@@ -285,6 +302,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time the suite's comparisons of rank 0 on the golden's device vs the host",
     )
     bn.set_defaults(func=cmd_bench)
+
+    au = sub.add_parser(
+        "audit-e8m0",
+        help="what E8M0 (power-of-two) scales cost a checkpoint's FP8 block-scaled weights",
+    )
+    au.add_argument("checkpoint", help="a directory of *.safetensors (with config.json) or a file")
+    au.add_argument("--out", default="audit-e8m0-out", help="directory for report.md/.json, plots")
+    au.add_argument(
+        "--experts-per-layer",
+        type=int,
+        default=4,
+        help="experts per layer whose GEMMs are measured (non-expert weights always are)",
+    )
+    au.add_argument("--tokens", type=int, default=64, help="synthetic activation rows per GEMM")
+    au.add_argument("--seed", type=int, default=0)
+    au.add_argument("--device", default=None, help="default: the GPU when there is one")
+    au.add_argument(
+        "--max-ratio",
+        type=float,
+        default=None,
+        help="at-risk when requantizing the weights multiplies E8M0's compounded output error "
+        "by more than this (default 1.25, moe_verify/audit.py says why)",
+    )
+    au.set_defaults(func=cmd_audit_e8m0)
 
     doc = sub.add_parser("doctor", help="what this machine can run")
     doc.add_argument(

@@ -1,0 +1,233 @@
+"""`moe-verify audit-e8m0` on synthetic checkpoints: known answers for the ceil factor, a
+power-of-two checkpoint whose weight values E8M0 keeps, one with fp32 scales that it does not,
+HF layouts (sharded, fused 3-D experts), and a clear error for every malformed input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moe_verify.audit import AuditError, audit, find_fp8_weights, to_markdown, write_report
+from moe_verify.cli import main
+from reference.formats import cast_to_fp8, quantize_fp8_blocks
+
+pytestmark = pytest.mark.cpu
+
+H, INTER = 256, 256  # two 128-blocks each way: small, and every weight has four blocks
+
+
+def _weight(n: int, k: int, seed: int, scales: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [n, k], fp32 block scales) of N(0, 0.02) weights, each 128x128 block scaled by 2^u,
+    u ~ U(0, 1), so block scales spread evenly on a log scale: "fp32" amax/448 scales, "pow2"
+    ceil-UE8M0 scales, or "x1.5" every scale 1.5 * 2^-9 (ceil factor 4/3)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.exp2(torch.rand(n // 128, k // 128, generator=g))
+    w = (
+        torch.randn(n, k, generator=g)
+        * 0.02
+        * spread.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    )
+    if scales == "x1.5":
+        s = torch.full((n // 128, k // 128), 1.5 * 2.0**-9)
+        return cast_to_fp8(w / 1.5 / 2.0**-9), s
+    return quantize_fp8_blocks(w, (128, 128), use_ue8m0=scales == "pow2")
+
+
+def _model(scales: str, layers: int = 3, experts: int = 4) -> dict[str, torch.Tensor]:
+    """A DeepSeek-style layout: attention o_proj, routed experts, a shared expert per layer."""
+    tensors: dict[str, torch.Tensor] = {}
+    seed = 0
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        mods = [f"{p}.self_attn.o_proj", f"{p}.mlp.shared_experts.down_proj"]
+        mods += [
+            f"{p}.mlp.experts.{e}.{proj}"
+            for e in range(experts)
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        ]
+        for mod in mods:
+            seed += 1
+            q, s = _weight(INTER if "gate" in mod or "up" in mod else H, H, seed, scales)
+            tensors[f"{mod}.weight"] = q
+            tensors[f"{mod}.weight_scale_inv"] = s
+        tensors[f"{p}.input_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)  # not FP8
+    return tensors
+
+
+def _save(tmp: Path, tensors: dict[str, torch.Tensor], config: dict | None = None) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    if config is not None:
+        (tmp / "config.json").write_text(json.dumps(config))
+    return tmp
+
+
+def test_power_of_two_scales_keep_every_weight_value(tmp_path: Path) -> None:
+    report = audit(_save(tmp_path, _model("pow2"), {"model_type": "deepseek_v3"}), device="cpu")
+    assert report.verdict == "low-risk" and report.model_type == "deepseek_v3"
+    assert report.ratio == 1.0 and "have power-of-two scales already" in report.reason
+    assert report.fp8_weights == 3 * 14 and report.model.blocks == 3 * 14 * 4
+    assert report.model.pow2_fraction == 1.0 and report.model.max_bits_lost == 0.0
+    sampled = [w for layer in report.layers for w in layer.weights]
+    assert len(sampled) == 3 * (2 + 4 * 3)  # o_proj, shared, every projection of 4 experts
+    assert all(w.weight_rel_err == 0.0 and w.out_err_e8m0 == w.out_err_e8m0_act for w in sampled)
+    # A block whose largest value rounds to code 224 requantizes to half the scale and twice the
+    # codes (the same values): some codes change, never a value.
+    assert any(w.codes_changed > 0 for w in sampled)
+    # Ceil activation scales cost on their own: the outlier that sets a group's scale no longer
+    # lands on code 448 exactly.
+    assert all(w.out_err_e8m0_act > w.out_err_fp32 > 0 for w in sampled)
+
+
+def test_fp32_scales_lose_half_a_bit_and_are_at_risk(tmp_path: Path) -> None:
+    report = audit(_save(tmp_path, _model("fp32")), device="cpu")
+    m = report.model
+    assert m.pow2_fraction < 0.05
+    # Scales spread evenly on a log scale make log2 r uniform in [0, 1): mean 0.5, and 168 blocks
+    # put the sample mean within 0.022 (one standard error) of it.
+    assert abs(m.mean_bits_lost - 0.5) < 0.1, m.mean_bits_lost
+    sampled = [w for layer in report.layers for w in layer.weights]
+    assert all(w.weight_rel_err > 0.01 and w.codes_changed > 0.5 for w in sampled)
+    assert all(w.out_err_e8m0 > w.out_err_e8m0_act for w in sampled)
+    assert report.ratio > report.max_ratio and report.verdict == "at-risk", report.reason
+    # A limit above the measured ratio flips the verdict: the verdict follows the measurement.
+    assert audit(tmp_path, device="cpu", max_ratio=report.ratio * 1.01).verdict == "low-risk"
+
+
+def test_ceil_factor_known_answer(tmp_path: Path) -> None:
+    report = audit(_save(tmp_path, _model("x1.5", layers=1)), device="cpu", experts_per_layer=0)
+    m = report.model
+    assert m.pow2_fraction == 0.0
+    assert math.isclose(m.mean_bits_lost, math.log2(4 / 3), rel_tol=1e-12)
+    assert math.isclose(m.max_bits_lost, math.log2(4 / 3), rel_tol=1e-12)
+    assert m.histogram == [0, 0, 0, m.blocks, 0, 0, 0, 0, 0, 0]  # r = 1.333 in [1.3, 1.4)
+    assert {w.kind for layer in report.layers for w in layer.weights} == {
+        "attention",
+        "shared_expert",
+    }
+
+
+def test_sharded_checkpoint_and_fused_experts(tmp_path: Path) -> None:
+    q0, s0 = _weight(INTER, H, 1, "fp32")
+    q1, s1 = _weight(INTER, H, 2, "fp32")
+    fused_q, fused_s = torch.stack([q0, q1]), torch.stack([s0, s1])
+    # The weight in one shard, its scale in another, as HF sharding by size can leave them.
+    save_file(
+        {"model.layers.0.mlp.experts.gate_up_proj.weight": fused_q}, str(tmp_path / "a.safetensors")
+    )
+    save_file(
+        {"model.layers.0.mlp.experts.gate_up_proj.weight_scale": fused_s},
+        str(tmp_path / "b.safetensors"),
+    )
+    (w,) = find_fp8_weights(tmp_path)
+    assert (w.kind, w.layer, w.shape) == ("expert", 0, (2, INTER, H))
+    assert w.file.name == "a.safetensors" and w.scale_file.name == "b.safetensors"
+    report = audit(tmp_path, device="cpu", experts_per_layer=1, seed=3)
+    (measured,) = report.layers[0].weights
+    assert measured.name in (
+        "model.layers.0.mlp.experts.gate_up_proj[0]",
+        "model.layers.0.mlp.experts.gate_up_proj[1]",
+    )
+    assert report.model.blocks == 2 * 4
+
+
+def test_report_files_and_cli_exit_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = _save(tmp_path / "ckpt", _model("fp32", layers=2, experts=2))
+    out = tmp_path / "out"
+    assert main(["audit-e8m0", str(ckpt), "--out", str(out), "--device", "cpu"]) == 1  # at-risk
+    assert "verdict at-risk" in capsys.readouterr().out
+    data = json.loads((out / "report.json").read_text())
+    assert data["verdict"] == "at-risk" and len(data["layers"]) == 2
+    layer0 = data["layers"][0]
+    assert layer0["out_err_e8m0"] > layer0["out_err_e8m0_act"] > layer0["out_err_fp32"] > 0
+    text = (out / "report.md").read_text()
+    assert "**Verdict: at-risk**" in text and "| 1 |" in text
+    assert (out / "ceil_factor.png").stat().st_size > 0 and "![ceil_factor]" in text
+    pow2 = _save(tmp_path / "pow2", _model("pow2", layers=1, experts=1))
+    assert main(["audit-e8m0", str(pow2), "--out", str(out), "--device", "cpu"]) == 0
+    assert "verdict low-risk" in capsys.readouterr().out
+
+
+def test_markdown_says_when_plots_are_missing(tmp_path: Path) -> None:
+    report = audit(_save(tmp_path, _model("pow2", layers=1, experts=1)), device="cpu")
+    assert "matplotlib is not installed" in to_markdown(report, plots=[])
+    assert write_report(report, tmp_path / "r")[0].name == "report.md"
+
+
+def _bad_scale(shape_or_value: object) -> dict[str, torch.Tensor]:
+    q, s = _weight(INTER, H, 1, "fp32")
+    if isinstance(shape_or_value, tuple):
+        s = torch.ones(shape_or_value)
+    else:
+        s = s.clone()
+        s[1, 0] = shape_or_value  # type: ignore[assignment]
+    return {
+        "model.layers.0.mlp.down_proj.weight": q,
+        "model.layers.0.mlp.down_proj.weight_scale_inv": s,
+    }
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda d: d / "missing", "does not exist"),
+        (lambda d: d, "holds no *.safetensors files"),
+        (
+            lambda d: _file(d / "x.safetensors", b"not a safetensors file"),
+            "cannot be read as safetensors",
+        ),
+        (lambda d: _file(d / "x.bin", b""), "is not a .safetensors file"),
+        (lambda d: _save(d, {"a.weight": torch.ones(2, 2)}), "holds no FP8"),
+        (
+            lambda d: _save(d, {"a.weight": torch.ones(128, 128).to(torch.float8_e4m3fn)}),
+            "a.weight has no block scale (looked for a.weight_scale_inv or a.weight_scale)",
+        ),
+        (lambda d: _save(d, _bad_scale((1, 1))), "must be float32 (2, 2)"),
+        (lambda d: _save(d, _bad_scale(0.0)), "not finite and > 0, first 0.0 at (1, 0)"),
+        (lambda d: _save(d, _bad_scale(math.nan)), "not finite and > 0, first nan at (1, 0)"),
+        (
+            lambda d: _save(
+                d, _model("pow2", 1, 1), {"quantization_config": {"weight_block_size": [128]}}
+            ),
+            "weight_block_size must be [bm, bk], got [128]",
+        ),
+    ],
+    ids=[
+        "missing",
+        "empty-dir",
+        "corrupt",
+        "not-safetensors",
+        "no-fp8",
+        "no-scale",
+        "scale-shape",
+        "zero-scale",
+        "nan-scale",
+        "bad-block",
+    ],
+)
+def test_bad_checkpoints_are_refused_naming_what_is_wrong(
+    tmp_path: Path, build, message: str
+) -> None:  # type: ignore[no-untyped-def]
+    path = build(tmp_path)
+    with pytest.raises(AuditError) as info:
+        audit(path, device="cpu")
+    assert message in str(info.value)
+
+
+def _file(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_cli_reports_a_bad_checkpoint_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit-e8m0", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
