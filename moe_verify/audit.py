@@ -8,15 +8,17 @@ loses up to one bit per block to the ceil and re-rounds every code. The audit me
 checkpoint's own tensors (ref/anchors.md, gap 6):
 
 - every block's ceil factor r = ceil_ue8m0(s) / s in [1, 2) and log2(r), the bits of range lost
-  (scales only, so every FP8 weight of the model is covered);
+  (scales only, so every FP8 weight of the model is covered). Requantization really computes
+  s' = ceil_ue8m0(amax / 448) from the dequantized block, which is ceil_ue8m0(s) when the block's
+  largest code is 448, as amax-scaled quantizers (DeepSeek's, vLLM's) leave it;
 - for a sample of weights per layer: the requantized weight's error and changed codes, and the
   GEMM output error against an exact float64 product on synthetic activations, three ways: fp32
   scales (what SM90 runs by default), E8M0 activation scales with the checkpoint's weights, and
   full E8M0 (the weights requantized too);
 - the per-layer errors compounded over the model's layers as a root-sum-square (independent
-  errors adding up along the residual stream). The activation part of E8M0's cost is the same for
-  every checkpoint fed the same activations; the verdict is on the part the checkpoint decides:
-  full E8M0 over E8M0 activations alone, i.e. what requantizing this model's weights adds.
+  errors adding up along the residual stream). The verdict is on what requantizing the weights
+  multiplies E8M0's error by (full E8M0 over E8M0 activations alone); its denominator depends on
+  the synthetic activations, so compare models by the same command's numbers.
 
 The verdict is about numerics, not task accuracy: an `at-risk` model is a candidate for vLLM's
 E8M0 auto-disable list, to be confirmed with a task A/B (as vLLM did for Qwen3.5, anchors #10).
@@ -52,6 +54,8 @@ ACT_GROUP = 128  # the 1 x 128 activation groups of the FP8 block recipe
 # most 1.25x what E8M0 activation scales alone give. Power-of-two weight scales requantize to the
 # same values (exactly 1x); any other scale re-rounds every code, an error as large as an FP8
 # rounding of the weight itself: ~1.4x on synthetic Gaussian weights (tests/harness/test_audit.py).
+# So with this limit every checkpoint whose scales are not powers of two comes out at-risk, which
+# is what requantization does to it; how much is in the ratio and the compounded errors.
 # Provisional: not calibrated against task accuracy (no real checkpoint audited yet).
 DEFAULT_MAX_RATIO = 1.25
 HIST_BINS = 10  # ceil-factor histogram over [1, 2)
@@ -143,11 +147,12 @@ class AuditReport:
     model_type: str | None
     block: tuple[int, int]
     tokens: int
-    samples_per_layer: int
+    experts_per_layer: int
     fp8_weights: int
     model: ScaleStats
     layers: list[LayerAudit]
     max_ratio: float
+    unaudited: list[str] = field(default_factory=list)  # FP8 tensors or GEMMs left out, and why
 
     @property
     def compounded_fp32(self) -> float:
@@ -163,9 +168,12 @@ class AuditReport:
 
     @property
     def ratio(self) -> float:
-        """What requantizing the weights multiplies E8M0's compounded output error by."""
-        base = self.compounded_e8m0_act
-        return self.compounded_e8m0 / base if base > 0 else math.inf
+        """What requantizing the weights multiplies E8M0's compounded output error by (1.0 when
+        both are 0: nothing to multiply)."""
+        base, full = self.compounded_e8m0_act, self.compounded_e8m0
+        if base == 0:
+            return 1.0 if full == 0 else math.inf
+        return full / base
 
     @property
     def verdict(self) -> str:
@@ -174,7 +182,9 @@ class AuditReport:
     @property
     def reason(self) -> str:
         m = self.model
-        layers = sum(1 for layer in self.layers if layer.weights)
+        numbered = sum(1 for layer in self.layers if layer.weights and layer.layer is not None)
+        others = any(layer.weights and layer.layer is None for layer in self.layers)
+        layers = f"{numbered} layers" + (" and the weights outside them" if others else "")
         weights = (
             f"all {m.blocks} weight blocks have power-of-two scales already (requantization keeps "
             "every weight value)"
@@ -182,8 +192,11 @@ class AuditReport:
             else f"{1 - m.pow2_fraction:.1%} of {m.blocks} weight blocks lose "
             f"{m.mean_bits_lost:.3f} bits on average to the ceil"
         )
+        left_out = (
+            f"; {len(self.unaudited)} FP8 tensors or GEMMs not audited" if self.unaudited else ""
+        )
         return (
-            f"{weights}; compounded over {layers} layers, requantizing the weights gives "
+            f"{weights}{left_out}; compounded over {layers}, requantizing the weights gives "
             f"{self.ratio:.3f}x the output error of E8M0 activation scales alone (limit "
             f"{self.max_ratio:g}x); output error fp32 scales {self.compounded_fp32:.4g}, E8M0 "
             f"activations {self.compounded_e8m0_act:.4g}, full E8M0 {self.compounded_e8m0:.4g}"
@@ -205,7 +218,7 @@ class AuditReport:
                 out_err_e8m0_act=layer.out_err_e8m0_act,
                 out_err_e8m0=layer.out_err_e8m0,
             )
-        return json.dumps(out, indent=2)
+        return json.dumps(out, indent=2, allow_nan=False)
 
 
 def _rms(values: list[float]) -> float:
@@ -271,11 +284,27 @@ def _kind(name: str) -> str:
     return "other"
 
 
-def find_fp8_weights(checkpoint: Path) -> list[FP8Weight]:
+def _index(checkpoint: Path) -> dict[str, str] | None:
+    """The weight map of a sharded HF checkpoint (tensor -> file), when it has one."""
+    path = checkpoint / "model.safetensors.index.json" if checkpoint.is_dir() else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        weight_map = json.loads(path.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise AuditError(f"{path} is not a safetensors index: {exc}") from exc
+    if not isinstance(weight_map, dict):
+        raise AuditError(f"{path} has no 'weight_map' object")
+    return weight_map
+
+
+def find_fp8_weights(checkpoint: Path) -> tuple[list[FP8Weight], list[str]]:
     """Every FP8 (e4m3) `<module>.weight` of the checkpoint with its block scale tensor (which a
-    sharded checkpoint may keep in another file)."""
+    sharded checkpoint may keep in another file), and the FP8 tensors that are not such weights,
+    each with why (listed in the report, never dropped silently)."""
+    index = _index(checkpoint)
     where: dict[str, Path] = {}
-    fp8: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
     for path in _files(checkpoint):
         try:
             handle = safe_open(str(path), framework="pt")
@@ -283,16 +312,30 @@ def find_fp8_weights(checkpoint: Path) -> list[FP8Weight]:
             raise AuditError(f"{path} cannot be read as safetensors: {exc}") from exc
         with handle as f:
             for key in f.keys():
+                if index is not None and index.get(key) != path.name:
+                    continue  # the index names another file (e.g. a consolidated copy)
+                if key in where:
+                    raise AuditError(
+                        f"tensor {key} is in both {where[key].name} and {path.name}, and no "
+                        "model.safetensors.index.json says which one the model loads"
+                    )
                 where[key] = path
-                if key.endswith(".weight") and f.get_slice(key).get_dtype() == "F8_E4M3":
-                    fp8[key] = tuple(f.get_slice(key).get_shape())
-    if not fp8:
+                sl = f.get_slice(key)
+                dtypes[key] = (sl.get_dtype(), tuple(sl.get_shape()))
+    fp8 = {k: shape for k, (dtype, shape) in dtypes.items() if dtype == "F8_E4M3"}
+    weights = {k: shape for k, shape in fp8.items() if k.endswith(".weight")}
+    unaudited = [
+        f"{k} ({dtype}): not an e4m3 '*.weight' with a block scale"
+        for k, (dtype, _) in sorted(dtypes.items(), key=lambda item: _natural(item[0]))
+        if dtype.startswith("F8_") and k not in weights and not _is_scale(k)
+    ]
+    if not weights:
         raise AuditError(
             f"{checkpoint} holds no FP8 (float8_e4m3fn) '*.weight' tensors: nothing to audit"
         )
     found = []
-    for key in sorted(fp8, key=_natural):
-        module, shape = key[: -len(".weight")], fp8[key]
+    for key in sorted(weights, key=_natural):
+        module, shape = key[: -len(".weight")], weights[key]
         scale = next((f"{module}.{s}" for s in SCALE_SUFFIXES if f"{module}.{s}" in where), None)
         if scale is None:
             raise AuditError(
@@ -308,7 +351,11 @@ def find_fp8_weights(checkpoint: Path) -> list[FP8Weight]:
         found.append(
             FP8Weight(module, where[key], key, where[scale], scale, shape, layer, _kind(module))
         )
-    return found
+    return found, unaudited
+
+
+def _is_scale(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] in SCALE_SUFFIXES
 
 
 def _natural(key: str) -> list[object]:
@@ -316,32 +363,41 @@ def _natural(key: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
-def _load(file: Path, key: str, device: torch.device) -> torch.Tensor:
+def _load(file: Path, key: str, device: torch.device, expert: int | None = None) -> torch.Tensor:
+    """One tensor, or one expert (leading index) of it, read alone from its shard."""
     with safe_open(str(file), framework="pt", device="cpu") as f:
-        return f.get_tensor(key).to(device)
+        t = f.get_tensor(key) if expert is None else f.get_slice(key)[expert]
+    return t.to(device)
 
 
-def _scales(w: FP8Weight, block: tuple[int, int], device: torch.device) -> torch.Tensor:
-    s = _load(w.scale_file, w.scale_key, device)
+def _scales(
+    w: FP8Weight, block: tuple[int, int], device: torch.device, expert: int | None = None
+) -> torch.Tensor:
+    """The weight's block scales (one expert's when `expert` is given), checked: float32, one
+    per block, and each a normal fp32 number > 0 (UE8M0 spans 2^-126 .. 2^127)."""
     *lead, n, k = w.shape
     want = (*lead, -(-n // block[0]), -(-k // block[1]))
-    if s.dtype != torch.float32 or tuple(s.shape) != want:
+    with safe_open(str(w.scale_file), framework="pt", device="cpu") as f:
+        sl = f.get_slice(w.scale_key)
+        dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
+    if dtype != "F32" or shape != want:
         raise AuditError(
-            f"{w.scale_key} is {s.dtype} {tuple(s.shape)}; a {block[0]}x{block[1]}-block scale "
-            f"of {w.weight_key} {w.shape} must be float32 {want}"
+            f"{w.scale_key} is {dtype} {shape}; a {block[0]}x{block[1]}-block scale of "
+            f"{w.weight_key} {w.shape} must be float32 (F32) {want}"
         )
-    bad = ~torch.isfinite(s) | (s <= 0)
+    s = _load(w.scale_file, w.scale_key, device, expert)
+    bad = ~torch.isfinite(s) | (s < 2.0**-126) | (s > 2.0**127)
     if bool(bad.any()):
         at = tuple(int(i) for i in torch.nonzero(bad)[0])
         raise AuditError(
-            f"{w.scale_key} holds {int(bad.sum())} scales that are not finite and > 0, "
-            f"first {s[at].item()} at {at}"
+            f"{w.scale_key} holds {int(bad.sum())} scales outside the normal fp32 range "
+            f"[2^-126, 2^127] that UE8M0 spans (or not finite), first {s[at].item()} at {at}"
         )
     return s
 
 
 def bits_lost(scale: torch.Tensor) -> torch.Tensor:
-    """log2(ceil_ue8m0(s) / s) per block: 0 for a power of two, below 1 otherwise."""
+    """log2(ceil_ue8m0(s) / s) per block of normal scales: 0 for a power of two, below 1."""
     return torch.log2(ceil_ue8m0(scale).double() / scale.double())
 
 
@@ -369,11 +425,12 @@ def weight_error(
 ) -> WeightError:
     """Requantize one weight (expert `expert` of a 3-D tensor) to E8M0 and measure both formats
     on activations x [tokens, K]."""
-    q = _load(w.file, w.weight_key, device)
-    s = _scales(w, block, device)
-    if q.dim() == 3:
-        q, s = q[expert], s[expert]
-    q2, s2 = requantize_blocks_ue8m0(q, s, block)
+    one = expert if len(w.shape) == 3 else None
+    q, s = _load(w.file, w.weight_key, device, one), _scales(w, block, device, one)
+    try:
+        q2, s2 = requantize_blocks_ue8m0(q, s, block)
+    except ValueError as exc:  # e.g. a NaN code (0x7F / 0xFF) in the checkpoint
+        raise AuditError(f"{w.weight_key}{'' if one is None else f'[{one}]'}: {exc}") from exc
     exact_w = dequantize_fp8_blocks(q, s, block).double()
     e8m0_w = dequantize_fp8_blocks(q2, s2, block).double()
     exact = x.double() @ exact_w.T
@@ -433,7 +490,7 @@ def audit(
     path = Path(checkpoint)
     config = _config(path)
     block = _block(config)
-    weights = find_fp8_weights(path)
+    weights, unaudited = find_fp8_weights(path)
     dev = torch.device(device) if device is not None else default_device()
     by_layer: dict[int | None, list[FP8Weight]] = defaultdict(list)
     for w in weights:
@@ -445,28 +502,35 @@ def audit(
         lost = torch.cat([bits_lost(_scales(w, block, dev)).reshape(-1) for w in group])
         every_block.append(lost.cpu())
         result = LayerAudit(layer, ScaleStats.of(lost))
-        for w, expert in _sample(group, experts_per_layer, seed + (layer or 0)):
-            k = w.shape[-1]
-            if k % ACT_GROUP:
-                raise AuditError(
-                    f"{w.weight_key}: K = {k} is not a multiple of the {ACT_GROUP}-wide "
-                    "activation groups of the FP8 block recipe"
-                )
+        for w, expert in _sample(
+            group, experts_per_layer, seed + (0 if layer is None else layer + 1)
+        ):
+            n, k = w.shape[-2:]
+            if n * k == 0 or k % ACT_GROUP:
+                why = "empty" if n * k == 0 else f"K = {k} is not a multiple of {ACT_GROUP}"
+                unaudited.append(f"{w.weight_key}: GEMM not measured ({why})")
+                continue
             if k not in activations:
                 activations[k] = synthetic_activations(tokens, k, seed, dev)
             result.weights.append(weight_error(w, block, activations[k], dev, expert))
         layers.append(result)
+    if not any(layer.weights for layer in layers):
+        raise AuditError(
+            f"no GEMM of {path} was measured ({len(weights)} FP8 weights, experts_per_layer="
+            f"{experts_per_layer}): raise --experts-per-layer for an expert-only checkpoint"
+        )
     model_type = config.get("model_type")
     return AuditReport(
         checkpoint=str(path),
         model_type=model_type if isinstance(model_type, str) else None,
         block=block,
         tokens=tokens,
-        samples_per_layer=experts_per_layer,
+        experts_per_layer=experts_per_layer,
         fp8_weights=len(weights),
         model=ScaleStats.of(torch.cat(every_block)),
         layers=layers,
         max_ratio=max_ratio,
+        unaudited=unaudited,
     )
 
 
@@ -485,7 +549,7 @@ def to_markdown(report: AuditReport, plots: list[str] | None = None) -> str:
         "",
         f"model_type {report.model_type or '-'}; {report.fp8_weights} FP8 weight tensors in "
         f"{report.block[0]}x{report.block[1]} blocks; {sampled} GEMMs sampled (every non-expert "
-        f"weight, {report.samples_per_layer} experts per layer) on {report.tokens} synthetic "
+        f"weight, {report.experts_per_layer} experts per layer) on {report.tokens} synthetic "
         "tokens (N(0,1), 1 in 200 channels 30x).",
         "",
         f"**Verdict: {report.verdict}**: {report.reason}.",
@@ -543,9 +607,14 @@ def to_markdown(report: AuditReport, plots: list[str] | None = None) -> str:
         f"{report.compounded_e8m0_act:.4g}, full E8M0 {report.compounded_e8m0:.4g}; requantizing "
         f"the weights multiplies E8M0's error by **{report.ratio:.3f}x** (limit "
         f"{report.max_ratio:g}x; `at-risk` above it: a candidate for vLLM's E8M0 auto-disable "
-        "list, to confirm with a task A/B). The activation part depends on the synthetic "
-        "activations, the same for every checkpoint.",
+        "list, to confirm with a task A/B). Requantization re-rounds every weight whose scale "
+        "is not a power of two, so such checkpoints exceed the default limit; compare models "
+        "by the ratio and the compounded errors, whose activation part depends on the "
+        "synthetic activations and is the same for every checkpoint.",
     ]
+    if report.unaudited:
+        lines += ["", f"## Not audited ({len(report.unaudited)})", ""]
+        lines += [f"- {entry}" for entry in report.unaudited]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     elif plots is not None:
@@ -568,7 +637,7 @@ def write_plots(report: AuditReport, out_dir: Path) -> list[str]:
     ax.bar(edges, report.model.histogram, width=1 / HIST_BINS, align="edge")
     ax.set_xlabel("ceil factor r = ceil_ue8m0(s) / s")
     ax.set_ylabel("weight blocks")
-    ax.set_title("Range lost to E8M0 scales, per 128x128 block")
+    ax.set_title(f"Range lost to E8M0 scales, per {report.block[0]}x{report.block[1]} block")
     path = out_dir / "ceil_factor.png"
     fig.tight_layout()
     fig.savefig(path, dpi=120)

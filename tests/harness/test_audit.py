@@ -117,23 +117,74 @@ def test_sharded_checkpoint_and_fused_experts(tmp_path: Path) -> None:
     q1, s1 = _weight(INTER, H, 2, "fp32")
     fused_q, fused_s = torch.stack([q0, q1]), torch.stack([s0, s1])
     # The weight in one shard, its scale in another, as HF sharding by size can leave them.
-    save_file(
-        {"model.layers.0.mlp.experts.gate_up_proj.weight": fused_q}, str(tmp_path / "a.safetensors")
-    )
-    save_file(
-        {"model.layers.0.mlp.experts.gate_up_proj.weight_scale": fused_s},
-        str(tmp_path / "b.safetensors"),
-    )
-    (w,) = find_fp8_weights(tmp_path)
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    save_file({f"{key}.weight": fused_q}, str(tmp_path / "a.safetensors"))
+    save_file({f"{key}.weight_scale": fused_s}, str(tmp_path / "b.safetensors"))
+    (w,), unaudited = find_fp8_weights(tmp_path)
+    assert unaudited == []
     assert (w.kind, w.layer, w.shape) == ("expert", 0, (2, INTER, H))
     assert w.file.name == "a.safetensors" and w.scale_file.name == "b.safetensors"
     report = audit(tmp_path, device="cpu", experts_per_layer=1, seed=3)
     (measured,) = report.layers[0].weights
-    assert measured.name in (
-        "model.layers.0.mlp.experts.gate_up_proj[0]",
-        "model.layers.0.mlp.experts.gate_up_proj[1]",
-    )
+    expert = int(measured.name[-2])
+    assert measured.name == f"{key}[{expert}]"
     assert report.model.blocks == 2 * 4
+    # The same expert alone in a 2-D checkpoint measures the same: weight and scales paired.
+    alone = {
+        "model.layers.0.mlp.experts.0.gate_proj.weight": fused_q[expert].contiguous(),
+        "model.layers.0.mlp.experts.0.gate_proj.weight_scale": fused_s[expert].contiguous(),
+    }
+    report = audit(_save(tmp_path / "alone", alone), device="cpu", experts_per_layer=1, seed=3)
+    (single,) = report.layers[0].weights
+    assert (single.weight_rel_err, single.out_err_fp32, single.out_err_e8m0) == (
+        measured.weight_rel_err,
+        measured.out_err_fp32,
+        measured.out_err_e8m0,
+    )
+
+
+def test_duplicate_tensors_across_shards_need_the_index(tmp_path: Path) -> None:
+    q, s = _weight(INTER, H, 1, "fp32")
+    key = "model.layers.0.mlp.down_proj"
+    save_file(
+        {f"{key}.weight": q, f"{key}.weight_scale_inv": s}, str(tmp_path / "full.safetensors")
+    )
+    save_file(
+        {f"{key}.weight": q, f"{key}.weight_scale_inv": s * 2}, str(tmp_path / "m1.safetensors")
+    )
+    with pytest.raises(AuditError, match="is in both full.safetensors and m1.safetensors"):
+        audit(tmp_path, device="cpu")
+    shard = {f"{key}.weight": "m1.safetensors", f"{key}.weight_scale_inv": "m1.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shard}))
+    (w,), _ = find_fp8_weights(tmp_path)
+    assert w.file.name == w.scale_file.name == "m1.safetensors"
+
+
+def test_what_is_not_audited_is_listed(tmp_path: Path) -> None:
+    tensors = _model("fp32", layers=1, experts=1)
+    fused = torch.zeros(2, 128, 128).to(torch.float8_e4m3fn)
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = fused  # no '.weight': a format we skip
+    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(128, 128).to(torch.float8_e5m2)
+    q, s = _weight(128, 256, 5, "fp32")  # K = 192 cannot be cut into 128-wide activation groups
+    tensors["model.layers.0.self_attn.k_proj.weight"] = q[:, :192].contiguous()
+    tensors["model.layers.0.self_attn.k_proj.weight_scale_inv"] = s
+    report = audit(_save(tmp_path, tensors), device="cpu")
+    skipped = "not an e4m3 '*.weight' with a block scale"
+    assert report.unaudited == [
+        f"model.layers.0.mlp.experts.gate_up_proj (F8_E4M3): {skipped}",
+        f"model.layers.0.self_attn.q_proj.weight (F8_E5M2): {skipped}",
+        "model.layers.0.self_attn.k_proj.weight: GEMM not measured (K = 192 is not a multiple "
+        "of 128)",
+    ]
+    assert "3 FP8 tensors or GEMMs not audited" in report.reason
+    assert "## Not audited (3)" in to_markdown(report)
+    assert len(report.layers[0].weights) == 2 + 3  # o_proj, shared, one expert's three
+
+
+def test_nothing_measured_is_an_error_not_a_verdict(tmp_path: Path) -> None:
+    tensors = {k: v for k, v in _model("pow2", layers=1, experts=2).items() if ".experts." in k}
+    with pytest.raises(AuditError, match="no GEMM .* was measured .* raise --experts-per-layer"):
+        audit(_save(tmp_path, tensors), device="cpu", experts_per_layer=0)
 
 
 def test_report_files_and_cli_exit_codes(
@@ -189,9 +240,19 @@ def _bad_scale(shape_or_value: object) -> dict[str, torch.Tensor]:
             lambda d: _save(d, {"a.weight": torch.ones(128, 128).to(torch.float8_e4m3fn)}),
             "a.weight has no block scale (looked for a.weight_scale_inv or a.weight_scale)",
         ),
-        (lambda d: _save(d, _bad_scale((1, 1))), "must be float32 (2, 2)"),
-        (lambda d: _save(d, _bad_scale(0.0)), "not finite and > 0, first 0.0 at (1, 0)"),
-        (lambda d: _save(d, _bad_scale(math.nan)), "not finite and > 0, first nan at (1, 0)"),
+        (
+            lambda d: _save(d, _bad_scale((1, 1))),
+            "model.layers.0.mlp.down_proj.weight_scale_inv is F32 (1, 1); a 128x128-block scale "
+            "of model.layers.0.mlp.down_proj.weight (256, 256) must be float32 (F32) (2, 2)",
+        ),
+        (
+            lambda d: _save(d, _bad_scale(0.0)),
+            "holds 1 scales outside the normal fp32 range [2^-126, 2^127] that UE8M0 spans (or "
+            "not finite), first 0.0 at (1, 0)",
+        ),
+        (lambda d: _save(d, _bad_scale(math.nan)), "(or not finite), first nan at (1, 0)"),
+        (lambda d: _save(d, _bad_scale(1e-40)), "outside the normal fp32 range [2^-126, 2^127]"),
+        (lambda d: _save(d, _nan_code()), "model.layers.0.mlp.down_proj.weight: q must be finite"),
         (
             lambda d: _save(
                 d, _model("pow2", 1, 1), {"quantization_config": {"weight_block_size": [128]}}
@@ -209,6 +270,8 @@ def _bad_scale(shape_or_value: object) -> dict[str, torch.Tensor]:
         "scale-shape",
         "zero-scale",
         "nan-scale",
+        "subnormal-scale",
+        "nan-code",
         "bad-block",
     ],
 )
@@ -219,6 +282,14 @@ def test_bad_checkpoints_are_refused_naming_what_is_wrong(
     with pytest.raises(AuditError) as info:
         audit(path, device="cpu")
     assert message in str(info.value)
+
+
+def _nan_code() -> dict[str, torch.Tensor]:
+    tensors = _bad_scale(1.0)
+    q = tensors["model.layers.0.mlp.down_proj.weight"].view(torch.uint8).clone()
+    q[3, 5] = 0x7F  # an e4m3 NaN code
+    tensors["model.layers.0.mlp.down_proj.weight"] = q.view(torch.float8_e4m3fn)
+    return tensors
 
 
 def _file(path: Path, data: bytes) -> Path:

@@ -14,6 +14,7 @@ from moe_verify.cli import main
 from moe_verify.spec import MoEProblem, StageSkipped
 from moe_verify.verify import verify
 from optimized.backend import OptimizedBackend
+from tolerance.compare import compare
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,9 +56,23 @@ def test_each_package_imports_first_in_a_fresh_interpreter(module: str) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_compare_on_cpu_runs_and_torchrun_refuses_it(capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_on_cpu_reaches_compare_and_torchrun_refuses_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    verify_module = sys.modules["moe_verify.verify"]  # the package's `verify` is the function
+    devices = []
+
+    def spy(*args, device=None, **kwargs):  # type: ignore[no-untyped-def]
+        devices.append(device)
+        return compare(*args, device=device, **kwargs)
+
+    monkeypatch.setattr(verify_module, "compare", spy)
     assert main(["run", "-T", "8", "-H", "128", "-I", "128", "-E", "4", "--compare-on", "cpu"]) == 0
     assert "verdict PASS" in capsys.readouterr().out
+    assert devices == ["cpu", "cpu"]  # isolated and chained
+    devices.clear()
+    assert main(["run", "-T", "8", "-H", "128", "-I", "128", "-E", "4"]) == 0
+    assert devices == [None, None]  # the golden's device
     assert main(["run", "--launcher", "torchrun", "--topology", "ep:2", "--compare-on", "cpu"]) == 2
     assert "--compare-on cpu is not supported with --launcher torchrun" in capsys.readouterr().err
 
