@@ -8,7 +8,9 @@ torchrun can also be run by hand with the flags of `moe-verify run`:
 Each rank r (NCCL and cuda:LOCAL_RANK when a GPU is usable, else gloo and the CPU, with Triton
 under its interpreter) builds the problem's inputs on its device (deterministic from the seed),
 runs the tested backend on rank r (chained and/or isolated), compares that trace with the golden
-of rank r, then all-reduces (SUM) its gather output. Rank 0 also runs the golden of every rank and
+of rank r, then all-reduces (SUM) its gather output (with shared experts, the runner's finish:
+its shared partial added first, or all-reduced on its own where DeepEP's combine already reduced
+the routed output, as `reduce_with_shared`). Rank 0 also runs the golden of every rank and
 compares the reduced output with the golden's `reduce_ranks`; every rank's results are gathered
 to rank 0, which prints one Report and writes --json/--markdown. Every rank exits with the
 verdict, so a bare torchrun fails on a failing case.
@@ -99,12 +101,16 @@ class RankWork:
     """What rank r computed on its own before any collective.
 
     results        per mode, rank r's stage results against the golden of rank r
-    partials       per mode, fp32 [T, H] in token space (None when its gather did not run)
+    partials       per mode, fp32 [T, H] in token space, what the all-reduce sums (None when
+                   gather, or shared with shared experts, did not run)
+    shared         per mode, the fp32 shared-expert partial that is all-reduced on its own (only
+                   with shared experts where the combine reduced the routed output: ep+ht, ep+ll)
     golden_reduce  rank 0 only: the golden's reduce_ranks output, bf16 [T, H]
     """
 
     results: dict[str, list[StageResult]]
     partials: dict[str, torch.Tensor | None]
+    shared: dict[str, torch.Tensor | None] = dataclasses.field(default_factory=dict)
     golden_reduce: torch.Tensor | None = None
 
 
@@ -179,6 +185,24 @@ def _token_space(trace: Trace, problem: MoEProblem) -> torch.Tensor | None:
     return partial.index_add_(0, index, out.float())
 
 
+def _partials(trace: Trace, problem: MoEProblem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(what this rank all-reduces, the shared partial all-reduced apart or None): the routed
+    partial alone without shared experts; with them, reduce_with_shared's finish (routed + shared
+    in bf16 per rank, or the shared partial apart where the combine reduced the routed output)."""
+    from moe_verify.runner import did_not_run
+    from moe_verify.spec import TopologyKind
+
+    routed = _token_space(trace, problem)
+    if not problem.shared_experts or routed is None:
+        return routed, None
+    if "shared" not in trace or did_not_run(trace["shared"]):
+        return None, None
+    shared = trace["shared"]["out"].float()
+    if problem.topology.kind in (TopologyKind.EP_HT, TopologyKind.EP_LL):
+        return routed, shared
+    return (trace["gather"]["out"].float() + shared).to(torch.bfloat16).float(), None
+
+
 def _goldens(
     problem: MoEProblem, inputs: MoEInputs, rank: int
 ) -> tuple[Trace, torch.Tensor | None]:
@@ -203,6 +227,8 @@ def _goldens(
         slim = Trace(trace.backend, q)
         slim.add("route", {k: v for k, v in trace["route"].items() if k == "token_index"})
         slim.add("gather", trace["gather"])
+        if "shared" in trace:
+            slim.add("shared", trace["shared"])
         kept.append(slim)
     assert own is not None
     if rank != 0:
@@ -221,8 +247,8 @@ def local_work(
 
     inputs = make_inputs(problem, ctx.device)
     golden, golden_reduce = _goldens(problem, inputs, ctx.rank)
-    work = RankWork({}, {}, golden_reduce)
-    stages = list(problem.topology.stages)
+    work = RankWork({}, {}, {}, golden_reduce)
+    stages = list(problem.stages)
     for mode in modes:
         if mode == "chained":
             trace = run_chained(tested, problem, inputs, ctx.rank)
@@ -230,7 +256,7 @@ def local_work(
             trace = run_isolated(tested, problem, inputs, golden, ctx.rank)
         results = compare(golden, trace, problem, stages, mode=mode)
         work.results[mode] = _tag(results, trace, ctx.rank, problem)
-        work.partials[mode] = _token_space(trace, problem)
+        work.partials[mode], work.shared[mode] = _partials(trace, problem)
     return work
 
 
@@ -296,13 +322,17 @@ def exchange(
     for mode in modes:
         missing = [q for q, r in enumerate(ready) if not r[mode]]
         if missing:
-            reason = f"gather did not run on rank(s) {missing}: nothing to all-reduce"
+            what = "gather or shared" if problem.shared_experts else "gather"
+            reason = f"{what} did not run on rank(s) {missing}: nothing to all-reduce"
             reduced[mode] = StageResult(REDUCE_STAGE, "skip", [], reason)
             continue
-        partial = work.partials[mode]
+        partial, shared = work.partials[mode], work.shared.get(mode)
         assert partial is not None
         dist.all_reduce(partial, op=dist.ReduceOp.SUM)
         out = partial.to(torch.bfloat16)
+        if shared is not None:  # the combine reduced the routed output: shared sums on its own
+            dist.all_reduce(shared, op=dist.ReduceOp.SUM)
+            out = (out.float() + shared.to(torch.bfloat16).float()).to(torch.bfloat16)
         digests = _gather_objects(ctx, _digest(out))
         if ctx.rank == 0:
             assert work.golden_reduce is not None
@@ -411,8 +441,6 @@ def rank_problem(args: argparse.Namespace) -> MoEProblem:
 
     if getattr(args, "dump_dir", None):
         raise ValueError("--dump-dir is not supported with --launcher torchrun yet")
-    if getattr(args, "shared_experts", 0):
-        raise ValueError("--shared-experts is not supported with --launcher torchrun yet")
     if getattr(args, "compare_on", "golden") != "golden":
         raise ValueError("--compare-on cpu is not supported with --launcher torchrun yet")
     if args.problem_json:

@@ -44,6 +44,20 @@ class SwapsTokensOnRank1(OptimizedBackend):
         return outputs
 
 
+class SharedTwiceOnRank1(OptimizedBackend):
+    """Rank 1's shared-expert output counted twice (the runner bug class: shared reduced twice)."""
+
+    name = "shared-twice-on-rank1"
+
+    def run_stage(
+        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> dict[str, object]:
+        outputs = super().run_stage(stage, problem, inputs, upstream, rank)
+        if stage == "shared" and rank == 1:
+            outputs = {**outputs, "out": (outputs["out"].float() * 2).to(torch.bfloat16)}
+        return outputs
+
+
 class RaisesOnRank1(OptimizedBackend):
     """Rank 1's gemm1 raises: a stage error on that rank, while rank 0 goes on to the collective."""
 
@@ -84,11 +98,15 @@ class HangsOnRank1(OptimizedBackend):
 
 
 def _launch(
-    tmp_path: Path, topology: str, backend: str = "optimized", **env: str
+    tmp_path: Path,
+    topology: str,
+    backend: str = "optimized",
+    extra: tuple[str, ...] = (),
+    **env: str,
 ) -> tuple[subprocess.CompletedProcess[str], dict | None]:
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "moe_verify.cli", "run", "--launcher", "torchrun"]
-    cmd += ["--topology", topology, *SMALL, "--mode", "chained", "--backend", backend]
+    cmd += ["--topology", topology, *SMALL, *extra, "--mode", "chained", "--backend", backend]
     cmd += ["--json", str(report)]
     proc = subprocess.run(
         cmd,
@@ -119,6 +137,29 @@ def test_two_gloo_ranks_match_the_golden(tmp_path: Path, topology: str) -> None:
     assert reduce["status"] == "pass"
     assert {c["name"] for c in reduce["checks"]} >= {"elementwise", "per-token", "ranks agree"}
     assert "verdict PASS" in proc.stdout
+
+
+# Shared experts take the runner's two finishes: tp:2 adds each rank's shared partial before the
+# all-reduce; ep:2+ht all-reduces the shared partials apart from the combined routed output.
+@pytest.mark.parametrize("topology", ["tp:2", "ep:2+ht"])
+def test_shared_experts_under_torchrun_match_the_golden(tmp_path: Path, topology: str) -> None:
+    proc, report = _launch(tmp_path, topology, extra=("--shared-experts", "1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and report["passed"]
+    shared = {r["rank"]: r["status"] for r in _results(report, "shared")}
+    assert shared == {0: "pass", 1: "pass"}
+    (reduce,) = _results(report, "reduce")
+    assert reduce["status"] == "pass"
+
+
+def test_a_shared_expert_bug_on_one_rank_is_named(tmp_path: Path) -> None:
+    backend = f"{__name__}:SharedTwiceOnRank1"
+    proc, report = _launch(tmp_path, "tp:2", backend, extra=("--shared-experts", "1"))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and report["failed_ranks"] == [1]
+    assert report["first_failure"] == "shared"
+    assert {r["rank"]: r["status"] for r in _results(report, "shared")} == {0: "pass", 1: "fail"}
+    assert _results(report, "reduce")[0]["status"] == "fail"
 
 
 def test_a_wrong_rank_is_named(tmp_path: Path) -> None:
