@@ -106,12 +106,15 @@ class RankWork:
     shared         per mode, the fp32 shared-expert partial that is all-reduced on its own (only
                    with shared experts where the combine reduced the routed output: ep+ht, ep+ll)
     golden_reduce  rank 0 only: the golden's reduce_ranks output, bf16 [T, H]
+    traces, inputs kept only for --dump-dir: this rank's golden and tested traces, its inputs
     """
 
     results: dict[str, list[StageResult]]
     partials: dict[str, torch.Tensor | None]
     shared: dict[str, torch.Tensor | None] = dataclasses.field(default_factory=dict)
     golden_reduce: torch.Tensor | None = None
+    traces: dict[str, Trace] = dataclasses.field(default_factory=dict)
+    inputs: MoEInputs | None = None
 
 
 def _timeout() -> datetime.timedelta:
@@ -239,15 +242,22 @@ def _goldens(
 
 
 def local_work(
-    problem: MoEProblem, tested: Backend, modes: tuple[str, ...], ctx: RankContext
+    problem: MoEProblem,
+    tested: Backend,
+    modes: tuple[str, ...],
+    ctx: RankContext,
+    keep_traces: bool = False,
 ) -> RankWork:
-    """Rank r's inputs, golden and backend traces, and its per-stage results (no collective)."""
+    """Rank r's inputs, golden and backend traces, and its per-stage results (no collective);
+    the traces and inputs are kept for a dump when `keep_traces`."""
     from moe_verify.inputs import make_inputs
     from moe_verify.runner import run_chained, run_isolated
 
     inputs = make_inputs(problem, ctx.device)
     golden, golden_reduce = _goldens(problem, inputs, ctx.rank)
     work = RankWork({}, {}, {}, golden_reduce)
+    if keep_traces:
+        work.traces["golden"], work.inputs = golden, inputs
     stages = list(problem.stages)
     for mode in modes:
         if mode == "chained":
@@ -257,6 +267,8 @@ def local_work(
         results = compare(golden, trace, problem, stages, mode=mode)
         work.results[mode] = _tag(results, trace, ctx.rank, problem)
         work.partials[mode], work.shared[mode] = _partials(trace, problem)
+        if keep_traces:
+            work.traces[mode] = trace
     return work
 
 
@@ -369,13 +381,14 @@ def run_rank(
 ) -> int:
     """Local work, exchange, and on rank 0 the report; the verdict is every rank's exit code."""
     modes = _MODES[args.mode]
+    dump_dir = getattr(args, "dump_dir", None)
     try:
-        work = local_work(problem, tested, modes, ctx)
+        work = local_work(problem, tested, modes, ctx, keep_traces=bool(dump_dir))
     except Exception as exc:  # noqa: BLE001 - reported as this rank's result; the collectives go on
         work = _failed_work(modes, ctx.rank, exc)
     backend = f"{tested.name}@torchrun-{ctx.backend}"
     results = exchange(problem, work, modes, ctx, backend)
-    verdict = None
+    verdict, report = None, None
     if results is not None:
         report = Report(
             problem,
@@ -395,8 +408,26 @@ def run_rank(
         if root:
             (Path(root) / "verdict.json").write_text(json.dumps({"exit": verdict}))
     verdict = int(_gather_objects(ctx, verdict)[0])  # rank 0's, once its files are written
+    if dump_dir and verdict != EXIT_PASS:
+        _dump(Path(dump_dir), problem, work, ctx, report)
     _note(ctx.rank, stage="done", exit=verdict)
     return verdict
+
+
+def _dump(
+    directory: Path, problem: MoEProblem, work: RankWork, ctx: RankContext, report: Report | None
+) -> None:
+    """A failing case for `moe-verify replay`: rank 0 writes the problem, the report and the
+    inputs (every rank builds the same ones from the seed), each rank its own traces."""
+    from moe_verify.dump import dump_header, dump_rank_traces
+
+    out = directory / problem.id
+    if ctx.rank == 0 and report is not None and work.inputs is not None:
+        dump_header(directory, problem, work.inputs, report)
+    dump_rank_traces(out, ctx.rank, dict(work.traces))
+    _barrier(ctx)  # the dump is whole once every rank has written
+    if ctx.rank == 0:
+        print(f"dump: {out}", flush=True)
 
 
 @record
@@ -439,8 +470,6 @@ def rank_problem(args: argparse.Namespace) -> MoEProblem:
     honour yet are refused rather than ignored."""
     from moe_verify.cli import problem_from_args
 
-    if getattr(args, "dump_dir", None):
-        raise ValueError("--dump-dir is not supported with --launcher torchrun yet")
     if getattr(args, "compare_on", "golden") != "golden":
         raise ValueError("--compare-on cpu is not supported with --launcher torchrun yet")
     if args.problem_json:
@@ -490,6 +519,7 @@ def launch(
     json_path: str | None = None,
     markdown_path: str | None = None,
     nproc: int | None = None,
+    dump_dir: str | None = None,
 ) -> int:
     """Run `problem` with one torchrun process per rank; the exit code of `moe-verify run`."""
     from torch.distributed.run import parse_args, run
@@ -510,6 +540,8 @@ def launch(
             worker += ["--json", str(Path(json_path).resolve())]
         if markdown_path:
             worker += ["--markdown", str(Path(markdown_path).resolve())]
+        if dump_dir:
+            worker += ["--dump-dir", str(Path(dump_dir).resolve())]
         torchrun = [
             "--standalone",
             f"--nproc-per-node={size}",
@@ -594,6 +626,7 @@ def launch_from_args(args: argparse.Namespace) -> int:
         json_path=args.json,
         markdown_path=args.markdown,
         nproc=args.nproc,
+        dump_dir=args.dump_dir,
     )
 
 

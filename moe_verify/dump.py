@@ -90,18 +90,30 @@ def load_trace(path: Path) -> Trace:
 
 def dump_case(directory: Path, problem: MoEProblem, inputs: MoEInputs, runs: list, report) -> Path:  # type: ignore[no-untyped-def]
     """Write everything needed to reproduce and inspect a failing case."""
+    out = dump_header(directory, problem, inputs, report)
+    for run in runs:
+        sides = {side: getattr(run, side) for side in ("golden", "isolated", "chained")}
+        dump_rank_traces(out, run.rank, sides)
+    return out
+
+
+def dump_header(directory: Path, problem: MoEProblem, inputs: MoEInputs, report) -> Path:  # type: ignore[no-untyped-def]
+    """The case directory with problem.json, report.json and inputs.safetensors; its path."""
     out = Path(directory) / problem.id
     out.mkdir(parents=True, exist_ok=True)
     (out / "problem.json").write_text(json.dumps(problem.to_dict(), indent=2))
     (out / "report.json").write_text(report.to_json())
     tensors, meta = _inputs_to_tensors(inputs)
     save_file(tensors, str(out / "inputs.safetensors"), metadata=meta)
-    for run in runs:
-        for side in ("golden", "isolated", "chained"):
-            trace = getattr(run, side)
-            if trace is not None:
-                save_trace(trace, out / f"{side}_r{run.rank}.safetensors")
     return out
+
+
+def dump_rank_traces(out: Path, rank: int, sides: dict[str, Trace | None]) -> None:
+    """One rank's traces as <side>_r<rank>.safetensors (each torchrun rank writes its own)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for side, trace in sides.items():
+        if trace is not None:
+            save_trace(trace, out / f"{side}_r{rank}.safetensors")
 
 
 def load_case(

@@ -174,6 +174,30 @@ def test_a_wrong_rank_is_named(tmp_path: Path) -> None:
     assert "gather@r1" in proc.stdout
 
 
+def test_a_failing_torchrun_case_dumps_every_rank_and_replays(tmp_path: Path) -> None:
+    from moe_verify.dump import load_trace, replay
+
+    backend = f"{__name__}:SwapsTokensOnRank1"
+    dumps = tmp_path / "dumps"
+    proc, report = _launch(tmp_path, "tp:2", backend, extra=("--dump-dir", str(dumps)))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (case,) = dumps.iterdir()
+    assert sorted(p.name for p in case.iterdir()) == [
+        "chained_r0.safetensors",
+        "chained_r1.safetensors",
+        "golden_r0.safetensors",
+        "golden_r1.safetensors",
+        "inputs.safetensors",
+        "problem.json",
+        "report.json",
+    ]
+    assert load_trace(case / "chained_r1.safetensors").rank == 1
+    assert not json.loads((case / "report.json").read_text())["passed"]
+    # The dump re-runs in one process (emulated ranks) and fails where the torchrun run did.
+    again = replay(case, backend=backend, mode="chained")
+    assert again.first_failure == "gather" and again.failed_ranks == [1]
+
+
 def test_a_rank_that_raises_is_named_and_nothing_hangs(tmp_path: Path) -> None:
     proc, report = _launch(tmp_path, "ep:2", f"{__name__}:RaisesOnRank1")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
