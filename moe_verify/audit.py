@@ -28,14 +28,21 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from moe_verify.audit_checkpoint import (
+    AuditError,
+    FP8Weight,
+    block_size,
+    find_fp8_weights,
+    load_scales,
+    load_tensor,
+    read_config,
+)
 from moe_verify.spec import ScaleFmt
 from reference.formats import (
     ceil_ue8m0,
@@ -45,10 +52,6 @@ from reference.formats import (
     requantize_blocks_ue8m0,
 )
 
-# Scale tensors beside an FP8 `<name>.weight`: DeepSeek-V3 / Qwen FP8 checkpoints name the
-# dequantization multiplier `weight_scale_inv` (W = q * s despite the name); others `weight_scale`.
-SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
-DEFAULT_BLOCK = (128, 128)
 ACT_GROUP = 128  # the 1 x 128 activation groups of the FP8 block recipe
 # Default verdict limit: requantizing the weights may raise E8M0's compounded output error to at
 # most 1.25x what E8M0 activation scales alone give. Power-of-two weight scales requantize to the
@@ -59,27 +62,6 @@ ACT_GROUP = 128  # the 1 x 128 activation groups of the FP8 block recipe
 # Provisional: not calibrated against task accuracy (no real checkpoint audited yet).
 DEFAULT_MAX_RATIO = 1.25
 HIST_BINS = 10  # ceil-factor histogram over [1, 2)
-
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
-
-class AuditError(ValueError):
-    """The checkpoint cannot be audited as given (the message names the file or tensor)."""
-
-
-@dataclass(frozen=True)
-class FP8Weight:
-    """One block-scaled FP8 linear weight of the checkpoint (a 3-D tensor holds all experts)."""
-
-    name: str  # the module, e.g. "model.layers.3.mlp.experts.17.down_proj"
-    file: Path
-    weight_key: str
-    scale_file: Path
-    scale_key: str
-    shape: tuple[int, ...]
-    layer: int | None
-    kind: str  # "expert", "shared_expert", "mlp", "attention" or "other"
 
 
 @dataclass(frozen=True)
@@ -229,173 +211,6 @@ def _rss(values: list[float]) -> float:
     return math.sqrt(sum(v * v for v in values))
 
 
-# Reading a checkpoint -----------------------------------------------------------------------------
-
-
-def _files(checkpoint: Path) -> list[Path]:
-    if not checkpoint.exists():
-        raise AuditError(f"checkpoint {checkpoint} does not exist")
-    if checkpoint.is_file():
-        if checkpoint.suffix != ".safetensors":
-            raise AuditError(f"checkpoint {checkpoint} is not a .safetensors file")
-        return [checkpoint]
-    files = sorted(checkpoint.glob("*.safetensors"))
-    if not files:
-        raise AuditError(f"checkpoint directory {checkpoint} holds no *.safetensors files")
-    return files
-
-
-def _config(checkpoint: Path) -> dict[str, object]:
-    path = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise AuditError(f"{path} is not valid JSON: {exc}") from exc
-    return config if isinstance(config, dict) else {}
-
-
-def _block(config: dict[str, object]) -> tuple[int, int]:
-    quant = config.get("quantization_config")
-    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
-    if block is None:
-        return DEFAULT_BLOCK
-    if not (
-        isinstance(block, list)
-        and len(block) == 2
-        and all(isinstance(b, int) and b > 0 for b in block)
-    ):
-        raise AuditError(
-            f"config.json quantization_config.weight_block_size must be [bm, bk], got {block!r}"
-        )
-    return block[0], block[1]
-
-
-def _kind(name: str) -> str:
-    if "shared_expert" in name:
-        return "shared_expert"
-    if ".experts." in name + ".":
-        return "expert"
-    if "attn" in name:
-        return "attention"
-    if ".mlp." in name + ".":
-        return "mlp"
-    return "other"
-
-
-def _index(checkpoint: Path) -> dict[str, str] | None:
-    """The weight map of a sharded HF checkpoint (tensor -> file), when it has one."""
-    path = checkpoint / "model.safetensors.index.json" if checkpoint.is_dir() else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        weight_map = json.loads(path.read_text()).get("weight_map")
-    except (json.JSONDecodeError, AttributeError) as exc:
-        raise AuditError(f"{path} is not a safetensors index: {exc}") from exc
-    if not isinstance(weight_map, dict):
-        raise AuditError(f"{path} has no 'weight_map' object")
-    return weight_map
-
-
-def find_fp8_weights(checkpoint: Path) -> tuple[list[FP8Weight], list[str]]:
-    """Every FP8 (e4m3) `<module>.weight` of the checkpoint with its block scale tensor (which a
-    sharded checkpoint may keep in another file), and the FP8 tensors that are not such weights,
-    each with why (listed in the report, never dropped silently)."""
-    index = _index(checkpoint)
-    where: dict[str, Path] = {}
-    dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for path in _files(checkpoint):
-        try:
-            handle = safe_open(str(path), framework="pt")
-        except Exception as exc:  # safetensors raises its own error type for a corrupt header
-            raise AuditError(f"{path} cannot be read as safetensors: {exc}") from exc
-        with handle as f:
-            for key in f.keys():
-                if index is not None and index.get(key) != path.name:
-                    continue  # the index names another file (e.g. a consolidated copy)
-                if key in where:
-                    raise AuditError(
-                        f"tensor {key} is in both {where[key].name} and {path.name}, and no "
-                        "model.safetensors.index.json says which one the model loads"
-                    )
-                where[key] = path
-                sl = f.get_slice(key)
-                dtypes[key] = (sl.get_dtype(), tuple(sl.get_shape()))
-    fp8 = {k: shape for k, (dtype, shape) in dtypes.items() if dtype == "F8_E4M3"}
-    weights = {k: shape for k, shape in fp8.items() if k.endswith(".weight")}
-    unaudited = [
-        f"{k} ({dtype}): not an e4m3 '*.weight' with a block scale"
-        for k, (dtype, _) in sorted(dtypes.items(), key=lambda item: _natural(item[0]))
-        if dtype.startswith("F8_") and k not in weights and not _is_scale(k)
-    ]
-    if not weights:
-        raise AuditError(
-            f"{checkpoint} holds no FP8 (float8_e4m3fn) '*.weight' tensors: nothing to audit"
-        )
-    found = []
-    for key in sorted(weights, key=_natural):
-        module, shape = key[: -len(".weight")], weights[key]
-        scale = next((f"{module}.{s}" for s in SCALE_SUFFIXES if f"{module}.{s}" in where), None)
-        if scale is None:
-            raise AuditError(
-                f"{where[key].name}: FP8 weight {key} has no block scale "
-                f"(looked for {' or '.join(f'{module}.{s}' for s in SCALE_SUFFIXES)})"
-            )
-        if len(shape) not in (2, 3):
-            raise AuditError(
-                f"{where[key].name}: FP8 weight {key} is {shape}, not [N, K] or [E, N, K]"
-            )
-        match = _LAYER.search(module)
-        layer = int(match.group(1)) if match else None
-        found.append(
-            FP8Weight(module, where[key], key, where[scale], scale, shape, layer, _kind(module))
-        )
-    return found, unaudited
-
-
-def _is_scale(key: str) -> bool:
-    return key.rsplit(".", 1)[-1] in SCALE_SUFFIXES
-
-
-def _natural(key: str) -> list[object]:
-    """Sort key that puts layer 10 after layer 9."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
-
-
-def _load(file: Path, key: str, device: torch.device, expert: int | None = None) -> torch.Tensor:
-    """One tensor, or one expert (leading index) of it, read alone from its shard."""
-    with safe_open(str(file), framework="pt", device="cpu") as f:
-        t = f.get_tensor(key) if expert is None else f.get_slice(key)[expert]
-    return t.to(device)
-
-
-def _scales(
-    w: FP8Weight, block: tuple[int, int], device: torch.device, expert: int | None = None
-) -> torch.Tensor:
-    """The weight's block scales (one expert's when `expert` is given), checked: float32, one
-    per block, and each a normal fp32 number > 0 (UE8M0 spans 2^-126 .. 2^127)."""
-    *lead, n, k = w.shape
-    want = (*lead, -(-n // block[0]), -(-k // block[1]))
-    with safe_open(str(w.scale_file), framework="pt", device="cpu") as f:
-        sl = f.get_slice(w.scale_key)
-        dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-    if dtype != "F32" or shape != want:
-        raise AuditError(
-            f"{w.scale_key} is {dtype} {shape}; a {block[0]}x{block[1]}-block scale of "
-            f"{w.weight_key} {w.shape} must be float32 (F32) {want}"
-        )
-    s = _load(w.scale_file, w.scale_key, device, expert)
-    bad = ~torch.isfinite(s) | (s < 2.0**-126) | (s > 2.0**127)
-    if bool(bad.any()):
-        at = tuple(int(i) for i in torch.nonzero(bad)[0])
-        raise AuditError(
-            f"{w.scale_key} holds {int(bad.sum())} scales outside the normal fp32 range "
-            f"[2^-126, 2^127] that UE8M0 spans (or not finite), first {s[at].item()} at {at}"
-        )
-    return s
-
-
 def bits_lost(scale: torch.Tensor) -> torch.Tensor:
     """log2(ceil_ue8m0(s) / s) per block of normal scales: 0 for a power of two, below 1."""
     return torch.log2(ceil_ue8m0(scale).double() / scale.double())
@@ -426,7 +241,7 @@ def weight_error(
     """Requantize one weight (expert `expert` of a 3-D tensor) to E8M0 and measure both formats
     on activations x [tokens, K]."""
     one = expert if len(w.shape) == 3 else None
-    q, s = _load(w.file, w.weight_key, device, one), _scales(w, block, device, one)
+    q, s = load_tensor(w.file, w.weight_key, device, one), load_scales(w, block, device, one)
     try:
         q2, s2 = requantize_blocks_ue8m0(q, s, block)
     except ValueError as exc:  # e.g. a NaN code (0x7F / 0xFF) in the checkpoint
@@ -461,8 +276,7 @@ def _sample(weights: list[FP8Weight], experts: int, seed: int) -> list[tuple[FP8
             for e in range(w.shape[0]):
                 ids[e].append((w, e))
         else:
-            match = _EXPERT.search(w.name + ".")
-            ids[int(match.group(1)) if match else -1].append((w, 0))
+            ids[-1 if w.expert is None else w.expert].append((w, 0))
     order = sorted(ids)
     g = torch.Generator().manual_seed(seed)
     chosen = sorted(order[i] for i in torch.randperm(len(order), generator=g)[:experts].tolist())
@@ -488,8 +302,8 @@ def audit(
     if not max_ratio > 0:
         raise AuditError(f"max_ratio must be > 0, got {max_ratio}")
     path = Path(checkpoint)
-    config = _config(path)
-    block = _block(config)
+    config = read_config(path)
+    block = block_size(config)
     weights, unaudited = find_fp8_weights(path)
     dev = torch.device(device) if device is not None else default_device()
     by_layer: dict[int | None, list[FP8Weight]] = defaultdict(list)
@@ -499,7 +313,7 @@ def audit(
     layers, every_block = [], []
     for layer in sorted(by_layer, key=lambda n: (n is None, n or 0)):
         group = by_layer[layer]
-        lost = torch.cat([bits_lost(_scales(w, block, dev)).reshape(-1) for w in group])
+        lost = torch.cat([bits_lost(load_scales(w, block, dev)).reshape(-1) for w in group])
         every_block.append(lost.cpu())
         result = LayerAudit(layer, ScaleStats.of(lost))
         for w, expert in _sample(
@@ -532,141 +346,3 @@ def audit(
         max_ratio=max_ratio,
         unaudited=unaudited,
     )
-
-
-# Reporting ---------------------------------------------------------------------------------------
-
-
-def _bar(count: int, most: int, width: int = 30) -> str:
-    return "#" * round(width * count / most) if most else ""
-
-
-def to_markdown(report: AuditReport, plots: list[str] | None = None) -> str:
-    m = report.model
-    sampled = sum(len(layer.weights) for layer in report.layers)
-    lines = [
-        f"# E8M0 audit: {report.checkpoint}",
-        "",
-        f"model_type {report.model_type or '-'}; {report.fp8_weights} FP8 weight tensors in "
-        f"{report.block[0]}x{report.block[1]} blocks; {sampled} GEMMs sampled (every non-expert "
-        f"weight, {report.experts_per_layer} experts per layer) on {report.tokens} synthetic "
-        "tokens (N(0,1), 1 in 200 channels 30x).",
-        "",
-        f"**Verdict: {report.verdict}**: {report.reason}.",
-        "",
-        f"## Ceil factor r = ceil_ue8m0(s) / s of all {m.blocks} weight blocks",
-        "",
-        f"Already powers of two: {m.pow2_fraction:.2%}; bits lost log2(r): mean "
-        f"{m.mean_bits_lost:.4f}, max {m.max_bits_lost:.4f} (0 for power-of-two scales, 0.5 for "
-        "scales spread evenly on a log scale).",
-        "",
-        "| r | blocks | share | |",
-        "| --- | --- | --- | --- |",
-    ]
-    most = max(m.histogram) if m.histogram else 0
-    for i, count in enumerate(m.histogram):
-        lo, hi = 1 + i / HIST_BINS, 1 + (i + 1) / HIST_BINS
-        share = count / m.blocks if m.blocks else 0.0
-        lines.append(f"| [{lo:.1f}, {hi:.1f}) | {count} | {share:.1%} | `{_bar(count, most)}` |")
-    lines += [
-        "",
-        "## Per layer",
-        "",
-        "Output errors are ||Y - X W^T|| / ||X W^T|| against the exact float64 product with the "
-        "checkpoint's weights: `fp32` quantizes the activations with fp32 scales, `E8M0 act` "
-        "with ceil-UE8M0 scales, `E8M0` also requantizes the weight; ratio = E8M0 / E8M0 act. "
-        "Layer values are the RMS over the layer's sampled GEMMs. A block whose largest code "
-        "is <= 224 requantizes to half the scale and twice the codes: codes change, values "
-        "do not.",
-        "",
-        "| layer | blocks | pow2 | mean bits lost | GEMMs | fp32 | E8M0 act | E8M0 | ratio "
-        "| worst GEMM (E8M0) | its weight err | codes changed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for layer in report.layers:
-        s = layer.scales
-        worst = max(layer.weights, key=lambda w: w.out_err_e8m0, default=None)
-        ratio = layer.out_err_e8m0 / layer.out_err_e8m0_act if layer.out_err_e8m0_act else math.nan
-        tail = (
-            f"{worst.name} | {worst.weight_rel_err:.3g} | {worst.codes_changed:.1%}"
-            if worst
-            else "- | - | -"
-        )
-        lines.append(
-            f"| {'-' if layer.layer is None else layer.layer} | {s.blocks} | "
-            f"{s.pow2_fraction:.1%} | {s.mean_bits_lost:.4f} | {len(layer.weights)} | "
-            f"{layer.out_err_fp32:.4g} | {layer.out_err_e8m0_act:.4g} | {layer.out_err_e8m0:.4g} "
-            f"| {ratio:.3f} | {tail} |"
-        )
-    lines += [
-        "",
-        "## Compounded over the model",
-        "",
-        "Root-sum-square of the per-layer output errors (independent errors adding up along the "
-        f"residual stream): fp32 scales {report.compounded_fp32:.4g}, E8M0 activations "
-        f"{report.compounded_e8m0_act:.4g}, full E8M0 {report.compounded_e8m0:.4g}; requantizing "
-        f"the weights multiplies E8M0's error by **{report.ratio:.3f}x** (limit "
-        f"{report.max_ratio:g}x; `at-risk` above it: a candidate for vLLM's E8M0 auto-disable "
-        "list, to confirm with a task A/B). Requantization re-rounds every weight whose scale "
-        "is not a power of two, so such checkpoints exceed the default limit; compare models "
-        "by the ratio and the compounded errors, whose activation part depends on the "
-        "synthetic activations and is the same for every checkpoint.",
-    ]
-    if report.unaudited:
-        lines += ["", f"## Not audited ({len(report.unaudited)})", ""]
-        lines += [f"- {entry}" for entry in report.unaudited]
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-    elif plots is not None:
-        lines += ["", "Plots skipped: matplotlib is not installed (`pip install matplotlib`)."]
-    return "\n".join(lines) + "\n"
-
-
-def write_plots(report: AuditReport, out_dir: Path) -> list[str]:
-    """PNG plots of the ceil factors and the per-layer errors; [] without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    files = []
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    edges = [1 + i / HIST_BINS for i in range(HIST_BINS)]
-    ax.bar(edges, report.model.histogram, width=1 / HIST_BINS, align="edge")
-    ax.set_xlabel("ceil factor r = ceil_ue8m0(s) / s")
-    ax.set_ylabel("weight blocks")
-    ax.set_title(f"Range lost to E8M0 scales, per {report.block[0]}x{report.block[1]} block")
-    path = out_dir / "ceil_factor.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    files.append(str(path))
-
-    measured = [layer for layer in report.layers if layer.weights]
-    if measured:
-        xs = [layer.layer if layer.layer is not None else -1 for layer in measured]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(xs, [layer.out_err_fp32 for layer in measured], "o-", label="fp32 scales")
-        ax.plot(xs, [layer.out_err_e8m0_act for layer in measured], "^-", label="E8M0 activations")
-        ax.plot(xs, [layer.out_err_e8m0 for layer in measured], "s-", label="E8M0")
-        ax.set_xlabel("layer (-1: outside the numbered layers)")
-        ax.set_ylabel("relative GEMM output error (RMS)")
-        ax.set_title("Per-layer output error on synthetic activations")
-        ax.legend()
-        path = out_dir / "layer_error.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        files.append(str(path))
-    return files
-
-
-def write_report(report: AuditReport, out_dir: Path) -> list[Path]:
-    """report.md, report.json and the plots into out_dir; returns the files written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(report, out_dir)
-    (out_dir / "report.md").write_text(to_markdown(report, plots))
-    (out_dir / "report.json").write_text(report.to_json())
-    return [out_dir / "report.md", out_dir / "report.json", *map(Path, plots)]

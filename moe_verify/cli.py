@@ -175,7 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_audit_e8m0(args: argparse.Namespace) -> int:
-    from moe_verify.audit import DEFAULT_MAX_RATIO, audit, write_report
+    from moe_verify.audit import DEFAULT_MAX_RATIO, audit
+    from moe_verify.audit_report import write_report
 
     report = audit(
         args.checkpoint,

@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moe_verify.audit import AuditError, audit, find_fp8_weights, to_markdown, write_report
+from moe_verify.audit import audit
+from moe_verify.audit_checkpoint import AuditError, find_fp8_weights
+from moe_verify.audit_report import to_markdown, write_report
 from moe_verify.cli import main
 from reference.formats import cast_to_fp8, quantize_fp8_blocks
 

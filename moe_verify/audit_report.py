@@ -1,0 +1,143 @@
+"""The E8M0 audit's report files: markdown (text histogram, per-layer table), report.json, plots."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from moe_verify.audit import HIST_BINS, AuditReport
+
+
+def _bar(count: int, most: int, width: int = 30) -> str:
+    return "#" * round(width * count / most) if most else ""
+
+
+def to_markdown(report: AuditReport, plots: list[str] | None = None) -> str:
+    m = report.model
+    sampled = sum(len(layer.weights) for layer in report.layers)
+    lines = [
+        f"# E8M0 audit: {report.checkpoint}",
+        "",
+        f"model_type {report.model_type or '-'}; {report.fp8_weights} FP8 weight tensors in "
+        f"{report.block[0]}x{report.block[1]} blocks; {sampled} GEMMs sampled (every non-expert "
+        f"weight, {report.experts_per_layer} experts per layer) on {report.tokens} synthetic "
+        "tokens (N(0,1), 1 in 200 channels 30x).",
+        "",
+        f"**Verdict: {report.verdict}**: {report.reason}.",
+        "",
+        f"## Ceil factor r = ceil_ue8m0(s) / s of all {m.blocks} weight blocks",
+        "",
+        f"Already powers of two: {m.pow2_fraction:.2%}; bits lost log2(r): mean "
+        f"{m.mean_bits_lost:.4f}, max {m.max_bits_lost:.4f} (0 for power-of-two scales, 0.5 for "
+        "scales spread evenly on a log scale).",
+        "",
+        "| r | blocks | share | |",
+        "| --- | --- | --- | --- |",
+    ]
+    most = max(m.histogram) if m.histogram else 0
+    for i, count in enumerate(m.histogram):
+        lo, hi = 1 + i / HIST_BINS, 1 + (i + 1) / HIST_BINS
+        share = count / m.blocks if m.blocks else 0.0
+        lines.append(f"| [{lo:.1f}, {hi:.1f}) | {count} | {share:.1%} | `{_bar(count, most)}` |")
+    lines += [
+        "",
+        "## Per layer",
+        "",
+        "Output errors are ||Y - X W^T|| / ||X W^T|| against the exact float64 product with the "
+        "checkpoint's weights: `fp32` quantizes the activations with fp32 scales, `E8M0 act` "
+        "with ceil-UE8M0 scales, `E8M0` also requantizes the weight; ratio = E8M0 / E8M0 act. "
+        "Layer values are the RMS over the layer's sampled GEMMs. A block whose largest code "
+        "is <= 224 requantizes to half the scale and twice the codes: codes change, values "
+        "do not.",
+        "",
+        "| layer | blocks | pow2 | mean bits lost | GEMMs | fp32 | E8M0 act | E8M0 | ratio "
+        "| worst GEMM (E8M0) | its weight err | codes changed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for layer in report.layers:
+        s = layer.scales
+        worst = max(layer.weights, key=lambda w: w.out_err_e8m0, default=None)
+        ratio = layer.out_err_e8m0 / layer.out_err_e8m0_act if layer.out_err_e8m0_act else math.nan
+        tail = (
+            f"{worst.name} | {worst.weight_rel_err:.3g} | {worst.codes_changed:.1%}"
+            if worst
+            else "- | - | -"
+        )
+        lines.append(
+            f"| {'-' if layer.layer is None else layer.layer} | {s.blocks} | "
+            f"{s.pow2_fraction:.1%} | {s.mean_bits_lost:.4f} | {len(layer.weights)} | "
+            f"{layer.out_err_fp32:.4g} | {layer.out_err_e8m0_act:.4g} | {layer.out_err_e8m0:.4g} "
+            f"| {ratio:.3f} | {tail} |"
+        )
+    lines += [
+        "",
+        "## Compounded over the model",
+        "",
+        "Root-sum-square of the per-layer output errors (independent errors adding up along the "
+        f"residual stream): fp32 scales {report.compounded_fp32:.4g}, E8M0 activations "
+        f"{report.compounded_e8m0_act:.4g}, full E8M0 {report.compounded_e8m0:.4g}; requantizing "
+        f"the weights multiplies E8M0's error by **{report.ratio:.3f}x** (limit "
+        f"{report.max_ratio:g}x; `at-risk` above it: a candidate for vLLM's E8M0 auto-disable "
+        "list, to confirm with a task A/B). Requantization re-rounds every weight whose scale "
+        "is not a power of two, so such checkpoints exceed the default limit; compare models "
+        "by the ratio and the compounded errors, whose activation part depends on the "
+        "synthetic activations and is the same for every checkpoint.",
+    ]
+    if report.unaudited:
+        lines += ["", f"## Not audited ({len(report.unaudited)})", ""]
+        lines += [f"- {entry}" for entry in report.unaudited]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    elif plots is not None:
+        lines += ["", "Plots skipped: matplotlib is not installed (`pip install matplotlib`)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: AuditReport, out_dir: Path) -> list[str]:
+    """PNG plots of the ceil factors and the per-layer errors; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    edges = [1 + i / HIST_BINS for i in range(HIST_BINS)]
+    ax.bar(edges, report.model.histogram, width=1 / HIST_BINS, align="edge")
+    ax.set_xlabel("ceil factor r = ceil_ue8m0(s) / s")
+    ax.set_ylabel("weight blocks")
+    ax.set_title(f"Range lost to E8M0 scales, per {report.block[0]}x{report.block[1]} block")
+    path = out_dir / "ceil_factor.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    files.append(str(path))
+
+    measured = [layer for layer in report.layers if layer.weights]
+    if measured:
+        xs = [layer.layer if layer.layer is not None else -1 for layer in measured]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(xs, [layer.out_err_fp32 for layer in measured], "o-", label="fp32 scales")
+        ax.plot(xs, [layer.out_err_e8m0_act for layer in measured], "^-", label="E8M0 activations")
+        ax.plot(xs, [layer.out_err_e8m0 for layer in measured], "s-", label="E8M0")
+        ax.set_xlabel("layer (-1: outside the numbered layers)")
+        ax.set_ylabel("relative GEMM output error (RMS)")
+        ax.set_title("Per-layer output error on synthetic activations")
+        ax.legend()
+        path = out_dir / "layer_error.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        files.append(str(path))
+    return files
+
+
+def write_report(report: AuditReport, out_dir: Path) -> list[Path]:
+    """report.md, report.json and the plots into out_dir; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(report, out_dir)
+    (out_dir / "report.md").write_text(to_markdown(report, plots))
+    (out_dir / "report.json").write_text(report.to_json())
+    return [out_dir / "report.md", out_dir / "report.json", *map(Path, plots)]
