@@ -45,13 +45,8 @@ from moe_verify.spec import (
 )
 from reference.activation import swiglu
 from reference.moe import ReferenceBackend
-from tolerance.compare import (
-    StageResult,
-    compare,
-    compare_stage,
-    flatten_batched,
-    scale_values,
-)
+from tolerance.compare import StageResult, compare, compare_stage
+from tolerance.layouts import flatten_batched, scale_values
 from tolerance.metrics import calc_diff, e4m3_value, excess_ratio, row_max, row_rel_error
 from tolerance.policy import policy_for
 

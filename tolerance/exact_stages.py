@@ -1,0 +1,377 @@
+"""Comparers of the stages that must match exactly: route (ids and fp32 weights), quant_input
+(fp8 codes and scale bits), align (counts, M_sum) and permute (every live slot's row, segment
+and bytes, and the padding contract). Each takes a comparison context and returns its checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from tolerance.checks import (
+    Ctx,
+    Slots,
+    bound_check,
+    decode_scale,
+    exact_check,
+    exact_int_vector,
+    fp8_value,
+    int_of,
+    live_slots,
+    shape_fail,
+    slot_name,
+    slot_worst,
+    take_rows,
+    tensor_of,
+)
+from tolerance.layouts import (
+    _E8M0_NAN,
+    comparable_scale_codes,
+    unpack_ue8m0,
+)
+from tolerance.metrics import (
+    Mismatch,
+    argmax_coords,
+    bits,
+    first_true,
+    fp8_codes,
+    fp32_ulp_distance,
+    mismatch_of,
+    nan_inf_counts,
+)
+from tolerance.results import (
+    CheckResult,
+    ContractError,
+    Worst,
+)
+
+
+def _canonical_route(
+    ids: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort each token's (id, weight) pairs by id, negatives last, ties by weight.
+
+    Returns (ids, weights, original k), each [M, k].
+    """
+    by_weight = torch.argsort(weights, dim=1, stable=True)
+    ids1, w1 = ids.gather(1, by_weight), weights.gather(1, by_weight)
+    key = torch.where(ids1 >= 0, ids1, (1 << 40) - ids1)
+    by_id = torch.argsort(key, dim=1, stable=True)
+    return ids1.gather(1, by_id), w1.gather(1, by_id), by_weight.gather(1, by_id)
+
+
+def route_checks(ctx: Ctx) -> list[CheckResult]:
+    g_ids, o_ids = ctx.pair("route", "topk_ids")
+    if g_ids.shape != o_ids.shape:
+        return [shape_fail(ctx, "topk_ids", o_ids, g_ids)]
+    g_w, o_w = (w.to(torch.float32) for w in ctx.pair("route", "topk_weights"))
+    if g_w.shape != o_w.shape or g_w.shape != g_ids.shape:
+        return [shape_fail(ctx, "topk_weights", o_w, g_w)]
+    gi, gw, gk = _canonical_route(g_ids.to(torch.int64), g_w)
+    oi, ow, _ = _canonical_route(o_ids.to(torch.int64), o_w)
+
+    out = []
+    differ = gi != oi
+    first = first_true(differ)
+    bad_tokens = int(differ.any(dim=1).sum())
+    worst, note = None, ""
+    if first is not None:
+        t, j = first
+        expert = int(gi[t, j])
+        worst = Worst(
+            token=ctx.token(t),
+            k=int(gk[t, j]),
+            expert=expert if expert >= 0 else None,
+            rank=ctx.rank,
+            golden=expert,
+            other=int(oi[t, j]),
+        )
+        note = f"; token {ctx.token(t)}: golden {gi[t].tolist()} vs {ctx.name} {oi[t].tolist()}"
+    out.append(
+        CheckResult(
+            "topk_ids",
+            first is None,
+            bad_tokens,
+            0,
+            ctx.check.reason,
+            worst,
+            f"{bad_tokens} of {gi.shape[0]} tokens route to a different expert set{note}",
+        )
+    )
+
+    comparable = (gi >= 0) & (gi == oi)
+    ulp = fp32_ulp_distance(ow, gw).masked_fill(~comparable, 0)
+    at = argmax_coords(ulp)
+    value, worst = 0, None
+    if at is not None:
+        value = int(ulp[at])
+        expert = int(gi[at])
+        worst = Worst(
+            token=ctx.token(at[0]),
+            k=int(gk[at]),
+            expert=expert if expert >= 0 else None,
+            rank=ctx.rank,
+            golden=float(gw[at]),
+            other=float(ow[at]),
+        )
+    out.append(
+        bound_check(
+            "topk_weights",
+            value,
+            ctx.check.limit("ulp"),
+            worst,
+            f"max {value} fp32 ulp over {int(comparable.sum())} live slots with matching ids "
+            "(pairs sorted by id)",
+        )
+    )
+
+    if "token_index" in ctx.golden["route"]:
+        out.append(
+            exact_int_vector(ctx, "route", "token_index", "received rows differ", ctx.check.reason)
+        )
+    return out
+
+
+def quant_input_checks(ctx: Ctx) -> list[CheckResult]:
+    reason = ctx.check.reason
+    out = []
+    g_q, o_q = ctx.pair("quant_input", "a1q")
+    if g_q.shape != o_q.shape:
+        out.append(shape_fail(ctx, "a1q", o_q, g_q))
+    else:
+        gc, oc = fp8_codes(g_q), fp8_codes(o_q)
+        mm = mismatch_of(oc != gc)
+        worst, note = None, ""
+        if mm.first is not None:
+            t, c = mm.first
+            worst = Worst(
+                token=ctx.token(t),
+                rank=ctx.rank,
+                column=c,
+                golden=fp8_value(gc[t, c]),
+                other=fp8_value(oc[t, c]),
+            )
+            note = f"; first: code 0x{int(oc[t, c]):02x} vs golden 0x{int(gc[t, c]):02x}"
+        nan = nan_inf_counts(oc)[0]
+        what = f"fp8 codes differ ({nan} NaN codes on {ctx.name})"
+        out.append(exact_check("a1q codes", mm, what, reason, worst, note))
+
+    hidden = g_q.shape[1]
+    group = ctx.problem.recipe.act_group
+    g_s, o_s = ctx.pair("quant_input", "a1q_scale")
+    if o_s.shape[0] != g_s.shape[0]:
+        out.append(shape_fail(ctx, "a1q_scale", o_s, g_s))
+        return out
+    co, cg, kind = comparable_scale_codes(o_s, g_s, hidden // group)
+    mm = mismatch_of(co != cg)
+    worst = None
+    if mm.first is not None:
+        t, gi = mm.first
+        worst = Worst(
+            token=ctx.token(t),
+            rank=ctx.rank,
+            column=gi * group,
+            golden=decode_scale(int(cg[t, gi]), kind),
+            other=decode_scale(int(co[t, gi]), kind),
+        )
+    what = f"scale groups differ ({group} columns each; compared as {kind} bits)"
+    out.append(exact_check("a1q_scale", mm, what, reason, worst))
+    return out
+
+
+def align_checks(ctx: Ctx) -> list[CheckResult]:
+    reason = ctx.check.reason
+    out = []
+    for name in ("M_sum", "alignment"):
+        o, g = int_of(ctx.other, "align", name), int_of(ctx.golden, "align", name)
+        worst = None if o == g else Worst(rank=ctx.rank, golden=g, other=o)
+        out.append(
+            CheckResult(name, o == g, abs(o - g), 0, reason, worst, f"{ctx.name} {o}, golden {g}")
+        )
+
+    out.append(
+        exact_int_vector(
+            ctx, "align", "counts", "local experts' counts differ", reason, "local expert"
+        )
+    )
+
+    m_sum, align = int_of(ctx.other, "align", "M_sum"), int_of(ctx.other, "align", "alignment")
+    if align < 1:
+        raise ContractError(f"{ctx.name} align.alignment must be >= 1, got {align}")
+    remainder = m_sum % align
+    out.append(
+        CheckResult(
+            "M_sum % alignment",
+            remainder == 0,
+            remainder,
+            0,
+            reason,
+            None,
+            f"{ctx.name} M_sum {m_sum} with alignment {align} leaves {remainder}",
+        )
+    )
+    g_c = tensor_of(ctx.golden, "align", "counts", ctx.device).to(torch.int64)
+    need = int((((g_c + align - 1) // align) * align).sum())
+    out.append(
+        CheckResult(
+            "M_sum fits segments",
+            m_sum >= need,
+            max(0, need - m_sum),
+            0,
+            reason,
+            None,
+            f"{ctx.name} M_sum {m_sum} vs sum of round_up(count_e, {align}) = {need} over the "
+            "golden counts",
+        )
+    )
+    return out
+
+
+def permute_checks(ctx: Ctx) -> list[CheckResult]:
+    reason = ctx.check.reason
+    G, B = ctx.golden, ctx.other
+    out = []
+    g_m, o_m = (m.to(torch.int64) for m in ctx.pair("permute", "m_indices"))
+    m_sum = o_m.numel()
+
+    out.append(exact_int_vector(ctx, "permute", "m_indices", "rows' local experts differ", reason))
+    if "expert_start" in G["permute"]:
+        out.append(
+            exact_int_vector(
+                ctx, "permute", "expert_start", "segment starts differ", reason, "local expert"
+            )
+        )
+
+    # inv_perm: every live slot owns one distinct row inside [0, M_sum).
+    s = live_slots(G, B, ctx.device)
+    rows = s.other_rows
+    in_range = (rows >= 0) & (rows < m_sum)
+    hits = take_rows(torch.bincount(rows[in_range], minlength=m_sum), rows)
+    shared = in_range & (hits > 1)
+    bad = ~in_range | shared
+    worst, note = None, ""
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        worst = slot_worst(ctx, s, i, other=int(rows[i]), golden=int(s.gold_rows[i]))
+        why = "is shared with another slot" if bool(in_range[i]) else f"is outside [0, {m_sum})"
+        note = f"; first: {slot_name(ctx, s, i)} -> row {int(rows[i])}, which {why}"
+    what = "live slots map to an invalid row"
+    out.append(exact_check("inv_perm", mismatch_of(bad), what, reason, worst, note))
+    ok = ~bad
+
+    # a_perm: the row of each live slot holds the golden row's bytes.
+    g_a, o_a = (fp8_codes(a) for a in ctx.pair("permute", "a_perm"))
+    if o_a.dim() != 2 or o_a.shape[1] != g_a.shape[1] or (m_sum and o_a.shape[0] != m_sum):
+        out.append(shape_fail(ctx, "a_perm", o_a, g_a))
+    else:
+        gr, orow = g_a[s.gold_rows], take_rows(o_a, rows)
+        diff = (gr != orow) & ok[:, None]
+        out.append(
+            _slot_rows_check(ctx, s, diff, "a_perm rows", reason, gr, orow, fp8_value, "bytes")
+        )
+
+    # a_scale_perm: same, on the scale groups that exist (pad bytes of packed words ignored).
+    hidden, group = g_a.shape[1], ctx.problem.recipe.act_group
+    groups = hidden // group
+    g_s, o_s = ctx.pair("permute", "a_scale_perm")
+    if m_sum and o_s.shape[0] != m_sum:
+        out.append(shape_fail(ctx, "a_scale_perm", o_s, g_s))
+        o_codes = None
+    else:
+        o_codes, g_codes, kind = comparable_scale_codes(o_s, g_s, groups)
+        gr, orow = g_codes[s.gold_rows], take_rows(o_codes, rows)
+        diff = (gr != orow) & ok[:, None]
+        decode = partial(decode_scale, kind=kind)
+        out.append(
+            _slot_rows_check(
+                ctx, s, diff, "a_scale_perm rows", reason, gr, orow, decode, "scale groups", group
+            )
+        )
+
+    # Per-expert row sets: each live slot sits in its expert's segment.
+    expected, got = g_m[s.gold_rows], take_rows(o_m, rows)
+    wrong = ok & (got != expected)
+    worst, note = None, ""
+    if bool(wrong.any()):
+        i = int(torch.nonzero(wrong)[0, 0])
+        worst = slot_worst(ctx, s, i, golden=int(expected[i]), other=int(got[i]))
+        note = (
+            f"; first: {slot_name(ctx, s, i)} sits in row {int(rows[i])} of local expert "
+            f"{int(got[i])}'s segment, golden local expert {int(expected[i])}"
+        )
+    what = "live slots sit in another expert's segment"
+    out.append(exact_check("expert rows", mismatch_of(wrong), what, reason, worst, note))
+
+    # Padding contract on rows claimed by no live slot.
+    claimed = torch.zeros(m_sum, dtype=torch.bool, device=ctx.device)
+    claimed[rows[in_range]] = True
+    pad = ~claimed
+    bad_pad = pad & (o_m != -1)
+    worst, note = None, ""
+    if bool(bad_pad.any()):
+        r = int(torch.nonzero(bad_pad)[0, 0])
+        worst = Worst(rank=ctx.rank, golden=-1, other=int(o_m[r]), row=r)
+        note = f"; first: row {r} holds {int(o_m[r])}"
+    mism = Mismatch(int(bad_pad.sum()), int(pad.sum()), None)
+    what = "padding rows (claimed by no live slot) do not hold -1"
+    out.append(exact_check("padding m_indices", mism, what, reason, worst, note))
+    if o_codes is not None:
+        out.append(_padding_scales(ctx, o_s, pad, groups, group, reason))
+    return out
+
+
+def _slot_rows_check(
+    ctx: Ctx,
+    s: Slots,
+    diff: torch.Tensor,
+    name: str,
+    reason: str,
+    golden_rows: torch.Tensor,
+    other_rows: torch.Tensor,
+    decode: Callable[[torch.Tensor], float | int],
+    unit: str,
+    column_step: int = 1,
+) -> CheckResult:
+    """Exact per-slot row comparison: diff [L, W] marks differing entries of live slots."""
+    bad_slots = diff.any(dim=1)
+    mism = mismatch_of(bad_slots)
+    worst, note = None, ""
+    if mism.first is not None:
+        (i,) = mism.first
+        c = int(torch.nonzero(diff[i])[0, 0])
+        worst = slot_worst(
+            ctx,
+            s,
+            i,
+            column=c * column_step,
+            golden=decode(golden_rows[i, c]),
+            other=decode(other_rows[i, c]),
+        )
+        note = (
+            f"; first: {slot_name(ctx, s, i)} -> {ctx.name} row {int(s.other_rows[i])} vs golden "
+            f"row {int(s.gold_rows[i])}: {int(diff[i].sum())} of {diff.shape[1]} {unit} differ"
+        )
+    return exact_check(name, mism, "live slots' rows differ", reason, worst, note)
+
+
+def _padding_scales(
+    ctx: Ctx, scales: torch.Tensor, pad: torch.Tensor, groups: int, group: int, reason: str
+) -> CheckResult:
+    """fp32 padding rows must be +0.0 (bitwise); packed padding bytes must not be 0xFF (NaN)."""
+    if scales.dtype == torch.int32:
+        codes = unpack_ue8m0(scales, groups)
+        bad = pad[:, None] & (codes == _E8M0_NAN)
+        want, what = None, "padding-row packed bytes are 0xFF (NaN to the kernel, ref §14.19)"
+    else:
+        codes = bits(scales.to(torch.float32)).to(torch.int64)
+        bad = pad[:, None] & (codes != 0)
+        want, what = 0.0, "padding-row fp32 scales are not +0.0"
+    mism = mismatch_of(bad)
+    worst, note = None, ""
+    if mism.first is not None:
+        r, c = mism.first
+        other = int(codes[r, c]) if scales.dtype == torch.int32 else float(scales[r, c])
+        worst = Worst(rank=ctx.rank, column=c * group, golden=want, other=other, row=r)
+        note = f"; first: row {r}, group {c} holds {other}"
+    return exact_check("padding scales", mism, what, reason, worst, note)
