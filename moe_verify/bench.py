@@ -191,22 +191,15 @@ def compare_cost(
         problem, inputs, resolve_backend("optimized"), resolve_backend("golden"), MODES, 0
     )
     here = inputs.hidden_states.device
-
-    def compare_on(where: torch.device) -> Callable[[], object]:
-        def once() -> None:
-            for mode in MODES:
-                other = getattr(run, mode)
-                compare(run.golden, other, problem, list(problem.stages), mode=mode, device=where)
-
-        return once
-
     places = [here] if here.type == "cpu" else [here, torch.device("cpu")]
     out = []
     for where in places:
         samples = []
         for _ in range(repeats):  # comparisons end in host reads, so wall time is device time
             t0 = time.perf_counter()
-            compare_on(where)()
+            for mode in MODES:
+                other = getattr(run, mode)
+                compare(run.golden, other, problem, list(problem.stages), mode=mode, device=where)
             samples.append(time.perf_counter() - t0)
         out.append(CompareTiming(str(where), statistics.median(samples)))
     return out
