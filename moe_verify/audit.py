@@ -104,6 +104,22 @@ class WeightError:
     out_err_e8m0: float  # ceil-UE8M0 activation scales and the requantized weight W_e8m0
 
 
+@dataclass(frozen=True)
+class KindErrors:
+    """RMS over the sampled GEMMs of one weight kind."""
+
+    gemms: int
+    out_err_fp32: float
+    out_err_e8m0_act: float
+    out_err_e8m0: float
+    weight_rel_err: float
+
+    @property
+    def ratio(self) -> float:
+        """Full E8M0 over E8M0 activation scales alone, as the model verdict's ratio."""
+        return self.out_err_e8m0 / self.out_err_e8m0_act if self.out_err_e8m0_act else math.nan
+
+
 @dataclass
 class LayerAudit:
     layer: int | None  # None: weights outside the numbered layers
@@ -184,9 +200,28 @@ class AuditReport:
             f"activations {self.compounded_e8m0_act:.4g}, full E8M0 {self.compounded_e8m0:.4g}"
         )
 
+    def by_kind(self) -> dict[str, KindErrors]:
+        """RMS output errors of the sampled GEMMs per weight kind (attention, expert, ...): which
+        part of the model E8M0 costs most."""
+        grouped: dict[str, list[WeightError]] = defaultdict(list)
+        for layer in self.layers:
+            for w in layer.weights:
+                grouped[w.kind].append(w)
+        return {
+            kind: KindErrors(
+                len(ws),
+                _rms([w.out_err_fp32 for w in ws]),
+                _rms([w.out_err_e8m0_act for w in ws]),
+                _rms([w.out_err_e8m0 for w in ws]),
+                _rms([w.weight_rel_err for w in ws]),
+            )
+            for kind, ws in sorted(grouped.items())
+        }
+
     def to_json(self) -> str:
         out = asdict(self)
         out.update(
+            by_kind={kind: asdict(errors) for kind, errors in self.by_kind().items()},
             verdict=self.verdict,
             reason=self.reason,
             ratio=self.ratio,

@@ -71,6 +71,18 @@ def to_markdown(report: AuditReport, plots: list[str] | None = None) -> str:
         )
     lines += [
         "",
+        "## By weight kind",
+        "",
+        "| kind | GEMMs | fp32 | E8M0 act | E8M0 | ratio | weight err |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for kind, e in report.by_kind().items():
+        lines.append(
+            f"| {kind} | {e.gemms} | {e.out_err_fp32:.4g} | {e.out_err_e8m0_act:.4g} | "
+            f"{e.out_err_e8m0:.4g} | {e.ratio:.3f} | {e.weight_rel_err:.3g} |"
+        )
+    lines += [
+        "",
         "## Compounded over the model",
         "",
         "Root-sum-square of the per-layer output errors (independent errors adding up along the "

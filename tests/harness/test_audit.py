@@ -73,6 +73,7 @@ def test_power_of_two_scales_keep_every_weight_value(tmp_path: Path) -> None:
     report = audit(_save(tmp_path, _model("pow2"), {"model_type": "deepseek_v3"}), device="cpu")
     assert report.verdict == "low-risk" and report.model_type == "deepseek_v3"
     assert report.ratio == 1.0 and "have power-of-two scales already" in report.reason
+    assert all(e.ratio == 1.0 and e.weight_rel_err == 0 for e in report.by_kind().values())
     assert report.fp8_weights == 3 * 14 and report.model.blocks == 3 * 14 * 4
     assert report.model.pow2_fraction == 1.0 and report.model.max_bits_lost == 0.0
     sampled = [w for layer in report.layers for w in layer.weights]
@@ -97,6 +98,13 @@ def test_fp32_scales_lose_half_a_bit_and_are_at_risk(tmp_path: Path) -> None:
     assert all(w.weight_rel_err > 0.01 and w.codes_changed > 0.5 for w in sampled)
     assert all(w.out_err_e8m0 > w.out_err_e8m0_act for w in sampled)
     assert report.ratio > report.max_ratio and report.verdict == "at-risk", report.reason
+    kinds = report.by_kind()
+    assert {k: e.gemms for k, e in kinds.items()} == {
+        "attention": 3,
+        "expert": 3 * 4 * 3,
+        "shared_expert": 3,
+    }
+    assert all(e.ratio > 1 and e.weight_rel_err > 0.01 for e in kinds.values())
     # A limit above the measured ratio flips the verdict: the verdict follows the measurement.
     assert audit(tmp_path, device="cpu", max_ratio=report.ratio * 1.01).verdict == "low-risk"
 
@@ -201,7 +209,8 @@ def test_report_files_and_cli_exit_codes(
     layer0 = data["layers"][0]
     assert layer0["out_err_e8m0"] > layer0["out_err_e8m0_act"] > layer0["out_err_fp32"] > 0
     text = (out / "report.md").read_text()
-    assert "**Verdict: at-risk**" in text and "| 1 |" in text
+    assert "**Verdict: at-risk**" in text and "| 1 |" in text and "| attention | 2 |" in text
+    assert data["by_kind"]["expert"]["gemms"] == 2 * 2 * 3
     assert (out / "ceil_factor.png").stat().st_size > 0 and "![ceil_factor]" in text
     pow2 = _save(tmp_path / "pow2", _model("pow2", layers=1, experts=1))
     assert main(["audit-e8m0", str(pow2), "--out", str(out), "--device", "cpu"]) == 0
