@@ -117,7 +117,7 @@ def write_plots(report: AuditReport, out_dir: Path) -> list[str]:
     files = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
     edges = [1 + i / HIST_BINS for i in range(HIST_BINS)]
-    ax.bar(edges, report.model.histogram, width=1 / HIST_BINS, align="edge")
+    ax.bar(edges, report.model.histogram, width=1 / HIST_BINS, align="edge", edgecolor="white")
     ax.set_xlabel("ceil factor r = ceil_ue8m0(s) / s")
     ax.set_ylabel("weight blocks")
     ax.set_title(f"Range lost to E8M0 scales, per {report.block[0]}x{report.block[1]} block")
@@ -130,14 +130,16 @@ def write_plots(report: AuditReport, out_dir: Path) -> list[str]:
     measured = [layer for layer in report.layers if layer.weights]
     if measured:
         xs = [layer.layer if layer.layer is not None else -1 for layer in measured]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot(xs, [layer.out_err_fp32 for layer in measured], "o-", label="fp32 scales")
         ax.plot(xs, [layer.out_err_e8m0_act for layer in measured], "^-", label="E8M0 activations")
         ax.plot(xs, [layer.out_err_e8m0 for layer in measured], "s-", label="E8M0")
         ax.set_xlabel("layer (-1: outside the numbered layers)")
         ax.set_ylabel("relative GEMM output error (RMS)")
         ax.set_title("Per-layer output error on synthetic activations")
-        ax.legend()
+        ax.set_ylim(bottom=0)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
         path = out_dir / "layer_error.png"
         fig.tight_layout()
         fig.savefig(path, dpi=120)
