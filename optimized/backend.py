@@ -6,6 +6,8 @@ engine like vLLM's TritonOrDeepGemmExperts and record which one ran, and why.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +32,9 @@ Outputs = dict[str, object]
 ENGINES = ("auto", "deepgemm", "triton")
 # vLLM _valid_deep_gemm: below this intermediate size Triton is preferred for speed.
 _DEEP_GEMM_MIN_INTERMEDIATE = 512
+# Bytes of canary on each side of a workspace: a multiple of 512, so the workspace keeps the
+# allocation's alignment (TMA needs 16-byte aligned addresses).
+GUARD_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,13 @@ def choose_engine(problem: MoEProblem, num_tokens: int, override: str = "auto") 
     )
 
 
+@functools.cache
+def _canary(device: torch.device) -> torch.Tensor:
+    """The guard bands' pattern: every byte value, scrambled, so no constant fill (a poison, a
+    zeroing, a memset) can leave a band as it was."""
+    return ((torch.arange(GUARD_BYTES) * 151 + 89) % 256).to(torch.uint8).to(device)
+
+
 class OptimizedBackend:
     """The path under test. `engine` selects the GEMM engine: auto, deepgemm or triton."""
 
@@ -74,7 +86,9 @@ class OptimizedBackend:
 
     def __init__(self, engine: str = "auto", workspace: bool = False, poison: int | None = None):
         """workspace: kernels write into buffers allocated once per (name, shape) and reused
-        across calls, as vLLM's workspaces are; stage outputs are then copies. poison: fill each
+        across calls, as vLLM's workspaces are; stage outputs are then copies. Each workspace
+        sits between two guard bands of a canary pattern, checked after every stage, so a kernel
+        writing past either end of its output fails that stage by name. poison: fill each
         workspace with this byte before every use, so an element a kernel leaves unwritten shows
         up (the same case under two poisons must agree bitwise on everything it promises)."""
         if engine not in ENGINES:
@@ -86,6 +100,8 @@ class OptimizedBackend:
         self.poison = poison
         self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
         self._buffers = {}
+        self._guarded: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+        self._guarded = {}  # each workspace's whole allocation: guard, buffer, guard (uint8)
         # Per-rank weights (and DeepGEMM's scale layouts) of the inputs object last seen; held,
         # so a new inputs object can never alias a stale cache entry through a reused id().
         self._weights_of: MoEInputs | None = None
@@ -101,7 +117,9 @@ class OptimizedBackend:
         method: Callable[..., Outputs] | None = getattr(self, f"_{stage}", None)
         if method is None:
             raise ValueError(f"stage {stage!r} is not a stage of the optimized MoE")
-        return method(problem, inputs, upstream, rank)
+        outputs = method(problem, inputs, upstream, rank)
+        self.check_guards(stage)
+        return outputs
 
     def _buffer(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -111,11 +129,36 @@ class OptimizedBackend:
             return None
         key = (name, tuple(shape), dtype, device)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+            nbytes = math.prod(shape) * dtype.itemsize
+            whole = torch.empty(nbytes + 2 * GUARD_BYTES, dtype=torch.uint8, device=device)
+            canary = _canary(device)
+            whole[:GUARD_BYTES] = canary
+            whole[GUARD_BYTES + nbytes :] = canary
+            self._guarded[key] = whole
+            self._buffers[key] = whole[GUARD_BYTES : GUARD_BYTES + nbytes].view(dtype).view(shape)
         buf = self._buffers[key]
         if self.poison is not None:
             buf.view(torch.uint8).fill_(self.poison)
         return buf
+
+    def check_guards(self, stage: str) -> None:
+        """Raise, naming the workspace, when a kernel wrote into the guard band before or after
+        it (an out-of-bounds write that did not fault)."""
+        for (name, shape, dtype, _), whole in self._guarded.items():
+            canary = _canary(whole.device)
+            for side, band in (("before", whole[:GUARD_BYTES]), ("after", whole[-GUARD_BYTES:])):
+                hit = band != canary
+                if bool(hit.any()):
+                    first = int(hit.nonzero()[0, 0])
+                    count = int(hit.sum())
+                    band.copy_(canary)  # re-armed: the next stage is judged on its own writes
+                    offset = first - GUARD_BYTES if side == "before" else first
+                    raise RuntimeError(
+                        f"{stage} wrote {count} bytes into the guard band {side} "
+                        f"workspace {name!r} ({dtype} {tuple(shape)}): first at byte "
+                        f"{'' if offset < 0 else '+'}{offset} "
+                        f"{'before its start' if side == 'before' else 'past its end'}"
+                    )
 
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         """A stage output the trace may keep: a copy when it lives in a reused workspace."""

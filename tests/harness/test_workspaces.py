@@ -8,6 +8,7 @@ import torch
 
 from moe_verify.inputs import make_inputs
 from moe_verify.spec import MoEProblem, Routing, ScaleFmt
+from moe_verify.verify import verify
 from optimized.backend import OptimizedBackend
 from tolerance.checks import live_slots
 
@@ -77,3 +78,47 @@ def test_a_kernel_that_skips_rows_is_caught_by_the_poison() -> None:
     assert not torch.equal(
         outs[0]["gather"]["out"].view(torch.int16), outs[1]["gather"]["out"].view(torch.int16)
     )
+
+
+class WritesPastItsOutput(OptimizedBackend):
+    """gemm1 then writes `spill` bf16 elements just past its output workspace (or, negative,
+    just before it): a grid that overruns the last block without faulting."""
+
+    name = "writes-past-its-output"
+    spill = 8
+
+    def _gemm1(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+        out = super()._gemm1(p, x, up, rank)
+        ((key, buf),) = [(k, b) for k, b in self._buffers.items() if k[0] == "mm_w13"]
+        flat = buf.view(-1)
+        if self.spill > 0:
+            torch.as_strided(flat, (self.spill,), (1,), flat.storage_offset() + flat.numel())[:] = 1
+        else:
+            torch.as_strided(flat, (-self.spill,), (1,), flat.storage_offset() + self.spill)[:] = 1
+        return out
+
+
+@pytest.mark.parametrize(("spill", "where"), [(8, "after"), (-3, "before")])
+def test_a_write_outside_a_workspace_fails_its_stage_by_name(spill: int, where: str) -> None:
+    backend = WritesPastItsOutput(engine="triton", workspace=True, poison=0)
+    backend.spill = spill
+    report = verify(CASES[0], backend=backend, mode="isolated")
+    failing = {r.stage: r for r in report.isolated if r.status != "pass"}
+    assert list(failing) == ["gemm1"] and failing["gemm1"].status == "error"
+    reason = failing["gemm1"].reason
+    assert (
+        f"gemm1 wrote {2 * abs(spill)} bytes into the guard band {where} workspace 'mm_w13'"
+        in reason
+    )
+    first = "+0 past its end" if spill > 0 else f"{2 * spill} before its start"
+    assert f"first at byte {first}" in reason
+
+
+def test_guard_bands_keep_the_workspace_aligned_and_intact() -> None:
+    backend = OptimizedBackend(engine="triton", workspace=True, poison=0xFF)
+    backend.run(CASES[0], make_inputs(CASES[0], "cpu"))
+    for key, buf in backend._buffers.items():
+        assert (
+            buf.is_contiguous() and buf.data_ptr() % 512 == backend._guarded[key].data_ptr() % 512
+        )
+    backend.check_guards("after a clean run")  # raises on any change
