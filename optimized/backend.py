@@ -117,8 +117,19 @@ class OptimizedBackend:
         method: Callable[..., Outputs] | None = getattr(self, f"_{stage}", None)
         if method is None:
             raise ValueError(f"stage {stage!r} is not a stage of the optimized MoE")
-        outputs = method(problem, inputs, upstream, rank)
-        self.check_guards(stage)
+        try:
+            outputs = method(problem, inputs, upstream, rank)
+        except StageSkipped:
+            self.guard_hits()  # re-armed; a stage that did not run wrote nothing to judge
+            raise
+        except Exception as exc:
+            hits = self.guard_hits()
+            if hits:  # the stage failed and wrote out of bounds: report both
+                raise RuntimeError(f"{type(exc).__name__}: {exc}; and {stage} {hits}") from exc
+            raise
+        hits = self.guard_hits()
+        if hits:
+            raise RuntimeError(f"{stage} {hits}")
         return outputs
 
     def _buffer(
@@ -141,24 +152,28 @@ class OptimizedBackend:
             buf.view(torch.uint8).fill_(self.poison)
         return buf
 
-    def check_guards(self, stage: str) -> None:
-        """Raise, naming the workspace, when a kernel wrote into the guard band before or after
-        it (an out-of-bounds write that did not fault)."""
+    def guard_hits(self) -> str:
+        """What changed in the guard bands around the workspaces since the last look ("" when
+        nothing did): an out-of-bounds write that did not fault. Every band is re-armed, so
+        the next stage is judged on its own writes. (A subclass that writes after
+        `run_stage` returns is charged to the next stage.)"""
+        hits = []
         for (name, shape, dtype, _), whole in self._guarded.items():
             canary = _canary(whole.device)
             for side, band in (("before", whole[:GUARD_BYTES]), ("after", whole[-GUARD_BYTES:])):
-                hit = band != canary
-                if bool(hit.any()):
-                    first = int(hit.nonzero()[0, 0])
-                    count = int(hit.sum())
-                    band.copy_(canary)  # re-armed: the next stage is judged on its own writes
-                    offset = first - GUARD_BYTES if side == "before" else first
-                    raise RuntimeError(
-                        f"{stage} wrote {count} bytes into the guard band {side} "
-                        f"workspace {name!r} ({dtype} {tuple(shape)}): first at byte "
-                        f"{'' if offset < 0 else '+'}{offset} "
-                        f"{'before its start' if side == 'before' else 'past its end'}"
-                    )
+                changed = (band != canary).nonzero()[:, 0]
+                if changed.numel() == 0:
+                    continue
+                band.copy_(canary)
+                if side == "before":
+                    where = f"nearest at byte {int(changed[-1]) - GUARD_BYTES} before its start"
+                else:
+                    where = f"nearest at byte +{int(changed[0])} past its end"
+                hits.append(
+                    f"changed {changed.numel()} bytes of the guard band {side} workspace "
+                    f"{name!r} ({dtype} {tuple(shape)}), {where}"
+                )
+        return "; ".join(hits)
 
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         """A stage output the trace may keep: a copy when it lives in a reused workspace."""

@@ -9,7 +9,7 @@ import torch
 from moe_verify.inputs import make_inputs
 from moe_verify.spec import MoEProblem, Routing, ScaleFmt
 from moe_verify.verify import verify
-from optimized.backend import OptimizedBackend
+from optimized.backend import GUARD_BYTES, OptimizedBackend
 from tolerance.checks import live_slots
 
 pytestmark = pytest.mark.cpu
@@ -106,19 +106,36 @@ def test_a_write_outside_a_workspace_fails_its_stage_by_name(spill: int, where: 
     failing = {r.stage: r for r in report.isolated if r.status != "pass"}
     assert list(failing) == ["gemm1"] and failing["gemm1"].status == "error"
     reason = failing["gemm1"].reason
-    assert (
-        f"gemm1 wrote {2 * abs(spill)} bytes into the guard band {where} workspace 'mm_w13'"
-        in reason
-    )
-    first = "+0 past its end" if spill > 0 else f"{2 * spill} before its start"
-    assert f"first at byte {first}" in reason
+    assert f"gemm1 changed {2 * abs(spill)} bytes of the guard band {where} workspace" in reason
+    nearest = "+0 past its end" if spill > 0 else "-1 before its start"
+    assert "'mm_w13' (torch.bfloat16 (" in reason and f"nearest at byte {nearest}" in reason
+
+
+class OverrunsThenRaises(WritesPastItsOutput):
+    """The overrun, then an error of the stage's own: both reach the report, at gemm1."""
+
+    name = "overruns-then-raises"
+
+    def _gemm1(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+        super()._gemm1(p, x, up, rank)
+        raise ValueError("the kernel's own failure")
+
+
+def test_a_stage_that_overruns_and_raises_reports_both_at_that_stage() -> None:
+    backend = OverrunsThenRaises(engine="triton", workspace=True)
+    report = verify(CASES[0], backend=backend, mode="isolated")
+    failing = {r.stage: r for r in report.isolated if r.status != "pass"}
+    assert list(failing) == ["gemm1"]
+    reason = failing["gemm1"].reason
+    assert "ValueError: the kernel's own failure; and gemm1 changed 16 bytes" in reason
 
 
 def test_guard_bands_keep_the_workspace_aligned_and_intact() -> None:
     backend = OptimizedBackend(engine="triton", workspace=True, poison=0xFF)
     backend.run(CASES[0], make_inputs(CASES[0], "cpu"))
+    assert backend._buffers and backend._buffers.keys() == backend._guarded.keys()
     for key, buf in backend._buffers.items():
-        assert (
-            buf.is_contiguous() and buf.data_ptr() % 512 == backend._guarded[key].data_ptr() % 512
-        )
-    backend.check_guards("after a clean run")  # raises on any change
+        whole = backend._guarded[key]
+        assert buf.is_contiguous() and buf.data_ptr() == whole.data_ptr() + GUARD_BYTES
+        assert buf.data_ptr() % 16 == 0  # TMA's alignment for DeepGEMM's output
+    assert backend.guard_hits() == ""  # the poison filled the workspaces, never their guards
