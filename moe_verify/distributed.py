@@ -101,17 +101,13 @@ class RankWork:
     """What rank r computed on its own before any collective.
 
     results        per mode, rank r's stage results against the golden of rank r
-    partials       per mode, fp32 [T, H] in token space, what the all-reduce sums (None when
-                   gather, or shared with shared experts, did not run)
-    shared         per mode, the fp32 shared-expert partial that is all-reduced on its own (only
-                   with shared experts where the combine reduced the routed output: ep+ht, ep+ll)
+    partials       per mode, what it all-reduces (`Partials`)
     golden_reduce  rank 0 only: the golden's reduce_ranks output, bf16 [T, H]
     traces, inputs kept only for --dump-dir: this rank's golden and tested traces, its inputs
     """
 
     results: dict[str, list[StageResult]]
-    partials: dict[str, torch.Tensor | None]
-    shared: dict[str, torch.Tensor | None] = dataclasses.field(default_factory=dict)
+    partials: dict[str, Partials]
     golden_reduce: torch.Tensor | None = None
     traces: dict[str, Trace] = dataclasses.field(default_factory=dict)
     inputs: MoEInputs | None = None
@@ -183,27 +179,58 @@ def _token_space(trace: Trace, problem: MoEProblem) -> torch.Tensor | None:
     out = trace["gather"]["out"]
     index = trace["route"].get("token_index") if "route" in trace else None
     if index is None:
-        return out.float()
+        return out.to(torch.float32, copy=True)  # all-reduced in place: never the trace's own
     partial = torch.zeros(problem.tokens, out.shape[1], dtype=torch.float32, device=out.device)
     return partial.index_add_(0, index, out.float())
 
 
-def _partials(trace: Trace, problem: MoEProblem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(what this rank all-reduces, the shared partial all-reduced apart or None): the routed
-    partial alone without shared experts; with them, reduce_with_shared's finish (routed + shared
-    in bf16 per rank, or the shared partial apart where the combine reduced the routed output)."""
+@dataclass
+class Partials:
+    """What one rank all-reduces in one mode: `reduce` (fp32 [T, H]) and, where DeepEP's combine
+    already reduced the routed output, the shared experts' partial apart; or why it cannot."""
+
+    reduce: torch.Tensor | None = None
+    shared: torch.Tensor | None = None
+    missing: str | None = None
+
+
+def _partials(trace: Trace, problem: MoEProblem) -> Partials:
+    """This rank's part of the runner's finish (reduce_with_shared): the routed partial alone
+    without shared experts; with them, routed + shared in bf16 per rank, or the shared partial
+    apart where the combine reduced the routed output. Shapes are checked first, so every rank
+    all-reduces the same [T, H] or none does."""
     from moe_verify.runner import did_not_run
     from moe_verify.spec import TopologyKind
 
+    if "gather" not in trace or did_not_run(trace["gather"]):
+        return Partials(missing="gather did not run")
+    out = trace["gather"]["out"]
+    index = trace["route"].get("token_index") if "route" in trace else None
+    rows = problem.tokens if index is None else index.shape[0]
+    if tuple(out.shape) != (rows, problem.hidden):
+        return Partials(missing=f"gather out is {tuple(out.shape)}, not ({rows}, {problem.hidden})")
     routed = _token_space(trace, problem)
-    if not problem.shared_experts or routed is None:
-        return routed, None
+    if not problem.shared_experts:
+        return Partials(routed)
     if "shared" not in trace or did_not_run(trace["shared"]):
-        return None, None
-    shared = trace["shared"]["out"].float()
+        return Partials(missing="shared did not run")
+    shared = trace["shared"]["out"]
+    if tuple(shared.shape) != (problem.tokens, problem.hidden):
+        return Partials(
+            missing=f"shared out is {tuple(shared.shape)}, not ({problem.tokens}, {problem.hidden})"
+        )
     if problem.topology.kind in (TopologyKind.EP_HT, TopologyKind.EP_LL):
-        return routed, shared
-    return (trace["gather"]["out"].float() + shared).to(torch.bfloat16).float(), None
+        return Partials(routed, shared.to(torch.float32, copy=True))
+    return Partials((out.float() + shared.float()).to(torch.bfloat16).float())
+
+
+def finish(total: torch.Tensor, shared_total: torch.Tensor | None) -> torch.Tensor:
+    """bf16 [T, H] from the all-reduced fp32 sums: rounded once, plus the shared experts' sum
+    (rounded on its own) where the combine had reduced the routed output."""
+    out = total.to(torch.bfloat16)
+    if shared_total is None:
+        return out
+    return (out.float() + shared_total.to(torch.bfloat16).float()).to(torch.bfloat16)
 
 
 def _goldens(
@@ -255,7 +282,7 @@ def local_work(
 
     inputs = make_inputs(problem, ctx.device)
     golden, golden_reduce = _goldens(problem, inputs, ctx.rank)
-    work = RankWork({}, {}, {}, golden_reduce)
+    work = RankWork({}, {}, golden_reduce)
     if keep_traces:
         work.traces["golden"], work.inputs = golden, inputs
     stages = list(problem.stages)
@@ -266,7 +293,7 @@ def local_work(
             trace = run_isolated(tested, problem, inputs, golden, ctx.rank)
         results = compare(golden, trace, problem, stages, mode=mode)
         work.results[mode] = _tag(results, trace, ctx.rank, problem)
-        work.partials[mode], work.shared[mode] = _partials(trace, problem)
+        work.partials[mode] = _partials(trace, problem)
         if keep_traces:
             work.traces[mode] = trace
     return work
@@ -277,7 +304,8 @@ def _failed_work(modes: tuple[str, ...], rank: int, exc: BaseException) -> RankW
     at = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
     reason = f"rank {rank} failed before comparing: {type(exc).__name__}: {exc}{at}"
     result = StageResult(SETUP_STAGE, "error", [], reason, rank=rank)
-    return RankWork({m: [result] for m in modes}, {m: None for m in modes})
+    missing = f"rank {rank} failed before comparing"
+    return RankWork({m: [result] for m in modes}, {m: Partials(missing=missing) for m in modes})
 
 
 def _gather_objects(ctx: RankContext, obj: Any) -> list[Any]:
@@ -329,22 +357,21 @@ def exchange(
     _note(ctx.rank, stage=f"{_EXCHANGE}: barrier after the local work")
     _barrier(ctx)
     _note(ctx.rank, stage=f"{_EXCHANGE}: all-reduce")
-    ready = _gather_objects(ctx, {m: work.partials[m] is not None for m in modes})
+    missing = _gather_objects(ctx, {m: work.partials[m].missing for m in modes})
     reduced: dict[str, StageResult] = {}
     for mode in modes:
-        missing = [q for q, r in enumerate(ready) if not r[mode]]
-        if missing:
-            what = "gather or shared" if problem.shared_experts else "gather"
-            reason = f"{what} did not run on rank(s) {missing}: nothing to all-reduce"
+        why = {q: m[mode] for q, m in enumerate(missing) if m[mode]}
+        if why:
+            said = "; ".join(f"rank {q}: {text}" for q, text in why.items())
+            reason = f"nothing to all-reduce on rank(s) {sorted(why)} ({said})"
             reduced[mode] = StageResult(REDUCE_STAGE, "skip", [], reason)
             continue
-        partial, shared = work.partials[mode], work.shared.get(mode)
+        partial, shared = work.partials[mode].reduce, work.partials[mode].shared
         assert partial is not None
         dist.all_reduce(partial, op=dist.ReduceOp.SUM)
-        out = partial.to(torch.bfloat16)
-        if shared is not None:  # the combine reduced the routed output: shared sums on its own
+        if shared is not None:
             dist.all_reduce(shared, op=dist.ReduceOp.SUM)
-            out = (out.float() + shared.to(torch.bfloat16).float()).to(torch.bfloat16)
+        out = finish(partial, shared)
         digests = _gather_objects(ctx, _digest(out))
         if ctx.rank == 0:
             assert work.golden_reduce is not None
@@ -361,7 +388,7 @@ def exchange(
 
 def _ordered(problem: MoEProblem, results: list[StageResult]) -> list[StageResult]:
     """Stage by stage in the topology's order, ranks ascending within a stage (as `verify`)."""
-    position = {SETUP_STAGE: -1, **{s: i for i, s in enumerate(problem.topology.stages)}}
+    position = {SETUP_STAGE: -1, **{s: i for i, s in enumerate(problem.stages)}}
     return sorted(results, key=lambda r: (position.get(r.stage, len(position)), r.rank or 0))
 
 
@@ -418,16 +445,29 @@ def _dump(
     directory: Path, problem: MoEProblem, work: RankWork, ctx: RankContext, report: Report | None
 ) -> None:
     """A failing case for `moe-verify replay`: rank 0 writes the problem, the report and the
-    inputs (every rank builds the same ones from the seed), each rank its own traces."""
+    inputs (every rank builds the same ones from the seed), each rank its own traces; rank 0
+    then says which ranks' traces are missing, and why."""
     from moe_verify.dump import dump_header, dump_rank_traces
 
     out = directory / problem.id
-    if ctx.rank == 0 and report is not None and work.inputs is not None:
-        dump_header(directory, problem, work.inputs, report)
-    dump_rank_traces(out, ctx.rank, dict(work.traces))
-    _barrier(ctx)  # the dump is whole once every rank has written
+    problem_text = None
+    try:
+        if ctx.rank == 0 and report is not None:
+            inputs = work.inputs
+            if inputs is None:  # rank 0 failed before its inputs were kept: the seed rebuilds them
+                from moe_verify.inputs import make_inputs
+
+                inputs = make_inputs(problem, ctx.device)
+            dump_header(directory, problem, inputs, report)
+        if not work.traces:
+            problem_text = "no traces (it failed before comparing)"
+        dump_rank_traces(out, ctx.rank, dict(work.traces))
+    except Exception as exc:  # noqa: BLE001 - reported by rank 0; the gather below must happen
+        problem_text = f"{type(exc).__name__}: {exc}"
+    problems = _gather_objects(ctx, problem_text)  # also: the dump is whole once all wrote
     if ctx.rank == 0:
-        print(f"dump: {out}", flush=True)
+        gaps = [f"rank {q}: {text}" for q, text in enumerate(problems) if text]
+        print(f"dump: {out}" + (f" (incomplete: {'; '.join(gaps)})" if gaps else ""), flush=True)
 
 
 @record

@@ -18,9 +18,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_verify.distributed import _reduce_result, failed_ranks
+from moe_verify.distributed import _partials, _reduce_result, failed_ranks, finish
+from moe_verify.inputs import make_inputs
+from moe_verify.runner import reduce_ranks, run_chained
 from moe_verify.spec import MoEInputs, MoEProblem, Trace
 from optimized.backend import OptimizedBackend
+from reference.moe import ReferenceBackend
 
 pytestmark = pytest.mark.cpu
 
@@ -229,6 +232,71 @@ def test_a_rank_that_hangs_is_named_after_the_timeout(tmp_path: Path) -> None:
 
 
 # In-process checks of the pieces a healthy run cannot exercise.
+
+
+def _shared_problem(topology: str) -> MoEProblem:
+    return MoEProblem(
+        tokens=8,
+        hidden=128,
+        intermediate=256,
+        num_experts=4,
+        topk=2,
+        topology=topology,
+        shared_experts=1,
+    )
+
+
+# The reduce stage is compared within a GEMM's bound, which would let a wrong rounding order
+# pass; here the ranks' partials must sum to the emulated reduce bit for bit, for both finishes.
+@pytest.mark.parametrize("topology", ["tp:2", "ep:2", "ep:2+ht", "ep:2+ll"])
+def test_rank_partials_sum_to_the_emulated_reduce_bit_for_bit(topology: str) -> None:
+    p = _shared_problem(topology)
+    inputs = make_inputs(p, "cpu")
+    traces = [run_chained(ReferenceBackend(), p, inputs, r) for r in range(2)]
+    parts = [_partials(t, p) for t in traces]
+    assert all(x.missing is None and x.reduce is not None for x in parts)
+    combined = topology.endswith(("+ht", "+ll"))
+    assert all((x.shared is not None) == combined for x in parts)
+    total = parts[0].reduce + parts[1].reduce  # what the SUM all-reduce leaves, fp32
+    shared = parts[0].shared + parts[1].shared if combined else None
+    want = reduce_ranks(traces, p)["out"]
+    assert torch.equal(finish(total, shared).view(torch.int16), want.view(torch.int16))
+
+
+def test_a_misshaped_shared_output_is_named_not_all_reduced() -> None:
+    p = _shared_problem("ep:2+ht")
+    trace = run_chained(ReferenceBackend(), p, make_inputs(p, "cpu"), 1)
+    bad = Trace(trace.backend, trace.rank)
+    for stage, outs in trace.items():
+        bad.add(stage, {**outs, "out": outs["out"][:-1]} if stage == "shared" else outs)
+    assert _partials(bad, p).missing == "shared out is (7, 128), not (8, 128)"
+    assert _partials(trace, p).missing is None
+
+
+def test_a_dump_from_a_rank_with_nothing_says_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 failed before comparing (no traces, no inputs kept): the dump still gets the
+    problem, the report and the inputs (rebuilt from the seed), and says what it lacks."""
+    import torch.distributed as dist
+
+    from moe_verify.distributed import RankContext, RankWork, _dump
+    from tolerance.report import Report
+
+    p = MoEProblem(tokens=8, hidden=128, intermediate=256, num_experts=4, topk=2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        ctx = RankContext(0, 1, 0, torch.device("cpu"), "gloo", None)
+        _dump(tmp_path / "d", p, RankWork({}, {}), ctx, Report(p, "x", "chained", chained=[]))
+    finally:
+        dist.destroy_process_group()
+    case = tmp_path / "d" / p.id
+    assert sorted(f.name for f in case.iterdir()) == [
+        "inputs.safetensors",
+        "problem.json",
+        "report.json",
+    ]
+    assert "(incomplete: rank 0: no traces (it failed before comparing))" in capsys.readouterr().out
 
 
 def test_ranks_agree_fails_when_a_rank_holds_other_bits() -> None:
