@@ -117,7 +117,7 @@ class KindErrors:
     @property
     def ratio(self) -> float:
         """Full E8M0 over E8M0 activation scales alone, as the model verdict's ratio."""
-        return self.out_err_e8m0 / self.out_err_e8m0_act if self.out_err_e8m0_act else math.nan
+        return _ratio(self.out_err_e8m0, self.out_err_e8m0_act)
 
 
 @dataclass
@@ -137,6 +137,10 @@ class LayerAudit:
     @property
     def out_err_e8m0(self) -> float:
         return _rms([w.out_err_e8m0 for w in self.weights])
+
+    @property
+    def ratio(self) -> float:
+        return _ratio(self.out_err_e8m0, self.out_err_e8m0_act)
 
 
 @dataclass
@@ -240,6 +244,10 @@ class AuditReport:
 
 def _rms(values: list[float]) -> float:
     return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
+
+
+def _ratio(full: float, activations: float) -> float:
+    return full / activations if activations else math.nan
 
 
 def _rss(values: list[float]) -> float:

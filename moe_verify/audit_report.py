@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from moe_verify.audit import HIST_BINS, AuditReport
@@ -57,7 +56,6 @@ def to_markdown(report: AuditReport, plots: list[str] | None = None) -> str:
     for layer in report.layers:
         s = layer.scales
         worst = max(layer.weights, key=lambda w: w.out_err_e8m0, default=None)
-        ratio = layer.out_err_e8m0 / layer.out_err_e8m0_act if layer.out_err_e8m0_act else math.nan
         tail = (
             f"{worst.name} | {worst.weight_rel_err:.3g} | {worst.codes_changed:.1%}"
             if worst
@@ -67,7 +65,7 @@ def to_markdown(report: AuditReport, plots: list[str] | None = None) -> str:
             f"| {'-' if layer.layer is None else layer.layer} | {s.blocks} | "
             f"{s.pow2_fraction:.1%} | {s.mean_bits_lost:.4f} | {len(layer.weights)} | "
             f"{layer.out_err_fp32:.4g} | {layer.out_err_e8m0_act:.4g} | {layer.out_err_e8m0:.4g} "
-            f"| {ratio:.3f} | {tail} |"
+            f"| {layer.ratio:.3f} | {tail} |"
         )
     lines += [
         "",

@@ -169,13 +169,9 @@ def _tag(
     return tagged
 
 
-def _token_space(trace: Trace, problem: MoEProblem) -> torch.Tensor | None:
-    """This rank's gather output as an fp32 [T, H] partial (ep+ht rows scattered to their
-    tokens, zeros elsewhere: the combine); None when gather did not run."""
-    from moe_verify.runner import did_not_run
-
-    if "gather" not in trace or did_not_run(trace["gather"]):
-        return None
+def _token_space(trace: Trace, problem: MoEProblem) -> torch.Tensor:
+    """This rank's gather output (which ran) as an fp32 [T, H] partial (ep+ht rows scattered to
+    their tokens, zeros elsewhere: the combine)."""
     out = trace["gather"]["out"]
     index = trace["route"].get("token_index") if "route" in trace else None
     if index is None:

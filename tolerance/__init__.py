@@ -19,8 +19,8 @@ from tolerance.compare import (
     compare_stage,
     default_stages,
     not_compared,
-    unpack_ue8m0,
 )
+from tolerance.layouts import unpack_ue8m0
 from tolerance.policy import ANY, POLICY, Check, Limit, Rule, policy_for
 from tolerance.report import Report, failure_message
 

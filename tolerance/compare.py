@@ -24,7 +24,7 @@ from moe_verify.spec import REDUCE_STAGE, MoEProblem, Trace
 from tolerance.bounded_stages import act_quant_checks, gemm_checks, token_output_checks
 from tolerance.checks import Ctx, comparison_device
 from tolerance.exact_stages import align_checks, permute_checks, quant_input_checks, route_checks
-from tolerance.layouts import flatten_batched, scale_values, unpack_ue8m0
+from tolerance.layouts import flatten_batched
 from tolerance.policy import CONTRACT_REASON, MODES, policy_for
 from tolerance.results import (
     ERROR_KEY,
@@ -35,7 +35,7 @@ from tolerance.results import (
     Worst,
 )
 
-__all__ = [  # what other modules read from here, beside the entry points
+__all__ = [  # the entry points, and the result types callers read with them
     "ERROR_KEY",
     "SKIP_KEY",
     "CheckResult",
@@ -45,10 +45,7 @@ __all__ = [  # what other modules read from here, beside the entry points
     "compare",
     "compare_stage",
     "default_stages",
-    "flatten_batched",
     "not_compared",
-    "scale_values",
-    "unpack_ue8m0",
 ]
 
 
