@@ -7,6 +7,8 @@ major == 10, `multi_gpu` two or more GPUs. Every skip carries its reason.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING
 
 # xdist workers share the cores: one BLAS thread each (the Triton interpreter's tl.dot is a numpy
 # matmul, and oversubscribed OpenBLAS threads made the CPU tier ~1.6x slower on 2 cores).
@@ -24,11 +26,13 @@ if _worker.startswith("gw") and "CUDA_VISIBLE_DEVICES" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Without a GPU, Triton kernels run under its interpreter; the flag must be set before triton is
-# imported anywhere, and the interpreter's wrong float casts are replaced (ENVIRONMENT.md).
-from moe_verify.device import cuda_arch_major, prepare_triton  # noqa: E402
+# Without a GPU, Triton kernels run under its interpreter: `optimized` sets that up (with its
+# float-cast fixes) when imported, which must happen before any test module imports triton.
+import optimized  # noqa: E402, F401
+from moe_verify.device import cuda_arch_major  # noqa: E402
 
-prepare_triton()
+if TYPE_CHECKING:
+    from tolerance.report import Report
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,7 +69,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """On failure, print the stage table of any verification report the test recorded."""
     report = yield
     if report.when == "call" and report.failed:
@@ -75,10 +81,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 
 @pytest.fixture
-def record_report(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def record_report(request: pytest.FixtureRequest) -> Callable[[Report], Report]:
     """Call with a Report; if the test then fails, its stage table is shown in the failure."""
 
-    def record(report):  # type: ignore[no-untyped-def]
+    def record(report: Report) -> Report:
         request.node.moe_reports = [*getattr(request.node, "moe_reports", []), report]
         return report
 

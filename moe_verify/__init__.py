@@ -1,45 +1,53 @@
-"""moe-verify: stage-by-stage verification of DeepGEMM fused-MoE paths against a PyTorch golden."""
+"""moe-verify: stage-by-stage verification of DeepGEMM fused-MoE paths against a PyTorch golden.
+
+The package is the shared vocabulary (`moe_verify.spec`) that reference/, optimized/ and tolerance/
+import, and the harness built on them. Its names load lazily, so importing the vocabulary never
+imports the harness (and never triton: optimized/ decides how Triton runs).
+"""
 
 from __future__ import annotations
 
-# `verify` names both a submodule and the function; binding the function here, after the
-# submodule import, makes `from moe_verify import verify` the function in every import order.
-from moe_verify.inputs import make_inputs  # noqa: E402
-from moe_verify.spec import (
-    LL_STAGES,
-    STAGES,
-    Activation,
-    Backend,
-    MoEInputs,
-    MoEProblem,
-    Placement,
-    QuantizedWeight,
-    Recipe,
-    Routing,
-    ScaleFmt,
-    StageSkipped,
-    Topology,
-    TopologyKind,
-    Trace,
-)
-from moe_verify.verify import verify  # noqa: E402
+import importlib
+from typing import Any
 
-__all__ = [
-    "LL_STAGES",
-    "STAGES",
-    "Activation",
-    "Backend",
-    "MoEInputs",
-    "MoEProblem",
-    "Placement",
-    "QuantizedWeight",
-    "Recipe",
-    "Routing",
-    "ScaleFmt",
-    "StageSkipped",
-    "Topology",
-    "TopologyKind",
-    "Trace",
-    "make_inputs",
-    "verify",
-]
+# name -> module that defines it
+_EXPORTS = {
+    **dict.fromkeys(
+        (
+            "LL_STAGES",
+            "STAGES",
+            "Activation",
+            "Backend",
+            "Engine",
+            "MoEInputs",
+            "MoEProblem",
+            "Mode",
+            "Placement",
+            "QuantizedWeight",
+            "Recipe",
+            "Routing",
+            "ScaleFmt",
+            "Stage",
+            "StageSkipped",
+            "Status",
+            "Topology",
+            "TopologyKind",
+            "Trace",
+        ),
+        "moe_verify.spec",
+    ),
+    "make_inputs": "moe_verify.inputs",
+    "verify": "moe_verify.verification",
+    "verify_rank": "moe_verify.verification",
+    "replay": "moe_verify.verification",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'moe_verify' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

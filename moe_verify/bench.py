@@ -19,11 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import MoEProblem, Trace
+from moe_verify.spec import Engine, Mode, MoEProblem, Stage, Trace
 
 # Bytes moved by a bandwidth-bound stage, from its inputs and outputs (read + write).
-_BANDWIDTH_STAGES = ("quant_input", "permute", "act_quant", "gather")
-_GEMM_STAGES = ("gemm1", "gemm2")
+_GEMM_STAGES = (Stage.GEMM1, Stage.GEMM2)
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ def _stage_bytes(stage: str, up: Trace, out: dict[str, object]) -> int:
 
 def bench(
     problem: MoEProblem,
-    engines: tuple[str, ...] = ("triton", "deepgemm"),
+    engines: tuple[Engine, ...] = (Engine.TRITON, Engine.DEEPGEMM),
     repeats: int = 20,
     device: torch.device | str | None = None,
 ) -> list[StageTiming]:
@@ -114,10 +113,10 @@ def bench(
     bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
     timings: list[StageTiming] = []
     for stage in problem.stages:
-        if stage in ("route", "align", "dispatch"):
+        if stage in (Stage.ROUTE, Stage.ALIGN, Stage.DISPATCH):
             continue  # host bookkeeping or communication stand-ins, not kernels under test
         up = golden.upto(stage)
-        for engine in engines if stage in _GEMM_STAGES else ("triton",):
+        for engine in engines if stage in _GEMM_STAGES else (Engine.TRITON,):
             backend = OptimizedBackend(engine=engine)
             try:
                 backend.run_stage(stage, problem, inputs, up, 0)
@@ -183,13 +182,12 @@ def compare_cost(
 ) -> list[CompareTiming]:
     """What verification itself costs: rank 0's golden and optimized traces (isolated and
     chained) compared on the golden's device and on the host, side by side on the same traces."""
-    from moe_verify.runner import MODES, resolve_backend, run_rank
-    from tolerance.compare import compare
+    from moe_verify.runner import resolve_backend
+    from moe_verify.verification import compare_rank, verify_rank
 
     inputs = make_inputs(problem, device)
-    run = run_rank(
-        problem, inputs, resolve_backend("optimized"), resolve_backend("golden"), MODES, 0
-    )
+    tested, golden = resolve_backend("optimized"), resolve_backend("golden")
+    run = verify_rank(problem, inputs, tested, golden, 0, tuple(Mode)).run
     here = inputs.hidden_states.device
     places = [here] if here.type == "cpu" else [here, torch.device("cpu")]
     out = []
@@ -197,9 +195,8 @@ def compare_cost(
         samples = []
         for _ in range(repeats):  # comparisons end in host reads, so wall time is device time
             t0 = time.perf_counter()
-            for mode in MODES:
-                other = getattr(run, mode)
-                compare(run.golden, other, problem, list(problem.stages), mode=mode, device=where)
+            for mode in Mode:
+                compare_rank(problem, run, mode, where)
             samples.append(time.perf_counter() - t0)
         out.append(CompareTiming(str(where), statistics.median(samples)))
     return out

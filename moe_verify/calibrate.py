@@ -10,10 +10,10 @@ over seeds and headroom = value / limit (100% is at the limit):
 and, apart, the accuracy cost of E8M0 scales: the golden output of the same case under each scale
 format of its recipe against a bf16 MoE on the unquantized master weights.
 
-Check values are the CheckResults of `tolerance.compare`, the numbers a verification reports. The
-one number compare does not return, the worst element's excess ratio |a-b| / (atol*rowmax|golden|
-+ rtol*|golden|), is measured here with `tolerance.metrics` on the same (token, k)-keyed rows; its
-calc_diff must equal compare's, or the run stops (the keying here has drifted from compare's).
+Check values are the CheckResults of `verify_rank`, the numbers a verification reports. The one
+number it does not return, the worst element's excess ratio |a-b| / (atol*rowmax|golden| +
+rtol*|golden|), is measured with `tolerance.metrics` on the rows `tolerance.compare.keyed_values`
+keys by (token, k), the keying the bounded checks themselves use.
 """
 
 from __future__ import annotations
@@ -31,23 +31,24 @@ from pathlib import Path
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.runner import RankRun, reduce_ranks, resolve_backend, run_chained, run_isolated
+from moe_verify.runner import resolve_backend, run_golden
 from moe_verify.spec import (
-    REDUCE_STAGE,
-    STAGES,
+    REPORT_STAGES,
     Backend,
-    MoEInputs,
+    Mode,
     MoEProblem,
     Recipe,
     ScaleFmt,
+    Stage,
+    Status,
     Topology,
     Trace,
 )
-from reference.activation import swiglu
-from reference.moe import ReferenceBackend
-from tolerance.compare import StageResult, compare, compare_stage
-from tolerance.layouts import flatten_batched, scale_values
-from tolerance.metrics import calc_diff, e4m3_value, excess_ratio, row_max, row_rel_error
+from moe_verify.verification import has_reduce, reduce_traces, verify_rank
+from reference import ReferenceBackend
+from reference.master import master_moe
+from tolerance.compare import StageResult, compare_stage, keyed_values
+from tolerance.metrics import calc_diff, excess_ratio, row_max, row_rel_error
 from tolerance.policy import policy_for
 
 P = MoEProblem
@@ -69,7 +70,7 @@ CALIBRATION: list[MoEProblem] = [
 ]
 
 EXCESS = "excess ratio"
-_STAGE_ORDER = {s: i for i, s in enumerate((*STAGES, "dispatch", REDUCE_STAGE))}
+_STAGE_ORDER = {s: i for i, s in enumerate(REPORT_STAGES)}
 
 
 @dataclass
@@ -270,20 +271,23 @@ def _measure(
     golden = ReferenceBackend()
     golden64 = ReferenceBackend(precision=torch.float64)
     ranks = range(problem.topology.size)
-    gold = [run_chained(golden, problem, inputs, r) for r in ranks]
+    gold = [run_golden(golden, problem, inputs, r) for r in ranks]
     for name, backend in (("golden64", golden64), (tested.name, tested)):
-        for mode in ("isolated", "chained"):
-            runs = [RankRun(r, gold[r]) for r in ranks]
-            for run in runs:
-                if mode == "chained":
-                    run.chained = run_chained(backend, problem, inputs, run.rank)
-                else:
-                    run.isolated = run_isolated(backend, problem, inputs, run.golden, run.rank)
-            for result, golden_trace, other in _compared(problem, runs, mode):
-                engine = other[result.stage].get("engine") if result.stage in other else None
-                if backend is tested and isinstance(engine, str):
-                    engines.add(engine)
-                if result.status in ("skip", "error"):
+        verdicts = [
+            verify_rank(problem, inputs, backend, golden, r, tuple(Mode), golden_trace=gold[r])
+            for r in ranks
+        ]
+        for mode in Mode:
+            compared = [
+                (res, v.run.golden, v.run.tested[mode]) for v in verdicts for res in v.results[mode]
+            ]
+            if has_reduce(problem):
+                g, t = reduce_traces(problem, [v.run for v in verdicts], mode)
+                compared.append((compare_stage(Stage.REDUCE, g, t, problem, mode=mode), g, t))
+            for result, golden_trace, other in compared:
+                if backend is tested and result.engine is not None:
+                    engines.add(result.engine)
+                if result.status in (Status.SKIP, Status.ERROR):
                     notes.append(
                         f"{problem.id} {name}/{mode} {result.label}: {result.status}: "
                         f"{result.reason}"
@@ -292,82 +296,26 @@ def _measure(
                 yield from _samples(f"{name}/{mode}", result, golden_trace, other, problem, mode)
 
 
-def _compared(
-    problem: MoEProblem, runs: list[RankRun], mode: str
-) -> Iterator[tuple[StageResult, Trace, Trace]]:
-    """Each stage result of every rank, then `reduce` across ranks, with the traces compared."""
-    stages = list(problem.stages)
-    for run in runs:
-        other: Trace = getattr(run, mode)
-        for result in compare(run.golden, other, problem, stages, mode=mode):
-            yield result, run.golden, other
-    if len(runs) > 1:
-        golden = Trace("golden")
-        golden.add(REDUCE_STAGE, reduce_ranks([r.golden for r in runs], problem))
-        other = Trace(getattr(runs[0], mode).backend)
-        other.add(REDUCE_STAGE, reduce_ranks([getattr(r, mode) for r in runs], problem))
-        yield compare_stage(REDUCE_STAGE, golden, other, problem, mode=mode), golden, other
-
-
 def _samples(
-    source: str, result: StageResult, golden: Trace, other: Trace, problem: MoEProblem, mode: str
+    source: str,
+    result: StageResult,
+    golden: Trace,
+    other: Trace,
+    problem: MoEProblem,
+    mode: Mode,
 ) -> Iterator[Sample]:
     """The check values of one compared stage, plus the worst element's excess ratio."""
     for c in result.checks:
         yield source, result.stage, c.name, float(c.value), float(c.limit)
     limits = policy_for(result.stage, problem, mode).limits()
-    reported = next((c.value for c in result.checks if c.name == "calc_diff"), None)
     keyed = all(c.name != "row map" for c in result.checks)
-    if "atol" not in limits or "rtol" not in limits or reported is None or not keyed:
+    if "atol" not in limits or "rtol" not in limits or not keyed:
         return  # no per-element bound, or compare could not key every row (its checks say why)
-    a, b = _aligned(result.stage, golden, other, problem, mode)
+    a, b = keyed_values(result.stage, golden, other, problem, mode)
+    a, b = a.cpu(), b.cpu()
     ratio = excess_ratio(a, b, limits["atol"].value, limits["rtol"].value, row_max(b))
     worst = float(ratio.nan_to_num(nan=math.inf).max()) if ratio.numel() else 0.0
-    if not math.isclose(calc_diff(a, b), reported, rel_tol=1e-9, abs_tol=1e-15):
-        raise RuntimeError(
-            f"{result.stage}: calibrate keyed rows unlike tolerance.compare (calc_diff "
-            f"{calc_diff(a, b):.6g} here, {reported:.6g} there)"
-        )
     yield source, result.stage, EXCESS, worst, 1.0
-
-
-def _aligned(
-    stage: str, golden: Trace, other: Trace, problem: MoEProblem, mode: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tested, golden) values compare bounds element by element, rows keyed by (token, k).
-
-    gemm and act_quant rows sit where the permute the stage consumed puts each live slot: the
-    golden's in isolated mode, the tested side's own when chained (as tolerance.compare keys them;
-    a batched low-latency layout is first seen as a contiguous one, as there).
-    """
-    golden, other = flatten_batched(golden), flatten_batched(other)
-    if stage in ("gather", REDUCE_STAGE):
-        return _cpu(other[stage]["out"]), _cpu(golden[stage]["out"])
-    g_inv = _cpu(golden["permute"]["inv_perm"]).long()
-    layout = other if mode == "chained" else golden
-    o_inv = _cpu(layout["permute"]["inv_perm"]).long()
-    live = g_inv >= 0
-    if stage == "act_quant":
-        a = _dequantized(other, problem)
-        b = _dequantized(golden, problem)
-    else:
-        name = {"gemm1": "mm1", "gemm2": "mm2"}[stage]
-        a, b = _cpu(other[stage][name]), _cpu(golden[stage][name])
-    return a[o_inv[live]], b[g_inv[live]]
-
-
-def _dequantized(trace: Trace, problem: MoEProblem) -> torch.Tensor:
-    """act_quant's a2q x a2q_scale as fp32 values [M_sum, I]."""
-    q = _cpu(trace["act_quant"]["a2q"])
-    group = problem.recipe.act_group
-    scales = scale_values(_cpu(trace["act_quant"]["a2q_scale"]), q.shape[1] // group)
-    return e4m3_value(q) * scales.float().repeat_interleave(group, dim=1)
-
-
-def _cpu(x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a tensor, got {type(x).__name__}")
-    return x.detach().cpu()
 
 
 # E8M0 cost ---------------------------------------------------------------------------------------
@@ -386,33 +334,14 @@ def _e8m0_costs(case: MoEProblem, seed: int, costs: dict[str, E8M0Cost]) -> None
         problem = base.replace(seed=seed)
         inputs = make_inputs(problem)
         trace = ReferenceBackend().run(problem, inputs)
-        out = _cpu(trace["gather"]["out"]).double()
+        out = trace["gather"]["out"].detach().cpu().double()
         route = trace["route"]
-        master = master_moe(problem, inputs, route["topk_ids"], route["topk_weights"]).double()
+        master = (
+            master_moe(problem, inputs, route["topk_ids"], route["topk_weights"]).cpu().double()
+        )
         cost.calc_diff[seed] = calc_diff(out, master)
         cost.rel_l2[seed] = float((out - master).norm() / master.norm())
         cost.row_err[seed] = float(row_rel_error(out, master)[0].max())
-
-
-def master_moe(
-    problem: MoEProblem, inputs: MoEInputs, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """fp32 [T, H]: the MoE of a bf16 model on the unquantized master weights (one rank, no TP).
-
-    Per live slot (t, k) with expert e: mm1 = bf16(x[t] @ w13[e]^T) in fp32 math; y = swiglu(mm1)
-    rounded to bf16 once; out[t] += w[t, k] * (y @ w2[e]^T) in fp32. No fp8 anywhere, so the
-    distance from a quantized output to this one is what the recipe and its scales cost.
-    """
-    x = inputs.hidden_states.float()
-    out = torch.zeros(x.shape[0], inputs.w2.shape[1], dtype=torch.float32, device=x.device)
-    ids = topk_ids.long()
-    for e in torch.unique(ids[ids >= 0]).tolist():
-        tokens, slots = (ids == e).nonzero(as_tuple=True)
-        mm1 = (x[tokens] @ inputs.w13[e].float().T).to(torch.bfloat16)
-        y = swiglu(mm1, problem.activation, "packed")
-        mm2 = y @ inputs.w2[e].float().T
-        out.index_add_(0, tokens, mm2 * topk_weights[tokens, slots].float().unsqueeze(1))
-    return out
 
 
 # Rendering ---------------------------------------------------------------------------------------
@@ -472,7 +401,7 @@ def _environment() -> dict[str, object]:
         commit = None
     cuda = torch.cuda.is_available()
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit,
         "torch": torch.__version__,
         "triton": triton_version,

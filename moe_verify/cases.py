@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from moe_verify.spec import Activation, MoEProblem, Recipe, Routing, ScaleFmt, Topology
 
 P = MoEProblem
@@ -113,16 +115,16 @@ TOPOLOGY: list[MoEProblem] = [
 ]
 
 # GPU nightly: the shapes vLLM runs (issue 3), FP8 block through DeepGEMM, both SM90 formats.
-DSV3_LOCAL = dict(hidden=7168, intermediate=2048, num_experts=32, topk=8)
-QWEN3 = dict(hidden=4096, intermediate=1536, num_experts=128, topk=8)
+DSV3_LOCAL: dict[str, Any] = dict(hidden=7168, intermediate=2048, num_experts=32, topk=8)
+QWEN3: dict[str, Any] = dict(hidden=4096, intermediate=1536, num_experts=128, topk=8)
 
 
 def nightly() -> list[MoEProblem]:
     cases: list[MoEProblem] = []
     for fmt in (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0):
         for tokens in (1, 7, 128, 1000, 4096):  # decode .. prefill, DeepSeek-V3 EP8-local
-            cases.append(P(tokens=tokens, scale_fmt=fmt, **DSV3_LOCAL))  # type: ignore[arg-type]
-        cases.append(P(tokens=512, scale_fmt=fmt, **QWEN3))  # type: ignore[arg-type]
+            cases.append(P(tokens=tokens, scale_fmt=fmt, **DSV3_LOCAL))
+        cases.append(P(tokens=512, scale_fmt=fmt, **QWEN3))
         cases.append(
             P(tokens=256, hidden=2048, intermediate=256, num_experts=16, topk=4, scale_fmt=fmt)
         )  # small I: Triton by _valid_deep_gemm unless E8M0

@@ -13,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from moe_verify.runner import RankRun
 from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Trace
+from tolerance.report import Report
 
 
 def _inputs_to_tensors(inputs: MoEInputs) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -37,7 +40,7 @@ def _inputs_to_tensors(inputs: MoEInputs) -> tuple[dict[str, torch.Tensor], dict
 def _inputs_from_tensors(
     tensors: dict[str, torch.Tensor], meta: dict[str, str], device: torch.device | str
 ) -> MoEInputs:
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     for f in dataclasses.fields(MoEInputs):
         if f.name in tensors:
             values[f.name] = tensors[f.name].to(device)
@@ -48,7 +51,7 @@ def _inputs_from_tensors(
             )
         else:
             values[f.name] = None
-    return MoEInputs(**values)  # type: ignore[arg-type]
+    return MoEInputs(**values)
 
 
 def save_trace(trace: Trace, path: Path) -> None:
@@ -88,16 +91,17 @@ def load_trace(path: Path) -> Trace:
     return trace
 
 
-def dump_case(directory: Path, problem: MoEProblem, inputs: MoEInputs, runs: list, report) -> Path:  # type: ignore[no-untyped-def]
+def dump_case(
+    directory: Path, problem: MoEProblem, inputs: MoEInputs, runs: list[RankRun], report: Report
+) -> Path:
     """Write everything needed to reproduce and inspect a failing case."""
     out = dump_header(directory, problem, inputs, report)
     for run in runs:
-        sides = {side: getattr(run, side) for side in ("golden", "isolated", "chained")}
-        dump_rank_traces(out, run.rank, sides)
+        dump_rank_traces(out, run.rank, {"golden": run.golden, **run.tested})
     return out
 
 
-def dump_header(directory: Path, problem: MoEProblem, inputs: MoEInputs, report) -> Path:  # type: ignore[no-untyped-def]
+def dump_header(directory: Path, problem: MoEProblem, inputs: MoEInputs, report: Report) -> Path:
     """The case directory with problem.json, report.json and inputs.safetensors; its path."""
     out = Path(directory) / problem.id
     out.mkdir(parents=True, exist_ok=True)
@@ -132,11 +136,3 @@ def load_case(
         meta = f.metadata() or {}
     inputs = _inputs_from_tensors(load_file(str(path)), meta, device or default_device())
     return problem, inputs
-
-
-def replay(directory: Path, backend: str = "optimized", engine: str = "auto", mode: str = "both"):  # type: ignore[no-untyped-def]
-    """Re-run a dumped case on the dumped inputs (bit-identical to the failing run)."""
-    from moe_verify.verify import verify
-
-    problem, inputs = load_case(directory)
-    return verify(problem, backend=backend, mode=mode, inputs=inputs, engine=engine)

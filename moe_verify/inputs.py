@@ -11,9 +11,9 @@ import math
 import torch
 
 from moe_verify.device import default_device
-from moe_verify.provenance import tag_hidden_states
 from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Recipe, Routing
 from reference import formats
+from tolerance.provenance import tag_hidden_states
 
 # A logit offset large enough that softmax/top-k never picks (or always picks) an expert.
 _NEVER = -1.0e4

@@ -12,33 +12,107 @@ import enum
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-# Stage names of one rank's staged forward, in order (DESIGN.md "stage contract").
-STAGES: tuple[str, ...] = (
-    "route",
-    "quant_input",
-    "align",
-    "permute",
-    "gemm1",
-    "act_quant",
-    "gemm2",
-    "gather",
+
+class Stage(enum.StrEnum):
+    """Stage names of one rank's staged forward (DESIGN.md "stage contract"), plus the cross-rank
+    `reduce` that the topology runner makes from every rank's trace."""
+
+    ROUTE = "route"
+    QUANT_INPUT = "quant_input"
+    ALIGN = "align"
+    PERMUTE = "permute"
+    DISPATCH = "dispatch"  # ep:N+ll: replaces align + permute by the batched layout
+    GEMM1 = "gemm1"
+    ACT_QUANT = "act_quant"
+    GEMM2 = "gemm2"
+    GATHER = "gather"
+    SHARED = "shared"  # the shared experts' dense MLP, after the routed stages
+    REDUCE = "reduce"
+
+
+# One rank's stages in order: the contiguous layout, and the batched low-latency one (ep:N+ll).
+STAGES: tuple[Stage, ...] = (
+    Stage.ROUTE,
+    Stage.QUANT_INPUT,
+    Stage.ALIGN,
+    Stage.PERMUTE,
+    Stage.GEMM1,
+    Stage.ACT_QUANT,
+    Stage.GEMM2,
+    Stage.GATHER,
 )
-# The batched low-latency layout (ep:N+ll) replaces align + permute by one dispatch stage.
-LL_STAGES: tuple[str, ...] = (
-    "route",
-    "quant_input",
-    "dispatch",
-    "gemm1",
-    "act_quant",
-    "gemm2",
-    "gather",
+LL_STAGES: tuple[Stage, ...] = (
+    Stage.ROUTE,
+    Stage.QUANT_INPUT,
+    Stage.DISPATCH,
+    Stage.GEMM1,
+    Stage.ACT_QUANT,
+    Stage.GEMM2,
+    Stage.GATHER,
 )
-# Cross-rank stage, produced by the topology runner from every rank's trace.
-REDUCE_STAGE = "reduce"
+# Every stage a report can hold, in report order (contiguous and batched layouts merged).
+REPORT_STAGES: tuple[Stage, ...] = (
+    Stage.ROUTE,
+    Stage.QUANT_INPUT,
+    Stage.ALIGN,
+    Stage.PERMUTE,
+    Stage.DISPATCH,
+    Stage.GEMM1,
+    Stage.ACT_QUANT,
+    Stage.GEMM2,
+    Stage.GATHER,
+    Stage.SHARED,
+    Stage.REDUCE,
+)
+
+
+class Mode(enum.StrEnum):
+    """How the tested backend's stages are fed (DESIGN.md "Two comparison modes")."""
+
+    ISOLATED = "isolated"  # each stage on the golden's upstream: a divergence is that stage's
+    CHAINED = "chained"  # end to end on its own outputs: what a user gets
+
+    @staticmethod
+    def select(text: str | Mode) -> tuple[Mode, ...]:
+        """'isolated', 'chained' or 'both' (isolated first: it names the culprit)."""
+        if text == "both":
+            return (Mode.ISOLATED, Mode.CHAINED)
+        try:
+            return (Mode(text),)
+        except ValueError:
+            raise ValueError(
+                f"mode: expected 'isolated', 'chained' or 'both', got {text!r}"
+            ) from None
+
+
+MODE_CHOICES: tuple[str, ...] = (*(m.value for m in Mode), "both")
+
+
+class Status(enum.StrEnum):
+    """Verdict of one compared stage (or one case)."""
+
+    PASS = "pass"
+    FAIL = "fail"  # a check failed
+    SKIP = "skip"  # not compared here (the reason says why); never a pass
+    ERROR = "error"  # a side raised, or the comparison could not run
+
+    @property
+    def failing(self) -> bool:
+        return self in (Status.FAIL, Status.ERROR)
+
+
+class Engine(enum.StrEnum):
+    """The GEMM engine of the optimized path (DESIGN.md "Recipes and scale formats")."""
+
+    AUTO = "auto"  # DeepGEMM where it can run this problem, else Triton
+    DEEPGEMM = "deepgemm"
+    TRITON = "triton"
+
+
 # ep:N+ll batches hold whole blocks of this many rows (the masked GEMM's largest BLOCK_M).
 LL_BLOCK_ROWS = 128
 
@@ -46,15 +120,12 @@ FP8_MAX = 448.0
 E2M1_MAX = 6.0
 
 
-class Recipe(str, enum.Enum):
+class Recipe(enum.StrEnum):
     """Quantization recipe of one MoE layer (DESIGN.md "Recipes and scale formats")."""
 
     FP8_BLOCK = "fp8_block"  # e4m3 activations 1x128, e4m3 weights 128x128 blocks
     MXFP8 = "mxfp8"  # e4m3 activations and weights, 1x32 groups, E8M0 scales
     MXFP4_W4A8 = "mxfp4_w4a8"  # e4m3 activations 1x128, E2M1 weights 1x32 with E8M0 scales
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def act_group(self) -> int:
@@ -76,15 +147,12 @@ class Recipe(str, enum.Enum):
         return (ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED)
 
 
-class ScaleFmt(str, enum.Enum):
+class ScaleFmt(enum.StrEnum):
     """How activation scales are stored (vLLM's DeepGemmQuantScaleFMT)."""
 
     FLOAT32 = "float32"  # plain fp32 amax/448
     FLOAT32_CEIL_UE8M0 = "float32_ceil_ue8m0"  # fp32 storage, rounded up to a power of two (SM90)
     UE8M0_PACKED = "ue8m0_packed"  # exponent bytes, 4 per int32, MN-major TMA-aligned (SM100)
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def is_ue8m0(self) -> bool:
@@ -144,7 +212,7 @@ class Activation:
         raise ValueError(f"activation {text!r}: expected 'silu[:L<limit>]' or 'swigluoai[:a:b:L]'")
 
 
-class Routing(str, enum.Enum):
+class Routing(enum.StrEnum):
     """How topk ids and weights are produced by `make_inputs` (each names the edge it exercises)."""
 
     SOFTMAX = "softmax"  # softmax top-k over random logits, renormalized
@@ -158,18 +226,15 @@ class Routing(str, enum.Enum):
     INVALID_SLOTS = "invalid_slots"  # about a quarter of the slots are -1, some tokens entirely
     DUPLICATES = "duplicates"  # ids drawn with replacement: a token may hit one expert twice
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class TopologyKind(str, enum.Enum):
+class TopologyKind(enum.StrEnum):
     TP = "tp"  # intermediate split across ranks; partial outputs summed
     EP = "ep"  # experts split across ranks (expert_map); every rank sees every token
     EP_HT = "ep+ht"  # DeepEP high-throughput: tokens dispatched to owners, exact counts
     EP_LL = "ep+ll"  # DeepEP low-latency: batched [E_local, max_tokens, H] + masked_m
 
 
-class Placement(str, enum.Enum):
+class Placement(enum.StrEnum):
     LINEAR = "linear"  # contiguous slices; the first E % N ranks get one more expert
     ROUND_ROBIN = "round_robin"  # expert e lives on rank e % N
     EXPLICIT = "explicit"  # given per-rank lists of logical experts (replicas allowed)
@@ -230,7 +295,7 @@ class Topology:
         return Topology(TopologyKind.EP, len(lists), Placement.EXPLICIT, lists)
 
     @property
-    def stages(self) -> tuple[str, ...]:
+    def stages(self) -> tuple[Stage, ...]:
         return LL_STAGES if self.kind is TopologyKind.EP_LL else STAGES
 
     def __str__(self) -> str:
@@ -370,9 +435,9 @@ class MoEProblem:
             )
 
     @property
-    def stages(self) -> tuple[str, ...]:
+    def stages(self) -> tuple[Stage, ...]:
         """This rank's stages: the topology's, then `shared` when there are shared experts."""
-        return self.topology.stages + (("shared",) if self.shared_experts else ())
+        return self.topology.stages + ((Stage.SHARED,) if self.shared_experts else ())
 
     @property
     def ll_max_tokens(self) -> int:
@@ -454,7 +519,7 @@ class MoEProblem:
         }
 
     @staticmethod
-    def from_dict(d: Mapping[str, object]) -> MoEProblem:
+    def from_dict(d: Mapping[str, Any]) -> MoEProblem:
         d = dict(d)
         topo = d.pop("topology")
         if isinstance(topo, Mapping):
@@ -468,7 +533,7 @@ class MoEProblem:
         act = d.pop("activation")
         if isinstance(act, Mapping):
             act = Activation(**act)
-        return MoEProblem(topology=topo, activation=act, **d)  # type: ignore[arg-type]
+        return MoEProblem(topology=topo, activation=act, **d)
 
 
 @dataclass(frozen=True)
@@ -543,12 +608,29 @@ class MoEInputs:
         return MoEInputs(**{f.name: mv(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
+# The keys a trace stores for a stage that did not run (kept as data so dumps round-trip).
+_SKIPPED = "skipped"
+_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class StageFailure:
+    """Why a stage of a trace has no outputs: skipped (with the reason) or raised (the error)."""
+
+    status: Status  # Status.SKIP or Status.ERROR
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{'skipped' if self.status is Status.SKIP else 'error'}: {self.reason}"
+
+
 class Trace:
     """Ordered mapping stage name -> named tensors (and host ints), one rank's staged forward.
 
     `trace["permute"]["m_indices"]`. Stages are appended in execution order; a stage may carry
     extra named entries (e.g. "engine" on GEMM stages). Non-tensor values (ints, strings) are
-    allowed for host-side facts such as M_sum or the GEMM engine used.
+    allowed for host-side facts such as M_sum or the GEMM engine used. A stage that did not run
+    is recorded with `add_skipped` or `add_error`, and `failure(stage)` says which and why.
     """
 
     def __init__(self, backend: str, rank: int = 0) -> None:
@@ -560,6 +642,25 @@ class Trace:
         if stage in self._stages:
             raise ValueError(f"trace of {self.backend!r} already has stage {stage!r}")
         self._stages[stage] = dict(outputs)
+
+    def add_skipped(self, stage: str, reason: str) -> None:
+        """`stage` did not run here, for `reason` (e.g. "needs SM100"); never a pass."""
+        self.add(stage, {_SKIPPED: reason})
+
+    def add_error(self, stage: str, message: str) -> None:
+        """`stage` raised `message`: reported as an error at that stage."""
+        self.add(stage, {_ERROR: message})
+
+    def failure(self, stage: str) -> StageFailure | None:
+        """Why `stage` has no outputs (absent, skipped or raised), or None when it ran."""
+        outs = self._stages.get(stage)
+        if outs is None:
+            return StageFailure(Status.SKIP, f"{self.backend} has no {stage} stage (not run)")
+        if _ERROR in outs:
+            return StageFailure(Status.ERROR, str(outs[_ERROR]))
+        if _SKIPPED in outs:
+            return StageFailure(Status.SKIP, str(outs[_SKIPPED]))
+        return None
 
     def __getitem__(self, stage: str) -> dict[str, object]:
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_verify.cases import preset
-from moe_verify.spec import MoEProblem
+from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Status
 
 CASE_TIMEOUT_S = 1800
 
@@ -25,7 +25,7 @@ CASE_TIMEOUT_S = 1800
 @dataclass
 class CaseOutcome:
     problem: MoEProblem
-    status: str  # pass | fail | error
+    status: Status  # PASS, FAIL or ERROR
     seconds: float
     summary: str
     report: dict | None = None  # Report.to_dict() when the case produced one
@@ -38,11 +38,11 @@ class SweepSummary:
 
     @property
     def passed(self) -> bool:
-        return all(o.status == "pass" for o in self.outcomes)
+        return all(o.status is Status.PASS for o in self.outcomes)
 
 
 def _run_in_process(problem: MoEProblem, backend: str, mode: str, engine: str) -> CaseOutcome:
-    from moe_verify.verify import verify
+    from moe_verify.verification import verify
 
     start = time.perf_counter()
     try:
@@ -50,13 +50,13 @@ def _run_in_process(problem: MoEProblem, backend: str, mode: str, engine: str) -
     except Exception as exc:  # noqa: BLE001 - one broken case never takes the sweep down
         return CaseOutcome(
             problem,
-            "error",
+            Status.ERROR,
             time.perf_counter() - start,
             f"ERROR {problem.id}: {type(exc).__name__}: {exc}",
         )
     return CaseOutcome(
         problem,
-        "pass" if report.passed else "fail",
+        Status.PASS if report.passed else Status.FAIL,
         time.perf_counter() - start,
         report.summary_line(),
         report.to_dict(),
@@ -97,7 +97,7 @@ def _run_isolated(problem: MoEProblem, backend: str, mode: str, engine: str) -> 
         seconds = time.perf_counter() - start
         if rc in (0, 1) and report_json.exists():
             report = json.loads(report_json.read_text())
-            status = "pass" if report["passed"] else "fail"
+            status = Status.PASS if report["passed"] else Status.FAIL
             return CaseOutcome(
                 problem,
                 status,
@@ -108,7 +108,7 @@ def _run_isolated(problem: MoEProblem, backend: str, mode: str, engine: str) -> 
         where = crumb.read_text().strip() if crumb.exists() else "before the first stage"
         return CaseOutcome(
             problem,
-            "error",
+            Status.ERROR,
             seconds,
             f"ERROR {problem.id}: subprocess exit {rc} while in {where}: {' | '.join(tail)}",
         )
@@ -141,7 +141,7 @@ def sweep(
     (out_dir / "junit.xml").write_text(junit_xml(summary, preset_name))
     (out_dir / "summary.json").write_text(json.dumps(summary_dict(summary), indent=2))
     (out_dir / "summary.md").write_text(markdown_matrix(summary, preset_name))
-    passed = sum(o.status == "pass" for o in outcomes)
+    passed = sum(o.status is Status.PASS for o in outcomes)
     print(f"{passed}/{len(outcomes)} cases passed; summaries in {out_dir}", file=sys.stderr)
     return summary
 
@@ -174,8 +174,8 @@ def junit_xml(summary: SweepSummary, name: str) -> str:
         "testsuite",
         name=f"moe-verify-{name}",
         tests=str(len(summary.outcomes)),
-        failures=str(sum(o.status == "fail" for o in summary.outcomes)),
-        errors=str(sum(o.status == "error" for o in summary.outcomes)),
+        failures=str(sum(o.status is Status.FAIL for o in summary.outcomes)),
+        errors=str(sum(o.status is Status.ERROR for o in summary.outcomes)),
     )
     for o in summary.outcomes:
         case = ET.SubElement(
@@ -185,8 +185,8 @@ def junit_xml(summary: SweepSummary, name: str) -> str:
             name=o.problem.id,
             time=f"{o.seconds:.3f}",
         )
-        if o.status in ("fail", "error"):
-            tag = "failure" if o.status == "fail" else "error"
+        if o.status.failing:
+            tag = "failure" if o.status is Status.FAIL else "error"
             elem = ET.SubElement(case, tag, message=o.summary)
             elem.text = "\n".join(o.messages) or o.summary
     return ET.tostring(suite, encoding="unicode")
@@ -196,45 +196,32 @@ def _stage_status(report: dict | None, mode: str, stage: str) -> str:
     if report is None or report.get(mode) is None:
         return "-"
     statuses = {r["status"] for r in report[mode] if r["stage"] == stage}
-    for s in ("error", "fail", "skip", "pass"):
+    for s in (Status.ERROR, Status.FAIL, Status.SKIP, Status.PASS):
         if s in statuses:
-            return s
+            return s.value
     return "-"
 
 
 def markdown_matrix(summary: SweepSummary, name: str) -> str:
     """One row per case (recipe x topology x shape), one column per stage, isolated/chained."""
-    stages = [
-        "route",
-        "quant_input",
-        "align",
-        "permute",
-        "gemm1",
-        "act_quant",
-        "gemm2",
-        "gather",
-        "reduce",
-    ]
+    stages = REPORT_STAGES
     lines = [
         f"# moe-verify sweep `{name}`",
         "",
-        f"{sum(o.status == 'pass' for o in summary.outcomes)}/{len(summary.outcomes)} "
+        f"{sum(o.status is Status.PASS for o in summary.outcomes)}/{len(summary.outcomes)} "
         "cases pass. Cells: isolated / chained.",
         "",
         "| case | recipe | topology | " + " | ".join(stages) + " | time |",
         "|" + " --- |" * (len(stages) + 4),
     ]
     for o in summary.outcomes:
-        cells = [
-            f"{_stage_status(o.report, 'isolated', s)} / {_stage_status(o.report, 'chained', s)}"
-            for s in stages
-        ]
+        cells = [" / ".join(_stage_status(o.report, m, s) for m in Mode) for s in stages]
         lines.append(
             f"| {o.problem.id} | {o.problem.recipe} | {o.problem.topology} | "
             + " | ".join(cells)
             + f" | {o.seconds:.1f}s |"
         )
-    failures = [o for o in summary.outcomes if o.status != "pass"]
+    failures = [o for o in summary.outcomes if o.status is not Status.PASS]
     if failures:
         lines += ["", "## failures", ""]
         lines += [f"- {o.summary}" for o in failures]

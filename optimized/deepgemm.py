@@ -1,4 +1,5 @@
-"""The only module that imports deep_gemm (lazily): capability probe, alignment scope, GEMM calls.
+"""The only module that imports deep_gemm (lazily): capability probe, engine choice, alignment
+scope, GEMM calls.
 
 DeepGEMM is optional. Every entry point says clearly why it cannot run here: deep_gemm missing,
 the unusable PyPI 1.0 package (old API names, no CUDA headers), a version below 2.6, no GPU, or an
@@ -19,7 +20,15 @@ from types import ModuleType
 
 import torch
 
-from moe_verify.spec import LL_BLOCK_ROWS, MoEProblem, QuantizedWeight, Recipe, ScaleFmt
+from moe_verify.spec import (
+    LL_BLOCK_ROWS,
+    Engine,
+    MoEProblem,
+    QuantizedWeight,
+    Recipe,
+    ScaleFmt,
+    StageSkipped,
+)
 from optimized.kernels._validate import (
     check_power_of_two_scales,
     check_range,
@@ -38,6 +47,9 @@ REQUIRED_API = (
 )
 # SM90 1D2D kernels need BLOCK_M in {64, 128, 256} (deepgemm-api §1.8).
 SM90_LEGAL_ALIGNMENTS = (64, 128, 256)
+# vLLM _valid_deep_gemm: at or below this intermediate size (per rank) Triton is preferred for
+# speed.
+MIN_INTERMEDIATE = 512
 LIBSTDCXX = "/lib/x86_64-linux-gnu/libstdc++.so.6"
 
 
@@ -124,6 +136,53 @@ def support(problem: MoEProblem) -> tuple[bool, str]:
             f"alignment {problem.alignment} is not a legal SM90 BLOCK_M {SM90_LEGAL_ALIGNMENTS}"
         )
     return True, status.reason
+
+
+def as_engine(value: Engine | str) -> Engine:
+    """`value` as an Engine; a ValueError naming the allowed values for anything else."""
+    try:
+        return Engine(value)
+    except ValueError:
+        allowed = tuple(e.value for e in Engine)
+        raise ValueError(f"engine: expected one of {allowed}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine a GEMM stage runs on (DEEPGEMM or TRITON, never AUTO), and why."""
+
+    engine: Engine
+    reason: str
+
+
+def choose_engine(
+    problem: MoEProblem, num_tokens: int, override: Engine | str = Engine.AUTO
+) -> EngineChoice:
+    """TritonOrDeepGemm: DeepGEMM when E8M0 is in use or the shape is valid for it, else Triton.
+
+    `override=Engine.DEEPGEMM` demands DeepGEMM (a stage it cannot run is skipped with the
+    reason, never silently replaced); `Engine.TRITON` forces the Triton engine.
+    """
+    override = as_engine(override)
+    if override is Engine.TRITON:
+        return EngineChoice(Engine.TRITON, "engine forced to triton")
+    ok, why = support(problem)
+    if override is Engine.DEEPGEMM:
+        if not ok:
+            raise StageSkipped(f"DeepGEMM demanded but cannot run here: {why}")
+        return EngineChoice(Engine.DEEPGEMM, f"engine forced to deepgemm ({why})")
+    if not ok:
+        return EngineChoice(Engine.TRITON, f"TritonOrDeepGemm fallback: {why}")
+    if problem.scale_fmt.is_ue8m0:
+        return EngineChoice(Engine.DEEPGEMM, "E8M0 scales in use: DeepGEMM regardless of shape")
+    a, ip, h = problem.alignment, problem.intermediate_per_rank, problem.hidden
+    if num_tokens >= a and ip % a == 0 and h % a == 0 and ip > MIN_INTERMEDIATE:
+        return EngineChoice(Engine.DEEPGEMM, "shape valid for DeepGEMM (_valid_deep_gemm)")
+    return EngineChoice(
+        Engine.TRITON,
+        f"_valid_deep_gemm fails (M={num_tokens} >= A={a}, I_p={ip} % A, H={h} % A, "
+        f"I_p > {MIN_INTERMEDIATE}): Triton",
+    )
 
 
 @contextlib.contextmanager
@@ -284,16 +343,22 @@ def validate_masked_call(
 def m_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
+    a_group: int,
     w: QuantizedWeight,
     w_scale: torch.Tensor,
     m_indices: torch.Tensor,
     alignment: int,
-    act_group: int,
+    *,
     use_ue8m0: bool,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """d = A @ B[m_indices]^T in bf16 through m_grouped_fp8(_fp4)_gemm_nt_contiguous; `out`, when
-    given, is a reused [M_sum, N] bf16 workspace (DeepGEMM writes padding rows unspecified)."""
+    """d = A @ B[m_indices]^T in bf16 through m_grouped_fp8(_fp4)_gemm_nt_contiguous.
+
+    The arguments in the order of every grouped GEMM of the suite (the golden's, the Triton
+    engine's `grouped_gemm`): activations with their scales and group, weights, layout.
+    a_group: K elements per activation scale; w_scale: `w`'s scales in this arch's layout
+    (`prepare_weight_scales`); `out`, when given, is a reused [M_sum, N] bf16 workspace
+    (DeepGEMM writes padding rows unspecified)."""
     dg = module()
     m_sum = a.shape[0]
     n = w.shape[1]
@@ -304,7 +369,7 @@ def m_grouped_gemm(
     b = w.q.view(torch.int8) if w.fp4 else w.q
     kwargs: dict[str, object] = {"disable_ue8m0_cast": not use_ue8m0}
     if w.fp4 or w.block != (128, 128):
-        kwargs["recipe_a"] = (1, act_group)
+        kwargs["recipe_a"] = (1, a_group)
         kwargs["recipe_b"] = (1, w.block[1])
     with alignment_scope(alignment):
         if w.fp4:
@@ -323,6 +388,7 @@ def m_grouped_gemm_masked(
     w_scale: torch.Tensor,
     masked_m: torch.Tensor,
     expected_m: int,
+    *,
     use_ue8m0: bool,
 ) -> torch.Tensor:
     """d[e, :masked_m[e]] = A[e] @ B[e]^T through m_grouped_fp8_gemm_nt_masked."""

@@ -10,6 +10,10 @@ flushes bf16 subnormals and decodes e4m3 NaN as a number; torch's are exact). Ot
 keep the interpreter's own code.
 The replaced function stays reachable (`unpatched_convert_float`), so a test can show it is wrong.
 
+`prepare_interpreter` is the one setup: without a GPU it selects the interpreter and installs the
+fix. `optimized/__init__` calls it before any kernel module is imported, so every way into the
+optimized kernels (the CLI, `verify`, a user's `OptimizedBackend` subclass) gets it.
+
 `torch_exp_in_interpreter` is separate and opt-in: the interpreter evaluates `tl.exp` with numpy's
 float32 exp (up to ~2.4 ulp; about 40% of results differ from torch's), while the golden uses
 torch.exp. Neither is the GPU's `ex2.approx`-based `tl.exp`, so this is not a correctness fix: it
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -57,36 +63,66 @@ def _convert_float_via_torch(data: np.ndarray, src: torch.dtype, dst: torch.dtyp
     return out.view(signed_out).numpy().view(unsigned).reshape(data.shape)
 
 
+def interpreter_mode() -> bool:
+    """True when Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def prepare_interpreter() -> bool:
+    """Without a GPU, run Triton kernels under its interpreter, with the correct float casts.
+
+    Idempotent; returns whether kernels run interpreted. TRITON_INTERPRET must be set before
+    triton is first imported: triton.language's own helpers (`tl.max`, ...) are `@triton.jit`
+    functions decorated at that import, and the interpreter cannot call compiled-mode ones
+    ("Cannot call @triton.jit'd outside of the scope of a kernel"). `optimized/__init__` calls
+    this, and Python imports the package before any of its modules. When triton came first, or
+    TRITON_INTERPRET is set explicitly (e.g. 0 on a CPU), it is left alone: kernel wrappers then
+    refuse CPU tensors and say why.
+    """
+    if not torch.cuda.is_available() and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not interpreter_mode():
+        return False
+    install_interpreter_fp8_fix()
+    return True
+
+
+class _TorchConvertFloat:
+    """The interpreter's `_convert_float` with float down- and upcasts done by torch (RNE)."""
+
+    def __init__(self, original: Callable[..., np.ndarray], rtz: object) -> None:
+        self.original = original
+        self.rtz = rtz
+
+    def __call__(
+        self, input: np.ndarray, input_dtype: object, output_dtype: object, rounding_mode: object
+    ) -> np.ndarray:
+        src = _torch_dtype_for(input_dtype)
+        dst = _torch_dtype_for(output_dtype)
+        if src is not None and dst is not None:
+            if dst.itemsize < src.itemsize and rounding_mode != self.rtz:
+                return _convert_float_via_torch(input, src, dst)
+            if dst.itemsize > src.itemsize:
+                # Upcasts are exact; torch's also decode e4m3 NaN (0x7f/0xff) correctly.
+                return _convert_float_via_torch(input, src, dst)
+        return self.original(input, input_dtype, output_dtype, rounding_mode)
+
+
 def install_interpreter_fp8_fix() -> None:
     """Patch the interpreter's float downcast (idempotent). Call before running kernels."""
     import triton.runtime.interpreter as interp
 
-    if getattr(interp._convert_float, "_moe_verify_fixed", False):
+    if isinstance(interp._convert_float, _TorchConvertFloat):
         return
-    original = interp._convert_float
-    rtz = interp._ir.ROUNDING_MODE.RTZ
-
-    def convert_float(input, input_dtype, output_dtype, rounding_mode):  # type: ignore[no-untyped-def]
-        src = _torch_dtype_for(input_dtype)
-        dst = _torch_dtype_for(output_dtype)
-        downcast = src is not None and dst is not None and dst.itemsize < src.itemsize
-        if downcast and rounding_mode != rtz:
-            return _convert_float_via_torch(input, src, dst)
-        if src is not None and dst is not None and dst.itemsize > src.itemsize:
-            # Upcasts are exact; torch's also decode e4m3 NaN (0x7f/0xff) correctly.
-            return _convert_float_via_torch(input, src, dst)
-        return original(input, input_dtype, output_dtype, rounding_mode)
-
-    convert_float._moe_verify_fixed = True  # type: ignore[attr-defined]
-    convert_float._moe_verify_original = original  # type: ignore[attr-defined]
-    interp._convert_float = convert_float
+    interp._convert_float = _TorchConvertFloat(interp._convert_float, interp._ir.ROUNDING_MODE.RTZ)
 
 
 def unpatched_convert_float() -> Callable[..., np.ndarray]:
     """The interpreter's own `_convert_float` (the one `install_interpreter_fp8_fix` replaced)."""
     import triton.runtime.interpreter as interp
 
-    return getattr(interp._convert_float, "_moe_verify_original", interp._convert_float)
+    current = interp._convert_float
+    return current.original if isinstance(current, _TorchConvertFloat) else current
 
 
 @contextlib.contextmanager
@@ -97,7 +133,9 @@ def torch_exp_in_interpreter() -> Iterator[None]:
     builder = interp.InterpreterBuilder
     numpy_exp = builder.create_exp
 
-    def create_exp(self, arg):  # type: ignore[no-untyped-def]
+    def create_exp(
+        self: interp.InterpreterBuilder, arg: interp.TensorHandle
+    ) -> interp.TensorHandle:
         data = arg.data
         if data.dtype not in (np.float32, np.float64):
             return numpy_exp(self, arg)

@@ -17,12 +17,6 @@ import torch
 from torch import Tensor
 
 from moe_verify.spec import FP8_MAX, Activation, ScaleFmt
-from reference.checks import (
-    require_finite,
-    require_positive_int,
-    require_scale_fmt,
-    require_tensor,
-)
 from reference.formats import (
     SCALE_FLOOR,
     _divide,
@@ -30,6 +24,12 @@ from reference.formats import (
     ceil_ue8m0,
     pack_ue8m0,
     ue8m0_bytes,
+)
+from reference.validate import (
+    require_finite,
+    require_positive_int,
+    require_scale_fmt,
+    require_tensor,
 )
 
 __all__ = ["ROUNDINGS", "ZERO_GROUP_PAD_BYTE", "act_quant", "swiglu"]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from moe_verify.spec import E2M1_MAX, FP8_MAX, ScaleFmt
-from reference.checks import (
+from reference.validate import (
     first_index,
     require_finite,
     require_multiple,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from reference.checks import require
 from reference.layout import local_expert_ids
+from reference.validate import require
 
 
 def gather(

@@ -11,7 +11,7 @@ import torch
 
 from moe_verify.spec import QuantizedWeight
 from reference import formats
-from reference.checks import require, require_tensor
+from reference.validate import require, require_tensor
 
 
 def dequantize_activations(a: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
@@ -46,9 +46,16 @@ def grouped_gemm(
     a_group: int,
     w: QuantizedWeight,
     m_indices: torch.Tensor,
+    *,
     precision: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """bf16 [M_sum, N]: each live row times its expert's weight, one bf16 rounding at the end."""
+    """bf16 [M_sum, N]: each live row times its expert's weight, one bf16 rounding at the end.
+
+    a          fp8 [M_sum, K]; a_scale fp32 [M_sum, K/a_group] or int32 packed UE8M0
+    w          the experts' quantized weights [E, N, K]
+    m_indices  int32 [M_sum]: expert of each row, -1 for padding rows (left zero)
+    precision  accumulation dtype of the dequantized product (float64 for calibration)
+    """
     num_experts, n, k = w.shape
     require(a.shape[1] == k, "a", f"K = {k} columns (the weight's K)", f"{a.shape[1]}")
     require(

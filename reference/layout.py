@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.checks import require
+from reference.validate import require
 
 
 def round_up(x: int, a: int) -> int:
@@ -90,6 +90,8 @@ class PermutePlan:
     inv_perm      int32 [M, k]   row of each live slot, -1 for skipped slots
     expert_start  int32 [E_l]    first row of each expert's segment (multiple of alignment)
     counts        int32 [E_l]    live slots per expert
+    m_sum         rows of the buffer (aligned segments plus the tail padding)
+    alignment     A, the segment alignment used
     """
 
     m_indices: torch.Tensor

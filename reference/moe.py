@@ -1,7 +1,10 @@
 """The golden staged MoE forward for one rank: a `Backend` whose stages read like the math.
 
-Each `_stage` method computes one stage of DESIGN.md's contract from the upstream stages' outputs
-(its own when chained; in isolated mode the golden is the upstream for everyone else).
+Each public method named after a `Stage` (`route`, `quant_input`, ..., `gather`, `shared`)
+computes that stage of DESIGN.md's contract from the upstream stages' outputs (its own when
+chained; in isolated mode the golden is the upstream for everyone else). They take
+`(problem, inputs, upstream, rank)` like the optimized backend's, so a subclass overrides one
+stage the same way on either side.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from moe_verify.spec import (
     MoEProblem,
     Recipe,
     Routing,
+    Stage,
     TopologyKind,
     Trace,
     run_stages,
@@ -35,26 +39,33 @@ from reference.layout import (
     permute_rows,
 )
 from reference.topology import (
-    RankView,
+    Shard,
     dispatched_tokens,
     logical_to_physical,
-    rank_view,
+    shard,
     shared_shard,
 )
 
 Outputs = dict[str, object]
 
+# The stages one rank computes; `reduce` is made across ranks by the topology runner.
+_RANK_STAGES = frozenset(Stage) - {Stage.REDUCE}
+
 
 class ReferenceBackend:
-    """The golden. `precision` is the GEMM accumulation dtype (float64 for calibration)."""
+    """The golden. `precision` is the GEMM accumulation dtype (float64 for calibration).
+
+    One public method per stage, `stage(problem, inputs, upstream, rank) -> outputs`; a subclass
+    that overrides one of them changes that stage only (`run_stage` dispatches by name).
+    """
 
     name = "golden"
 
     def __init__(self, precision: torch.dtype = torch.float32) -> None:
         self.precision = precision
-        # Rank views of the inputs object last seen (held, so its id cannot be reused).
-        self._views_of: MoEInputs | None = None
-        self._views: dict[tuple[MoEProblem, int], RankView] = {}
+        # Rank shards of the inputs object last seen (held, so its id cannot be reused).
+        self._shards_of: MoEInputs | None = None
+        self._shards: dict[tuple[MoEProblem, int], Shard] = {}
 
     def run(self, problem: MoEProblem, inputs: MoEInputs, rank: int = 0) -> Trace:
         return run_stages(self, problem, inputs, rank)
@@ -62,22 +73,24 @@ class ReferenceBackend:
     def run_stage(
         self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
     ) -> Outputs:
-        method: Callable[..., Outputs] | None = getattr(self, f"_{stage}", None)
-        if method is None:
+        if stage not in _RANK_STAGES:
             raise ValueError(f"stage {stage!r} is not a stage of the golden MoE")
-        return method(problem, inputs, upstream, self.view(problem, inputs, rank))
+        method: Callable[..., Outputs] = getattr(self, Stage(stage).value)
+        return method(problem, inputs, upstream, rank)
 
-    def view(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> RankView:
-        if inputs is not self._views_of:
-            self._views_of, self._views = inputs, {}
+    def shard(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Shard:
+        """The weights and expert map `rank` holds, built once per inputs object."""
+        if inputs is not self._shards_of:
+            self._shards_of, self._shards = inputs, {}
         key = (problem, rank)
-        if key not in self._views:
-            self._views[key] = rank_view(problem, inputs.w13_q, inputs.w2_q, rank)
-        return self._views[key]
+        if key not in self._shards:
+            self._shards[key] = shard(problem, inputs.w13_q, inputs.w2_q, rank)
+        return self._shards[key]
 
     # -- stages ----------------------------------------------------------------------------------
 
-    def _route(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        local = self.shard(p, x, rank)
         if x.topk_ids is not None and x.topk_weights is not None:
             ids, weights = x.topk_ids, x.topk_weights
         elif p.routing is Routing.GROUPED:
@@ -96,14 +109,14 @@ class ReferenceBackend:
         if p.topology.kind is not TopologyKind.EP_HT:
             return {"topk_ids": ids, "topk_weights": weights}
         # DeepEP HT: this rank receives only tokens with a slot on it; ids travel as int64.
-        token_index = dispatched_tokens(local_expert_ids(ids, view.expert_map))
+        token_index = dispatched_tokens(local_expert_ids(ids, local.expert_map))
         return {
             "topk_ids": ids[token_index].long(),
             "topk_weights": weights[token_index],
             "token_index": token_index,
         }
 
-    def _quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         hidden = x.hidden_states
         if p.topology.kind is TopologyKind.EP_HT:
             hidden = hidden[up["route"]["token_index"]]
@@ -113,23 +126,25 @@ class ReferenceBackend:
             q, s = formats.quantize_fp8_groups(hidden, 128, p.scale_fmt)
         return {"a1q": q, "a1q_scale": s}
 
-    def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        local = self.shard(p, x, rank)
         ids = up["route"]["topk_ids"]
-        counts = expert_counts(local_expert_ids(ids, view.expert_map), view.num_local_experts)
+        counts = expert_counts(local_expert_ids(ids, local.expert_map), local.num_local_experts)
         if p.topology.kind is TopologyKind.EP_HT:
             m_sum = aligned_m_sum_exact(counts, p.alignment)  # counts are known on the host
         else:
             m_sum = aligned_m_sum_upper_bound(
-                ids.shape[0], ids.shape[1], view.num_local_experts, p.alignment
+                ids.shape[0], ids.shape[1], local.num_local_experts, p.alignment
             )
         return {"M_sum": m_sum, "alignment": p.alignment, "counts": counts}
 
-    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        local = self.shard(p, x, rank)
         plan = permute_plan(
             up["route"]["topk_ids"],
-            view.num_local_experts,
+            local.num_local_experts,
             up["align"]["alignment"],
-            view.expert_map,
+            local.expert_map,
             m_sum=up["align"]["M_sum"],
         )
         a1q, a1q_scale = up["quant_input"]["a1q"], up["quant_input"]["a1q_scale"]
@@ -144,49 +159,54 @@ class ReferenceBackend:
             "expert_start": plan.expert_start,
         }
 
-    def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        local = self.shard(p, x, rank)
         if "dispatch" in up:
-            return self._gemm1_batched(p, up, view)
+            return self._gemm1_batched(p, up, local)
         perm = up["permute"]
         mm1 = grouped_gemm(
             perm["a_perm"],
             perm["a_scale_perm"],
             p.recipe.act_group,
-            view.w13,
+            local.w13,
             perm["m_indices"],
-            self.precision,
+            precision=self.precision,
         )
         return {"mm1": mm1, "engine": "torch"}
 
-    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         activation = p.activation
         if p.recipe is Recipe.MXFP4_W4A8 and activation.kind != "silu":
             raise ValueError("mxfp4_w4a8: the FP4 experts support silu (with optional clamp) only")
         mm1 = up["gemm1"]["mm1"]
         if mm1.dim() == 3:  # batched layout: quantize the flattened rows, keep the batch shape
-            q, s = act_quant(mm1.reshape(-1, mm1.shape[-1]), activation, act_group(p), p.scale_fmt)
+            q, s = act_quant(
+                mm1.reshape(-1, mm1.shape[-1]), activation, p.recipe.act_group, p.scale_fmt
+            )
             return {
                 "a2q": q.view(*mm1.shape[:2], q.shape[-1]),
                 "a2q_scale": s.reshape(*mm1.shape[:2], s.shape[-1]),
             }
-        q, s = act_quant(mm1, activation, act_group(p), p.scale_fmt)
+        q, s = act_quant(mm1, activation, p.recipe.act_group, p.scale_fmt)
         return {"a2q": q, "a2q_scale": s}
 
-    def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        local = self.shard(p, x, rank)
         if "dispatch" in up:
-            return self._gemm2_batched(p, up, view)
+            return self._gemm2_batched(p, up, local)
         act = up["act_quant"]
         mm2 = grouped_gemm(
             act["a2q"],
             act["a2q_scale"],
-            act_group(p),
-            view.w2,
+            p.recipe.act_group,
+            local.w2,
             up["permute"]["m_indices"],
-            self.precision,
+            precision=self.precision,
         )
         return {"mm2": mm2, "engine": "torch"}
 
-    def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        local = self.shard(p, x, rank)
         route = up["route"]
         if "dispatch" in up:  # LL combine: the same weighted fp32 sum over the batched rows
             mm2 = up["gemm2"]["mm2"]
@@ -201,16 +221,16 @@ class ReferenceBackend:
             route["topk_ids"],
             route["topk_weights"],
             up["permute"]["inv_perm"],
-            view.expert_map,
+            local.expert_map,
         )
         return {"out": out}
 
-    def _shared(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def shared(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         """The shared experts: a dense gated MLP over every token (weight 1), this rank's shard
         of its intermediate dimension, quantized like the routed experts (ref §10.6)."""
         if x.shared_w13 is None or x.shared_w2 is None:
             raise ValueError("shared_experts > 0 needs inputs with shared_w13 / shared_w2")
-        w13, w2 = shared_shard(p, x.shared_w13, x.shared_w2, view.rank)
+        w13, w2 = shared_shard(p, x.shared_w13, x.shared_w2, rank)
         hidden = x.hidden_states
         if p.recipe is Recipe.MXFP8:
             a, a_scale = formats.quantize_mxfp8(hidden, 32)
@@ -218,18 +238,21 @@ class ReferenceBackend:
         else:
             a, a_scale = formats.quantize_fp8_groups(hidden, 128, p.scale_fmt)
         every_row = torch.zeros(hidden.shape[0], dtype=torch.int32, device=hidden.device)
-        mm1 = grouped_gemm(a, a_scale, p.recipe.act_group, w13, every_row, self.precision)
-        a2, a2_scale = act_quant(mm1, p.activation, act_group(p), p.scale_fmt)
-        out = grouped_gemm(a2, a2_scale, act_group(p), w2, every_row, self.precision)
+        mm1 = grouped_gemm(a, a_scale, p.recipe.act_group, w13, every_row, precision=self.precision)
+        a2, a2_scale = act_quant(mm1, p.activation, p.recipe.act_group, p.scale_fmt)
+        out = grouped_gemm(
+            a2, a2_scale, p.recipe.act_group, w2, every_row, precision=self.precision
+        )
         return {"out": out}
 
-    def _dispatch(self, p: MoEProblem, x: MoEInputs, up: Trace, view: RankView) -> Outputs:
+    def dispatch(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         """DeepEP low-latency dispatch: each local expert's slots in a [max_tokens, H] batch."""
+        local = self.shard(p, x, rank)
         ids = up["route"]["topk_ids"]
         max_tokens = p.ll_max_tokens  # DeepEP's capacity: >= T, so every slot fits
-        plan = batched_plan(ids, view.num_local_experts, max_tokens, view.expert_map)
+        plan = batched_plan(ids, local.num_local_experts, max_tokens, local.expert_map)
         a1q, a1q_scale = up["quant_input"]["a1q"], up["quant_input"]["a1q_scale"]
-        e_l = view.num_local_experts
+        e_l = local.num_local_experts
         rows = batched_rows(plan)
         m_indices = batched_m_indices(plan.masked_m, max_tokens)
         # The batches as one contiguous buffer: expert e's batch starts at row e * max_tokens.
@@ -246,29 +269,29 @@ class ReferenceBackend:
             "expected_m": max(1, int(plan.masked_m.float().mean().ceil())) if e_l else 1,
         }
 
-    def _gemm1_batched(self, p: MoEProblem, up: Trace, view: RankView) -> Outputs:
+    def _gemm1_batched(self, p: MoEProblem, up: Trace, local: Shard) -> Outputs:
         d = up["dispatch"]
         e_l, t_max, h = d["a_batched"].shape
         mm1 = grouped_gemm(
             d["a_batched"].reshape(e_l * t_max, h),
             d["a_scale_batched"].reshape(e_l * t_max, d["a_scale_batched"].shape[-1]),
             p.recipe.act_group,
-            view.w13,
+            local.w13,
             batched_m_indices(d["masked_m"], t_max),
-            self.precision,
+            precision=self.precision,
         )
         return {"mm1": mm1.view(e_l, t_max, mm1.shape[-1]), "engine": "torch"}
 
-    def _gemm2_batched(self, p: MoEProblem, up: Trace, view: RankView) -> Outputs:
+    def _gemm2_batched(self, p: MoEProblem, up: Trace, local: Shard) -> Outputs:
         d, act = up["dispatch"], up["act_quant"]
         e_l, t_max, i = act["a2q"].shape
         mm2 = grouped_gemm(
             act["a2q"].reshape(e_l * t_max, i),
             act["a2q_scale"].reshape(e_l * t_max, act["a2q_scale"].shape[-1]),
-            act_group(p),
-            view.w2,
+            p.recipe.act_group,
+            local.w2,
             batched_m_indices(d["masked_m"], t_max),
-            self.precision,
+            precision=self.precision,
         )
         return {"mm2": mm2.view(e_l, t_max, mm2.shape[-1]), "engine": "torch"}
 
@@ -285,11 +308,6 @@ def batched_m_indices(masked_m: torch.Tensor, max_tokens: int) -> torch.Tensor:
     t = torch.arange(max_tokens, device=masked_m.device).unsqueeze(0)
     experts = torch.arange(e_l, device=masked_m.device, dtype=torch.int32).unsqueeze(1)
     return torch.where(t < masked_m.unsqueeze(1), experts, -1).reshape(-1).to(torch.int32)
-
-
-def act_group(problem: MoEProblem) -> int:
-    """Group size of GEMM2's activation scales: 32 for MXFP8, else 128 (also for FP4 weights)."""
-    return 32 if problem.recipe is Recipe.MXFP8 else 128
 
 
 def run(problem: MoEProblem, inputs: MoEInputs, rank: int = 0) -> Trace:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.checks import require
+from reference.validate import require
 
 
 def _topk_lowest_id_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

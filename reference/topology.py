@@ -1,4 +1,4 @@
-"""Each rank's view of a TP or EP layer, and the cross-rank reduce (ref/vllm-deepgemm-path.md §10).
+"""Each rank's shard of a TP or EP layer, and the cross-rank reduce (ref/vllm-deepgemm-path.md §10).
 
 TP splits the intermediate dimension: rank r owns gate rows [r·Ip, (r+1)·Ip), the matching up rows
 and the matching columns of w2; the ranks' bf16 partial outputs are summed. EP splits experts:
@@ -12,11 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify.spec import MoEProblem, Placement, QuantizedWeight, TopologyKind
+from moe_verify.spec import (
+    MoEProblem,
+    Placement,
+    QuantizedWeight,
+    Stage,
+    StageSkipped,
+    TopologyKind,
+    Trace,
+)
 
 
 @dataclass(frozen=True)
-class RankView:
+class Shard:
     """What one rank holds.
 
     experts       logical (global) expert of each local expert slot
@@ -123,9 +131,7 @@ def _cols(w: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
     return QuantizedWeight(q, w.scale[:, :, lo // bk : hi // bk], w.block)
 
 
-def rank_view(
-    problem: MoEProblem, w13: QuantizedWeight, w2: QuantizedWeight, rank: int
-) -> RankView:
+def shard(problem: MoEProblem, w13: QuantizedWeight, w2: QuantizedWeight, rank: int) -> Shard:
     """The weights and expert map `rank` holds (w13/w2 are the full post-processed stacks)."""
     topo = problem.topology
     if not 0 <= rank < topo.size:
@@ -135,7 +141,7 @@ def rank_view(
         i, ip = problem.intermediate, problem.intermediate_per_rank
         gate = torch.arange(rank * ip, (rank + 1) * ip, device=device)
         rows = torch.cat([gate, gate + i])
-        return RankView(
+        return Shard(
             rank,
             tuple(range(problem.num_experts)),
             None,
@@ -145,7 +151,7 @@ def rank_view(
         )
     hosts = placement(problem)[rank]
     idx = torch.tensor(hosts, dtype=torch.long, device=device)
-    return RankView(
+    return Shard(
         rank,
         tuple(hosts),
         expert_map(problem, rank, device),
@@ -161,9 +167,9 @@ def shared_shard(
     """Rank's shard of the shared MLP: it is a dense layer, split over every rank (the attention
     TP group) whatever the experts' topology."""
     n, i_s = problem.topology.size, w2.shape[2]
-    shard = i_s // n
-    gate = torch.arange(rank * shard, (rank + 1) * shard, device=w13.q.device)
-    return _rows(w13, torch.cat([gate, gate + i_s])), _cols(w2, rank * shard, (rank + 1) * shard)
+    lo, hi = rank * (i_s // n), (rank + 1) * (i_s // n)
+    gate = torch.arange(lo, hi, device=w13.q.device)
+    return _rows(w13, torch.cat([gate, gate + i_s])), _cols(w2, lo, hi)
 
 
 def dispatched_tokens(local_ids: torch.Tensor) -> torch.Tensor:
@@ -171,44 +177,79 @@ def dispatched_tokens(local_ids: torch.Tensor) -> torch.Tensor:
     return (local_ids >= 0).any(dim=1).nonzero().squeeze(1)
 
 
-def reduce_with_shared(
-    routed: list[torch.Tensor],
-    shared: list[torch.Tensor],
-    num_tokens: int,
-    token_index: list[torch.Tensor | None] | None,
-    output_is_reduced: bool,
-) -> torch.Tensor:
-    """The runner's finish (vLLM MoERunner, ref §10.6): routed + shared, then the final reduce.
+# The cross-rank reduce (vLLM MoERunner's finish, one definition for the emulated reduce and the
+# real all-reduce): each rank contributes `rank_partial`, the ranks' partials are summed in fp32
+# (a sum here, NCCL's all-reduce under torchrun), and `finish` rounds the sums to bf16.
 
-    When the prepare/finalize already reduced the routed output (DeepEP HT/LL combine), the shared
-    partials are all-reduced on their own and added; otherwise each rank adds its shared partial
-    to its routed partial in bf16 and the sums are all-reduced.
+# The stages the reduce reads from each rank's trace.
+REDUCE_INPUTS: tuple[Stage, ...] = (Stage.ROUTE, Stage.GATHER, Stage.SHARED)
+
+
+@dataclass
+class Partial:
+    """What one rank contributes to the reduce, each fp32 [T, H] in token space.
+
+    routed   the routed output (ep+ht rows scattered to their tokens, zeros elsewhere: the
+             combine); with shared experts, and where no combine reduced the routed output,
+             routed + shared rounded to bf16 on the rank (vLLM adds them before the all-reduce)
+    shared   the shared experts' partial, apart, where DeepEP's combine (ep+ht, ep+ll) already
+             reduced the routed output; else None
     """
-    if output_is_reduced:
-        combined = reduce_partials(routed, num_tokens, token_index)
-        shared_sum = reduce_partials(shared, num_tokens)
-        return (combined.float() + shared_sum.float()).to(torch.bfloat16)
-    finals = [
-        (r.float() + s.float()).to(torch.bfloat16) for r, s in zip(routed, shared, strict=True)
-    ]
-    return reduce_partials(finals, num_tokens)
+
+    routed: torch.Tensor
+    shared: torch.Tensor | None = None
 
 
-def reduce_partials(
-    partials: list[torch.Tensor],
-    num_tokens: int,
-    token_index: list[torch.Tensor | None] | None = None,
-) -> torch.Tensor:
-    """Sum the ranks' bf16 outputs in fp32 and round once (all-reduce / HT combine).
+def rank_partial(trace: Trace, problem: MoEProblem) -> Partial:
+    """Rank's part of the reduce from its trace (fresh tensors: an all-reduce may write them).
 
-    With token_index (ep+ht), rank r's row j belongs to token token_index[r][j].
+    Raises StageSkipped naming what is missing or misshaped, so every rank sums the same [T, H]
+    or none does.
     """
-    hidden = partials[0].shape[1]
-    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=partials[0].device)
-    for r, part in enumerate(partials):
-        idx = token_index[r] if token_index is not None else None
-        if idx is None:
-            acc += part.float()
-        else:
-            acc.index_add_(0, idx, part.float())
-    return acc.to(torch.bfloat16)
+    if trace.failure(Stage.GATHER):
+        raise StageSkipped(f"gather did not run on rank {trace.rank}")
+    out = trace[Stage.GATHER]["out"]
+    index = trace[Stage.ROUTE].get("token_index") if Stage.ROUTE in trace else None
+    rows = problem.tokens if index is None else index.shape[0]
+    if tuple(out.shape) != (rows, problem.hidden):
+        raise StageSkipped(
+            f"gather out of rank {trace.rank} is {tuple(out.shape)}, not ({rows}, {problem.hidden})"
+        )
+    routed = torch.zeros(problem.tokens, out.shape[1], dtype=torch.float32, device=out.device)
+    if index is None:
+        routed += out.float()
+    else:
+        routed.index_add_(0, index, out.float())
+    if not problem.shared_experts:
+        return Partial(routed)
+    if trace.failure(Stage.SHARED):
+        raise StageSkipped(f"shared did not run on rank {trace.rank}")
+    shared = trace[Stage.SHARED]["out"]
+    if tuple(shared.shape) != (problem.tokens, problem.hidden):
+        raise StageSkipped(
+            f"shared out of rank {trace.rank} is {tuple(shared.shape)}, not "
+            f"({problem.tokens}, {problem.hidden})"
+        )
+    if problem.topology.kind in (TopologyKind.EP_HT, TopologyKind.EP_LL):
+        return Partial(routed, shared.float())
+    return Partial((routed + shared.float()).to(torch.bfloat16).float())
+
+
+def finish(routed_sum: torch.Tensor, shared_sum: torch.Tensor | None) -> torch.Tensor:
+    """bf16 [T, H] from the summed fp32 partials: rounded once, plus the shared experts' sum
+    (rounded on its own) where the combine had reduced the routed output."""
+    out = routed_sum.to(torch.bfloat16)
+    if shared_sum is None:
+        return out
+    return (out.float() + shared_sum.to(torch.bfloat16).float()).to(torch.bfloat16)
+
+
+def reduce_ranks(traces: list[Trace], problem: MoEProblem) -> torch.Tensor:
+    """The `reduce` stage emulated in one process: every rank's partial summed in rank order."""
+    partials = [rank_partial(t, problem) for t in traces]
+    routed, shared = partials[0].routed, partials[0].shared
+    for p in partials[1:]:
+        routed = routed + p.routed
+        if shared is not None and p.shared is not None:
+            shared = shared + p.shared
+    return finish(routed, shared)

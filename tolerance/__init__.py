@@ -5,12 +5,7 @@ Depends on `moe_verify.spec` and torch only (never on the golden or the optimize
 
 from __future__ import annotations
 
-# moe_verify first: its __init__ imports moe_verify.verify, which imports tolerance.compare; were
-# tolerance.compare first, it would reach moe_verify.spec mid-import and find itself half-built.
-import moe_verify  # noqa: F401
 from tolerance.compare import (
-    ERROR_KEY,
-    SKIP_KEY,
     CheckResult,
     ContractError,
     StageResult,
@@ -18,6 +13,7 @@ from tolerance.compare import (
     compare,
     compare_stage,
     default_stages,
+    keyed_values,
     not_compared,
 )
 from tolerance.layouts import unpack_ue8m0
@@ -27,8 +23,6 @@ from tolerance.report import Report, failure_message
 __all__ = [
     "ANY",
     "POLICY",
-    "ERROR_KEY",
-    "SKIP_KEY",
     "Check",
     "CheckResult",
     "ContractError",
@@ -41,6 +35,7 @@ __all__ = [
     "compare_stage",
     "default_stages",
     "failure_message",
+    "keyed_values",
     "policy_for",
     "not_compared",
     "unpack_ue8m0",

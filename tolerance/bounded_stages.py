@@ -1,30 +1,32 @@
 """Comparers of the stages compared within bounds: the GEMMs (gemm1, gemm2; live (token, k) rows),
 act_quant (scale flips, code distance, or dequantized values in chained mode) and the per-token
-outputs (gather in bf16 ulps; shared and reduce bounded like a GEMM)."""
+outputs (gather in bf16 ulps; shared and reduce bounded like a GEMM).
+
+Each stage's rows are keyed once, by `gemm_rows`, `act_quant_rows` or `token_rows`: the checks
+here and `bounded_values` (what calibration measures, through `tolerance.compare.keyed_values`)
+read the same rows.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property, partial
 
 import torch
 
-from moe_verify.spec import REDUCE_STAGE
+from moe_verify.spec import Stage
 from tolerance.checks import (
-    Ctx,
     bound_check,
     bounded_checks,
-    downstream_slots,
     fp8_value,
     nonfinite_check,
-    rows_in_range,
     shape_fail,
-    slot_worst,
     ulp_checks,
 )
-from tolerance.layouts import (
-    scale_values,
-)
+from tolerance.context import Ctx, downstream_slots, rows_in_range, slot_worst
+from tolerance.layouts import scale_values
 from tolerance.metrics import (
     argmax_coords,
     first_true,
@@ -32,21 +34,144 @@ from tolerance.metrics import (
     fp8_codes,
     fp8_value_distance,
 )
-from tolerance.results import (
-    CheckResult,
-    Worst,
-)
+from tolerance.results import CheckResult, ContractError, Worst
+
+_LIVE_ROWS = "live (token, k) rows"
+GEMM_OUTPUTS = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
+TOKEN_STAGES = (Stage.GATHER, Stage.SHARED, Stage.REDUCE)
+_BOUNDED = [*GEMM_OUTPUTS, Stage.ACT_QUANT, *TOKEN_STAGES]
 
 
-def gemm_checks(ctx: Ctx, stage: str, name: str) -> list[CheckResult]:
+# Keyed rows --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """One stage's compared rows: row i of `other` and of `golden` ([L, N], on the comparison
+    device) is the same live (token, k) slot, or the same token for per-token outputs.
+
+    locate maps row i to its coordinates; rows names a row in messages; row_map is the failed
+    check for live slots whose row lies outside the tested tensor (those slots are dropped).
+    """
+
+    other: torch.Tensor
+    golden: torch.Tensor
+    locate: Callable[[int], Worst]
+    rows: str
+    row_map: CheckResult | None = None
+
+    def with_row_map(self, checks: list[CheckResult]) -> list[CheckResult]:
+        return [self.row_map, *checks] if self.row_map else checks
+
+
+def gemm_rows(ctx: Ctx, stage: str, name: str) -> Keyed | CheckResult:
+    """gemm1 / gemm2: the `name` rows of every live slot, or the failed shape check."""
     s = downstream_slots(ctx)
     g, o = ctx.pair(stage, name)
     if o.dim() != 2 or o.shape[1] != g.shape[1]:
-        return [shape_fail(ctx, name, o, g)]
-    s, row_fail = rows_in_range(ctx, s, o.shape[0], name)
-    a, b = o[s.other_rows], g[s.gold_rows]
-    checks = bounded_checks(ctx, a, b, lambda i: slot_worst(ctx, s, i), "live (token, k) rows")
-    return [row_fail, *checks] if row_fail else checks
+        return shape_fail(ctx, name, o, g)
+    s, row_map = rows_in_range(ctx, s, o.shape[0], name)
+    return Keyed(o[s.other_rows], g[s.gold_rows], partial(slot_worst, ctx, s), _LIVE_ROWS, row_map)
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """act_quant's live rows on both sides: fp8 codes [L, I] (uint8) and their per-group scales
+    [L, I/group] (float64), row i of each the same (token, k) slot."""
+
+    codes: tuple[torch.Tensor, torch.Tensor]  # (other, golden)
+    scales: tuple[torch.Tensor, torch.Tensor]  # (other, golden)
+    group: int
+    locate: Callable[[int], Worst]
+    row_map: CheckResult | None
+
+    @cached_property
+    def scale_differs(self) -> torch.Tensor:
+        """bool [L, I/group]: the two sides' scales of a group differ."""
+        sa, sb = self.scales
+        return ~(sa == sb)
+
+    @cached_property
+    def distances(self) -> torch.Tensor:
+        """float64 [L, I]: e4m3 code steps where the group's scales agree, else the value distance
+        in e4m3 ulps at the coarser scale."""
+        qa, qb = self.codes
+        same_scale = (~self.scale_differs).repeat_interleave(self.group, dim=1)
+        sa_el, sb_el = self.element_scales
+        return torch.where(
+            same_scale,
+            fp8_code_distance(qa, qb).to(torch.float64),
+            fp8_value_distance(qa, sa_el, qb, sb_el),
+        )
+
+    @cached_property
+    def element_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each element's scale, (other, golden) [L, I]."""
+        return (
+            self.scales[0].repeat_interleave(self.group, dim=1),
+            self.scales[1].repeat_interleave(self.group, dim=1),
+        )
+
+    def values(self) -> Keyed:
+        """The dequantized values q x scale (fp32), as keyed rows."""
+        (qa, qb), (sa, sb) = self.codes, self.scales
+        a = _dequantize_codes(qa, sa, self.group)
+        b = _dequantize_codes(qb, sb, self.group)
+        return Keyed(a, b, self.locate, _LIVE_ROWS, self.row_map)
+
+
+def act_quant_rows(ctx: Ctx) -> QuantRows | CheckResult:
+    """act_quant: the a2q codes and a2q_scale scales of every live slot, or the failed shape
+    check."""
+    s = downstream_slots(ctx)
+    g_q, o_q = (fp8_codes(q) for q in ctx.pair(Stage.ACT_QUANT, "a2q"))
+    if o_q.dim() != 2 or o_q.shape[1] != g_q.shape[1]:
+        return shape_fail(ctx, "a2q", o_q, g_q)
+    group = ctx.problem.recipe.act_group
+    groups = g_q.shape[1] // group
+    g_s, o_s = (scale_values(x, groups) for x in ctx.pair(Stage.ACT_QUANT, "a2q_scale"))
+    s, row_map = rows_in_range(ctx, s, min(o_q.shape[0], o_s.shape[0]), "a2q / a2q_scale")
+    return QuantRows(
+        (o_q[s.other_rows], g_q[s.gold_rows]),
+        (o_s[s.other_rows], g_s[s.gold_rows]),
+        group,
+        partial(slot_worst, ctx, s),
+        row_map,
+    )
+
+
+def token_rows(ctx: Ctx, stage: str) -> Keyed | CheckResult:
+    """gather / shared / reduce: out [M, H], one row per token, or the failed shape check.
+    reduce is the sum over ranks, so its coordinates name the global token and no rank."""
+    g, o = ctx.pair(stage, "out")
+    if o.shape != g.shape:
+        return shape_fail(ctx, "out", o, g)
+    rank = None if stage == Stage.REDUCE else ctx.rank
+
+    def locate(t: int) -> Worst:
+        return Worst(token=ctx.token(t) if rank is not None else t, rank=rank)
+
+    return Keyed(o, g, locate, "tokens")
+
+
+def bounded_values(ctx: Ctx, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tested, golden) values of a bounded stage as its checks read them; a ContractError when
+    they cannot all be keyed (shape off contract, or a live slot's row outside the tested tensor).
+    """
+    if stage in GEMM_OUTPUTS:
+        keyed = gemm_rows(ctx, stage, GEMM_OUTPUTS[stage])
+    elif stage == Stage.ACT_QUANT:
+        rows = act_quant_rows(ctx)
+        keyed = rows if isinstance(rows, CheckResult) else rows.values()
+    elif stage in TOKEN_STAGES:
+        keyed = token_rows(ctx, stage)
+    else:
+        raise ValueError(f"{stage} is not a bounded stage; keyed values exist for {_BOUNDED}")
+    failed = keyed if isinstance(keyed, CheckResult) else keyed.row_map
+    if failed is not None:
+        raise ContractError(f"{stage} rows cannot be keyed by (token, k): {failed.detail}")
+    assert isinstance(keyed, Keyed)
+    return keyed.other, keyed.golden
 
 
 def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
@@ -57,90 +182,90 @@ def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group: int) -> 
     return values * scales.float().repeat_interleave(group, dim=1)
 
 
-def act_quant_checks(ctx: Ctx) -> list[CheckResult]:
-    check = ctx.check
-    s = downstream_slots(ctx)
-    g_q, o_q = (fp8_codes(q) for q in ctx.pair("act_quant", "a2q"))
-    if o_q.dim() != 2 or o_q.shape[1] != g_q.shape[1]:
-        return [shape_fail(ctx, "a2q", o_q, g_q)]
-    group = ctx.problem.recipe.act_group
-    groups = g_q.shape[1] // group
-    g_s, o_s = (scale_values(x, groups) for x in ctx.pair("act_quant", "a2q_scale"))
-    s, row_fail = rows_in_range(ctx, s, min(o_q.shape[0], o_s.shape[0]), "a2q / a2q_scale")
-    qa, qb = o_q[s.other_rows], g_q[s.gold_rows]
-    sa, sb = o_s[s.other_rows], g_s[s.gold_rows]
-    out = [row_fail] if row_fail else []
-    locate = partial(slot_worst, ctx, s)
+# GEMMs -------------------------------------------------------------------------------------------
 
-    # NaN codes, and scales that are NaN/Inf (an E8M0 0xFF byte reads as NaN).
-    finite = nonfinite_check(ctx, qa, qb, locate, "live (token, k) rows")
+
+def gemm_checks(ctx: Ctx, stage: str, name: str) -> list[CheckResult]:
+    keyed = gemm_rows(ctx, stage, name)
+    if isinstance(keyed, CheckResult):
+        return [keyed]
+    return keyed.with_row_map(
+        bounded_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)
+    )
+
+
+# act_quant ---------------------------------------------------------------------------------------
+
+
+def act_quant_finite(ctx: Ctx, rows: QuantRows) -> CheckResult:
+    """NaN codes, and scales that are NaN/Inf (an E8M0 0xFF byte reads as NaN)."""
+    (qa, qb), (sa, sb) = rows.codes, rows.scales
+    finite = nonfinite_check(ctx, qa, qb, rows.locate, _LIVE_ROWS)
     bad_scales = int((~torch.isfinite(sa)).sum() + (~torch.isfinite(sb)).sum())
-    if bad_scales:
-        finite = dataclasses.replace(
-            finite,
-            passed=False,
-            value=finite.value + bad_scales,
-            detail=finite.detail + f"; {bad_scales} non-finite scales",
-        )
-    out.append(finite)
+    if not bad_scales:
+        return finite
+    return dataclasses.replace(
+        finite,
+        passed=False,
+        value=finite.value + bad_scales,
+        detail=finite.detail + f"; {bad_scales} non-finite scales",
+    )
 
-    if check.kind == "act_quant_values":
-        a_val = _dequantize_codes(qa, sa, group)
-        b_val = _dequantize_codes(qb, sb, group)
-        return out + bounded_checks(ctx, a_val, b_val, locate, "live (token, k) rows")[1:]
 
-    differ = ~(sa == sb)
+def scale_flips(ctx: Ctx, rows: QuantRows) -> CheckResult:
+    """The share of live scale groups whose scale differs."""
+    sa, sb = rows.scales
+    differ = rows.scale_differs
     n_groups = differ.numel()
     flips = int(differ.sum())
     at = first_true(differ)
     worst = None
     if at is not None:
-        worst = locate(at[0])
         worst = dataclasses.replace(
-            worst, column=at[1] * group, golden=float(sb[at]), other=float(sa[at])
+            rows.locate(at[0]), column=at[1] * rows.group, golden=float(sb[at]), other=float(sa[at])
         )
-    flip_limit = check.limit("scale_flip_frac")
-    out.append(
-        bound_check(
-            "scale flips",
-            flips / n_groups if n_groups else 0.0,
-            flip_limit,
-            worst,
-            f"{flips} of {n_groups} live scale groups differ",
-        )
+    return bound_check(
+        "scale flips",
+        flips / n_groups if n_groups else 0.0,
+        ctx.check.limit("scale_flip_frac"),
+        worst,
+        f"{flips} of {n_groups} live scale groups differ",
     )
+
+
+def scale_step(ctx: Ctx, rows: QuantRows) -> CheckResult:
+    """How far a differing scale moved, relative to the smaller of the two."""
+    sa, sb = rows.scales
+    differ = rows.scale_differs
     step = ((sa - sb).abs() / torch.minimum(sa, sb)).masked_fill(~differ, 0.0)
     step = torch.where(differ & torch.isnan(step), torch.full_like(step, float("inf")), step)
     at = argmax_coords(step)
     value, worst = 0.0, None
-    if at is not None and flips:
+    if at is not None and bool(differ.any()):
         value = float(step[at])
         worst = dataclasses.replace(
-            locate(at[0]), column=at[1] * group, golden=float(sb[at]), other=float(sa[at])
+            rows.locate(at[0]), column=at[1] * rows.group, golden=float(sb[at]), other=float(sa[at])
         )
-    out.append(
-        bound_check(
-            "scale step",
-            value,
-            check.limit("scale_step"),
-            worst,
-            f"largest |s_a - s_b| / min(s_a, s_b) over differing groups: {value:.4g}",
-        )
+    return bound_check(
+        "scale step",
+        value,
+        ctx.check.limit("scale_step"),
+        worst,
+        f"largest |s_a - s_b| / min(s_a, s_b) over differing groups: {value:.4g}",
     )
 
-    same_scale = (~differ).repeat_interleave(group, dim=1)
-    sa_el, sb_el = sa.repeat_interleave(group, dim=1), sb.repeat_interleave(group, dim=1)
-    dist = torch.where(
-        same_scale,
-        fp8_code_distance(qa, qb).to(torch.float64),
-        fp8_value_distance(qa, sa_el, qb, sb_el),
-    )
+
+def code_distance(ctx: Ctx, rows: QuantRows) -> CheckResult:
+    """The largest move of an fp8 code (steps, or ulps at the coarser scale where a scale
+    flipped), with the dequantized values of the worst element."""
+    (qa, qb), (sa_el, sb_el) = rows.codes, rows.element_scales
+    dist = rows.distances
     at = argmax_coords(dist)
     value, worst, note = 0.0, None, ""
     if at is not None:
         value = float(dist[at])
         worst = dataclasses.replace(
-            locate(at[0]),
+            rows.locate(at[0]),
             column=at[1],
             golden=fp8_value(qb[at]) * float(sb_el[at]),
             other=fp8_value(qa[at]) * float(sa_el[at]),
@@ -149,42 +274,77 @@ def act_quant_checks(ctx: Ctx) -> list[CheckResult]:
             f"; worst: code 0x{int(qa[at]):02x} vs golden 0x{int(qb[at]):02x} "
             "(dequantized values shown)"
         )
+    return bound_check(
+        "code distance",
+        value,
+        ctx.check.limit("code_dist"),
+        worst,
+        f"max {value:.3g} e4m3 steps (ulps at the coarser scale where a scale flipped){note}",
+    )
+
+
+def code_fraction(ctx: Ctx, rows: QuantRows) -> CheckResult:
+    """The share of live codes that moved at all."""
+    dist = rows.distances
     moved = int((~(dist == 0)).sum())
-    out.append(
-        bound_check(
-            "code distance",
-            value,
-            check.limit("code_dist"),
-            worst,
-            f"max {value:.3g} e4m3 steps (ulps at the coarser scale where a scale flipped){note}",
-        )
-    )
     total = dist.numel()
-    out.append(
-        bound_check(
-            "code fraction",
-            moved / total if total else 0.0,
-            check.limit("code_frac"),
-            None,
-            f"{moved} of {total} live codes differ",
-        )
+    return bound_check(
+        "code fraction",
+        moved / total if total else 0.0,
+        ctx.check.limit("code_frac"),
+        None,
+        f"{moved} of {total} live codes differ",
     )
-    return out
+
+
+def dequantized_value_checks(ctx: Ctx, rows: QuantRows) -> list[CheckResult]:
+    """Chained: q x scale bounded like a GEMM output (act_quant_finite has counted NaN/Inf)."""
+    values = rows.values()
+    return bounded_checks(ctx, values.other, values.golden, values.locate, values.rows)[1:]
+
+
+def _code_checks(ctx: Ctx, rows: QuantRows) -> list[CheckResult]:
+    return [
+        scale_flips(ctx, rows),
+        scale_step(ctx, rows),
+        code_distance(ctx, rows),
+        code_fraction(ctx, rows),
+    ]
+
+
+# The policy's check kind picks the ruler: codes and scales on the same upstream (isolated), the
+# dequantized values after a chained GEMM1, where code distance is the wrong ruler
+# (docs/tolerance.md#act-quant-chained).
+_ACT_QUANT_RULERS: dict[str, Callable[[Ctx, QuantRows], list[CheckResult]]] = {
+    "act_quant": _code_checks,
+    "act_quant_values": dequantized_value_checks,
+}
+
+
+def act_quant_checks(ctx: Ctx) -> list[CheckResult]:
+    rows = act_quant_rows(ctx)
+    if isinstance(rows, CheckResult):
+        return [rows]
+    ruler = _ACT_QUANT_RULERS.get(ctx.check.kind)
+    if ruler is None:
+        raise ValueError(
+            f"policy gives act_quant a {ctx.check.kind!r} check; it takes {list(_ACT_QUANT_RULERS)}"
+        )
+    checks = [act_quant_finite(ctx, rows), *ruler(ctx, rows)]
+    return [rows.row_map, *checks] if rows.row_map else checks
+
+
+# Per-token outputs -------------------------------------------------------------------------------
 
 
 def token_output_checks(ctx: Ctx, stage: str) -> list[CheckResult]:
     """gather / shared / reduce: out [M, H] per element and per token."""
-    g, o = ctx.pair(stage, "out")
-    if o.shape != g.shape:
-        return [shape_fail(ctx, "out", o, g)]
-    rank = None if stage == REDUCE_STAGE else ctx.rank
-
-    def locate(t: int) -> Worst:
-        return Worst(token=ctx.token(t) if rank is not None else t, rank=rank)
-
+    keyed = token_rows(ctx, stage)
+    if isinstance(keyed, CheckResult):
+        return [keyed]
     kind = ctx.check.kind
     if kind == "gather":
-        return ulp_checks(ctx, o, g, locate, "tokens")
+        return ulp_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)
     if kind in ("gemm", "reduce"):
-        return bounded_checks(ctx, o, g, locate, "tokens")
+        return bounded_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)
     raise ValueError(f"policy gives {stage} a {kind!r} check; it takes gather, gemm or reduce")

@@ -1,17 +1,16 @@
-"""The comparison toolkit every stage comparer shares: the context of one stage comparison,
-the live (token, k) slots and how each side's rows are keyed, and the generic bounded, ulp and
-NaN/Inf checks with their worst coordinates."""
+"""The generic check builders every stage comparer shares: bound and exact checks, the NaN/Inf,
+per-element (atol x rowmax + rtol), per-row and bf16-ulp checks with their worst coordinates, and
+the small value helpers their messages use. The context they read is `tolerance.context`."""
 
 from __future__ import annotations
 
 import dataclasses
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from moe_verify.spec import MoEProblem, Trace
+from tolerance.context import Ctx
 from tolerance.metrics import (
     Mismatch,
     argmax_coords,
@@ -26,83 +25,10 @@ from tolerance.metrics import (
     row_max,
     row_rel_error,
 )
-from tolerance.policy import CONTRACT_REASON, NONFINITE_REASON, Check, Limit
-from tolerance.results import (
-    CheckResult,
-    ContractError,
-    Worst,
-)
-from tolerance.results import entry as _entry
-from tolerance.results import ran as _ran
+from tolerance.policy import CONTRACT_REASON, NONFINITE_REASON, Limit
+from tolerance.results import CheckResult, Worst
 
-# Comparison context ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Ctx:
-    golden: Trace
-    other: Trace
-    problem: MoEProblem
-    check: Check
-    mode: str
-    device: torch.device  # where both sides are compared (`comparison_device`)
-
-    @property
-    def rank(self) -> int:
-        return self.other.rank
-
-    @property
-    def name(self) -> str:
-        return self.other.backend
-
-    def token(self, t: int) -> int:
-        """Global token of local row t (ep+ht receives a subset, named by route.token_index)."""
-        route = self.golden["route"] if "route" in self.golden else {}
-        index = route.get("token_index")
-        return int(index[t]) if isinstance(index, torch.Tensor) else t
-
-    def token_note(self, t: int) -> str:
-        route = self.golden["route"] if "route" in self.golden else {}
-        ids = route.get("topk_ids")
-        if not isinstance(ids, torch.Tensor) or t >= ids.shape[0]:
-            return ""
-        return f"; golden routes token {self.token(t)} to experts {[int(e) for e in ids[t]]}"
-
-    def pair(self, stage: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(golden, other) tensors of `stage.name`, both on the comparison device."""
-        return (
-            tensor_of(self.golden, stage, name, self.device),
-            tensor_of(self.other, stage, name, self.device),
-        )
-
-
-def comparison_device(golden: Trace, stage: str) -> torch.device:
-    """Where a stage is compared: on the golden's device, so a GPU run is compared on the GPU
-    (host copies and float64 math on the host were 90% of a DeepSeek-V3 EP8 verify,
-    docs/gpu-results.md); the tested side is moved there when it lives elsewhere."""
-    outs = golden[stage] if stage in golden else {}
-    for value in outs.values():
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")
-
-
-def tensor_of(trace: Trace, stage: str, name: str, device: torch.device) -> torch.Tensor:
-    value = _entry(trace, stage, name)
-    if not isinstance(value, torch.Tensor):
-        raise ContractError(
-            f"{trace.backend} {stage}.{name} is {type(value).__name__}, not a tensor"
-        )
-    return value.detach().to(device)
-
-
-def int_of(trace: Trace, stage: str, name: str) -> int:
-    value = _entry(trace, stage, name)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return int(value.item())
-    if isinstance(value, int):
-        return value
-    raise ContractError(f"{trace.backend} {stage}.{name} must be an int, got {value!r}")
+# Values and rows --------------------------------------------------------------------------------
 
 
 def py_scalar(x: torch.Tensor) -> float | int:
@@ -111,6 +37,7 @@ def py_scalar(x: torch.Tensor) -> float | int:
 
 
 def fp8_value(code: torch.Tensor) -> float:
+    """The e4m3 value of one fp8 code, for display."""
     return float(e4m3_value(code.reshape(1))[0])
 
 
@@ -128,6 +55,9 @@ def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 0:
         return torch.zeros((rows.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
     return x[rows.clamp(0, x.shape[0] - 1)]
+
+
+# Check builders ---------------------------------------------------------------------------------
 
 
 def bound_check(
@@ -151,6 +81,7 @@ def exact_check(
 
 
 def shape_fail(ctx: Ctx, name: str, other: torch.Tensor, golden: torch.Tensor) -> CheckResult:
+    """The failed '<name> shape' check: the tested side's dtype and shape against the golden's."""
     return CheckResult(
         f"{name} shape",
         False,
@@ -161,95 +92,6 @@ def shape_fail(ctx: Ctx, name: str, other: torch.Tensor, golden: torch.Tensor) -
         f"{ctx.name} {name} is {other.dtype} {tuple(other.shape)}, "
         f"golden {golden.dtype} {tuple(golden.shape)}",
     )
-
-
-# Live (token, k) slots ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Slots:
-    """The golden's live (token, k) slots and their rows on each side.
-
-    tk [L, 2] (token, k); gold_rows / other_rows [L]; experts [L] global ids (-1 unknown).
-    """
-
-    tk: torch.Tensor
-    gold_rows: torch.Tensor
-    other_rows: torch.Tensor
-    experts: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.tk.shape[0]
-
-    def select(self, keep: torch.Tensor) -> Slots:
-        return Slots(self.tk[keep], self.gold_rows[keep], self.other_rows[keep], self.experts[keep])
-
-
-def live_slots(golden: Trace, layout: Trace, device: torch.device | None = None) -> Slots:
-    """Live slots of the golden, with other rows read from `layout`'s permute.inv_perm; on
-    `device` (the golden permute's device unless given)."""
-    if "permute" in layout and not _ran(layout["permute"]):
-        raise ContractError(
-            f"{layout.backend}'s permute was skipped or raised, so its rows cannot be keyed by "
-            "(token, k)"
-        )
-    if device is None:
-        device = comparison_device(golden, "permute")
-    g_inv = tensor_of(golden, "permute", "inv_perm", device).to(torch.int64)
-    o_inv = tensor_of(layout, "permute", "inv_perm", device).to(torch.int64)
-    if o_inv.shape != g_inv.shape:
-        raise ContractError(
-            f"{layout.backend} permute.inv_perm is {tuple(o_inv.shape)}, "
-            f"golden {tuple(g_inv.shape)}"
-        )
-    live = g_inv >= 0
-    experts = torch.full(g_inv.shape, -1, dtype=torch.int64, device=device)
-    if "route" in golden and isinstance(golden["route"].get("topk_ids"), torch.Tensor):
-        ids = golden["route"]["topk_ids"].detach().to(device, torch.int64)
-        if ids.shape == g_inv.shape:
-            experts = ids
-    return Slots(live.nonzero(), g_inv[live], o_inv[live], experts[live])
-
-
-def downstream_slots(ctx: Ctx) -> Slots:
-    """Slots for a stage after permute: keyed by the permute that stage consumed."""
-    return live_slots(ctx.golden, ctx.other if ctx.mode == "chained" else ctx.golden, ctx.device)
-
-
-def slot_worst(ctx: Ctx, s: Slots, i: int, **values: object) -> Worst:
-    expert = int(s.experts[i])
-    return Worst(
-        token=ctx.token(int(s.tk[i, 0])),
-        k=int(s.tk[i, 1]),
-        expert=expert if expert >= 0 else None,
-        rank=ctx.rank,
-        row=int(s.other_rows[i]),
-        **values,  # type: ignore[arg-type]
-    )
-
-
-def slot_name(ctx: Ctx, s: Slots, i: int) -> str:
-    return f"slot (token {ctx.token(int(s.tk[i, 0]))}, k {int(s.tk[i, 1])})"
-
-
-def rows_in_range(ctx: Ctx, s: Slots, n_rows: int, what: str) -> tuple[Slots, CheckResult | None]:
-    """Keep slots whose other row indexes a tensor of n_rows rows; a failed check otherwise."""
-    ok = (s.other_rows >= 0) & (s.other_rows < n_rows)
-    if bool(ok.all()):
-        return s, None
-    i = int(torch.nonzero(~ok)[0, 0])
-    bad = int((~ok).sum())
-    result = CheckResult(
-        "row map",
-        False,
-        bad,
-        0,
-        CONTRACT_REASON,
-        slot_worst(ctx, s, i),
-        f"{bad} of {len(s)} live slots map outside {ctx.name} {what} ({n_rows} rows); first: "
-        f"{slot_name(ctx, s, i)} -> row {int(s.other_rows[i])}",
-    )
-    return s.select(ok), result
 
 
 # Shared bounded / ulp comparisons ----------------------------------------------------------------

@@ -9,8 +9,8 @@ isolated mode the backend ran on the golden's upstream, so its rows sit where th
 
 Live slots are those with golden `inv_perm[t, k] >= 0`; padding rows are checked only for their
 contract values (m_indices -1, fp32 scales +0.0, packed scale bytes not 0xFF), never for data.
-A stage recorded as `{SKIP_KEY: reason}` (StageSkipped) is reported as skipped, one recorded as
-`{ERROR_KEY: message}` (the stage raised) as an error; neither is ever a pass.
+A stage a trace records as skipped (StageSkipped) is reported as skipped, one recorded as raised
+as an error (`Trace.failure`); neither is ever a pass.
 """
 
 from __future__ import annotations
@@ -20,24 +20,21 @@ from functools import partial
 
 import torch
 
-from moe_verify.spec import REDUCE_STAGE, MoEProblem, Trace
-from tolerance.bounded_stages import act_quant_checks, gemm_checks, token_output_checks
-from tolerance.checks import Ctx, comparison_device
+from moe_verify.spec import Mode, MoEProblem, Stage, Status, Trace
+from tolerance.bounded_stages import (
+    GEMM_OUTPUTS,
+    act_quant_checks,
+    bounded_values,
+    gemm_checks,
+    token_output_checks,
+)
+from tolerance.context import Ctx, comparison_device
 from tolerance.exact_stages import align_checks, permute_checks, quant_input_checks, route_checks
 from tolerance.layouts import flatten_batched
-from tolerance.policy import CONTRACT_REASON, MODES, policy_for
-from tolerance.results import (
-    ERROR_KEY,
-    SKIP_KEY,
-    CheckResult,
-    ContractError,
-    StageResult,
-    Worst,
-)
+from tolerance.policy import CONTRACT_REASON, policy_for
+from tolerance.results import CheckResult, ContractError, StageResult, Worst
 
 __all__ = [  # the entry points, and the result types callers read with them
-    "ERROR_KEY",
-    "SKIP_KEY",
     "CheckResult",
     "ContractError",
     "StageResult",
@@ -45,21 +42,22 @@ __all__ = [  # the entry points, and the result types callers read with them
     "compare",
     "compare_stage",
     "default_stages",
+    "keyed_values",
     "not_compared",
 ]
 
 
 _COMPARERS: dict[str, Callable[[Ctx], list[CheckResult]]] = {
-    "route": route_checks,
-    "quant_input": quant_input_checks,
-    "align": align_checks,
-    "permute": permute_checks,
-    "gemm1": partial(gemm_checks, stage="gemm1", name="mm1"),
-    "act_quant": act_quant_checks,
-    "gemm2": partial(gemm_checks, stage="gemm2", name="mm2"),
-    "gather": partial(token_output_checks, stage="gather"),
-    "shared": partial(token_output_checks, stage="shared"),
-    REDUCE_STAGE: partial(token_output_checks, stage=REDUCE_STAGE),
+    Stage.ROUTE: route_checks,
+    Stage.QUANT_INPUT: quant_input_checks,
+    Stage.ALIGN: align_checks,
+    Stage.PERMUTE: permute_checks,
+    Stage.GEMM1: partial(gemm_checks, stage=Stage.GEMM1, name=GEMM_OUTPUTS[Stage.GEMM1]),
+    Stage.ACT_QUANT: act_quant_checks,
+    Stage.GEMM2: partial(gemm_checks, stage=Stage.GEMM2, name=GEMM_OUTPUTS[Stage.GEMM2]),
+    Stage.GATHER: partial(token_output_checks, stage=Stage.GATHER),
+    Stage.SHARED: partial(token_output_checks, stage=Stage.SHARED),
+    Stage.REDUCE: partial(token_output_checks, stage=Stage.REDUCE),
 }
 
 
@@ -69,8 +67,8 @@ _COMPARERS: dict[str, Callable[[Ctx], list[CheckResult]]] = {
 def default_stages(problem: MoEProblem, golden: Trace, other: Trace) -> list[str]:
     """The topology's stages, plus `reduce` when either trace has it."""
     names = list(problem.stages)
-    if REDUCE_STAGE in golden or REDUCE_STAGE in other:
-        names.append(REDUCE_STAGE)
+    if Stage.REDUCE in golden or Stage.REDUCE in other:
+        names.append(Stage.REDUCE)
     return names
 
 
@@ -78,13 +76,16 @@ def not_compared(stage: str, golden: Trace, other: Trace) -> StageResult | None:
     """A skip (stage missing or skipped on either side) or error (a side raised in the stage)
     result when `stage` cannot be compared; None when it can. The other side is checked first."""
     for trace, who in ((other, other.backend), (golden, f"golden ({golden.backend})")):
+        failure = trace.failure(stage)
+        if failure is None:
+            continue
         if stage not in trace:
-            return StageResult(stage, "skip", [], f"{who} trace has no {stage!r} stage (not run)")
-        outs = trace[stage]
-        if ERROR_KEY in outs:
-            return StageResult(stage, "error", [], f"{who} raised in {stage}: {outs[ERROR_KEY]}")
-        if SKIP_KEY in outs:
-            return StageResult(stage, "skip", [], f"{who} skipped {stage}: {outs[SKIP_KEY]}")
+            reason = f"{who} trace has no '{stage}' stage (not run)"
+        elif failure.status is Status.ERROR:
+            reason = f"{who} raised in {stage}: {failure.reason}"
+        else:
+            reason = f"{who} skipped {stage}: {failure.reason}"
+        return StageResult(stage, failure.status, [], reason)
     return None
 
 
@@ -94,7 +95,7 @@ def compare_stage(
     other: Trace,
     problem: MoEProblem,
     *,
-    mode: str = "isolated",
+    mode: Mode | str = Mode.ISOLATED,
     device: torch.device | str | None = None,
 ) -> StageResult:
     """Compare one stage; never raises for a broken trace (status fail/skip/error instead).
@@ -105,22 +106,52 @@ def compare_stage(
     if early is not None:
         return early
     comparer = _COMPARERS.get(stage)
-    if "dispatch" in golden:  # batched layout: compare it as a contiguous one
+    if Stage.DISPATCH in golden:  # batched layout: compare it as a contiguous one
         golden, other = flatten_batched(golden), flatten_batched(other)
-        if stage == "dispatch":
+        if stage == Stage.DISPATCH:
             comparer = permute_checks
     if comparer is None:
-        return StageResult(stage, "error", [], f"no comparison is defined for stage {stage!r}")
+        return StageResult(stage, Status.ERROR, [], f"no comparison is defined for stage '{stage}'")
     where = torch.device(device) if device is not None else comparison_device(golden, stage)
     try:
         check = policy_for(stage, problem, mode)
-        checks = comparer(Ctx(golden, other, problem, check, mode, where))
+        checks = comparer(Ctx(golden, other, problem, check, Mode(mode), where))
     except ContractError as exc:
         contract = CheckResult("contract", False, 1, 0, CONTRACT_REASON, None, str(exc))
-        return StageResult(stage, "fail", [contract])
+        return StageResult(stage, Status.FAIL, [contract])
     except Exception as exc:  # a comparison bug must not take the whole report down
-        return StageResult(stage, "error", [], f"{type(exc).__name__}: {exc}")
-    return StageResult(stage, "pass" if all(c.passed for c in checks) else "fail", checks)
+        return StageResult(stage, Status.ERROR, [], f"{type(exc).__name__}: {exc}")
+    status = Status.PASS if all(c.passed for c in checks) else Status.FAIL
+    return StageResult(stage, status, checks)
+
+
+def keyed_values(
+    stage: str,
+    golden: Trace,
+    other: Trace,
+    problem: MoEProblem,
+    mode: Mode | str = Mode.ISOLATED,
+    *,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tested, golden) values of a bounded stage, row-aligned exactly as its checks key them.
+
+    gemm1 / gemm2: the mm1 / mm2 row of every live (token, k) slot; act_quant: the dequantized
+    a2q x a2q_scale of those rows, fp32; gather / shared / reduce: out, one row per token. Slots
+    are keyed by the permute the stage consumed (the golden's in isolated mode, the tested side's
+    own when chained); a batched low-latency layout is read as a contiguous one. Both tensors lie
+    on `device` (the comparison device by default). Raises ContractError when the stage cannot be
+    keyed: not run on a side, a shape off the contract, or a live slot whose row lies outside the
+    tested tensor (compare reports those as skip/error or a failed check).
+    """
+    early = not_compared(stage, golden, other)
+    if early is not None:
+        raise ContractError(f"{stage} cannot be keyed: {early.reason}")
+    if Stage.DISPATCH in golden:
+        golden, other = flatten_batched(golden), flatten_batched(other)
+    where = torch.device(device) if device is not None else comparison_device(golden, stage)
+    check = policy_for(stage, problem, mode)
+    return bounded_values(Ctx(golden, other, problem, check, Mode(mode), where), stage)
 
 
 def compare(
@@ -129,7 +160,7 @@ def compare(
     problem: MoEProblem,
     stages: list[str] | None = None,
     *,
-    mode: str = "isolated",
+    mode: Mode | str = Mode.ISOLATED,
     device: torch.device | str | None = None,
 ) -> list[StageResult]:
     """Compare `other` against `golden` stage by stage (all of `default_stages` unless given).
@@ -138,8 +169,7 @@ def compare(
     ran end to end on its own; it picks the policy rows and which inv_perm keys permuted rows.
     device: where to compare, the golden's device by default (`comparison_device`).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = Mode(mode)
     names = list(stages) if stages is not None else default_stages(problem, golden, other)
     return [
         compare_stage(stage, golden, other, problem, mode=mode, device=device) for stage in names

@@ -5,31 +5,31 @@ and bytes, and the padding contract). Each takes a comparison context and return
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass
+from functools import cached_property, partial
 
 import torch
 
+from moe_verify.spec import Stage
 from tolerance.checks import (
-    Ctx,
-    Slots,
     bound_check,
     decode_scale,
     exact_check,
     exact_int_vector,
     fp8_value,
+    shape_fail,
+    take_rows,
+)
+from tolerance.context import (
+    Ctx,
+    Slots,
     int_of,
     live_slots,
-    shape_fail,
     slot_name,
     slot_worst,
-    take_rows,
     tensor_of,
 )
-from tolerance.layouts import (
-    _E8M0_NAN,
-    comparable_scale_codes,
-    unpack_ue8m0,
-)
+from tolerance.layouts import _E8M0_NAN, comparable_scale_codes, unpack_ue8m0
 from tolerance.metrics import (
     Mismatch,
     argmax_coords,
@@ -40,11 +40,7 @@ from tolerance.metrics import (
     mismatch_of,
     nan_inf_counts,
 )
-from tolerance.results import (
-    CheckResult,
-    ContractError,
-    Worst,
-)
+from tolerance.results import CheckResult, ContractError, Worst
 
 
 def _canonical_route(
@@ -62,10 +58,10 @@ def _canonical_route(
 
 
 def route_checks(ctx: Ctx) -> list[CheckResult]:
-    g_ids, o_ids = ctx.pair("route", "topk_ids")
+    g_ids, o_ids = ctx.pair(Stage.ROUTE, "topk_ids")
     if g_ids.shape != o_ids.shape:
         return [shape_fail(ctx, "topk_ids", o_ids, g_ids)]
-    g_w, o_w = (w.to(torch.float32) for w in ctx.pair("route", "topk_weights"))
+    g_w, o_w = (w.to(torch.float32) for w in ctx.pair(Stage.ROUTE, "topk_weights"))
     if g_w.shape != o_w.shape or g_w.shape != g_ids.shape:
         return [shape_fail(ctx, "topk_weights", o_w, g_w)]
     gi, gw, gk = _canonical_route(g_ids.to(torch.int64), g_w)
@@ -126,9 +122,11 @@ def route_checks(ctx: Ctx) -> list[CheckResult]:
         )
     )
 
-    if "token_index" in ctx.golden["route"]:
+    if "token_index" in ctx.golden[Stage.ROUTE]:
         out.append(
-            exact_int_vector(ctx, "route", "token_index", "received rows differ", ctx.check.reason)
+            exact_int_vector(
+                ctx, Stage.ROUTE, "token_index", "received rows differ", ctx.check.reason
+            )
         )
     return out
 
@@ -136,7 +134,7 @@ def route_checks(ctx: Ctx) -> list[CheckResult]:
 def quant_input_checks(ctx: Ctx) -> list[CheckResult]:
     reason = ctx.check.reason
     out = []
-    g_q, o_q = ctx.pair("quant_input", "a1q")
+    g_q, o_q = ctx.pair(Stage.QUANT_INPUT, "a1q")
     if g_q.shape != o_q.shape:
         out.append(shape_fail(ctx, "a1q", o_q, g_q))
     else:
@@ -159,7 +157,7 @@ def quant_input_checks(ctx: Ctx) -> list[CheckResult]:
 
     hidden = g_q.shape[1]
     group = ctx.problem.recipe.act_group
-    g_s, o_s = ctx.pair("quant_input", "a1q_scale")
+    g_s, o_s = ctx.pair(Stage.QUANT_INPUT, "a1q_scale")
     if o_s.shape[0] != g_s.shape[0]:
         out.append(shape_fail(ctx, "a1q_scale", o_s, g_s))
         return out
@@ -184,7 +182,7 @@ def align_checks(ctx: Ctx) -> list[CheckResult]:
     reason = ctx.check.reason
     out = []
     for name in ("M_sum", "alignment"):
-        o, g = int_of(ctx.other, "align", name), int_of(ctx.golden, "align", name)
+        o, g = int_of(ctx.other, Stage.ALIGN, name), int_of(ctx.golden, Stage.ALIGN, name)
         worst = None if o == g else Worst(rank=ctx.rank, golden=g, other=o)
         out.append(
             CheckResult(name, o == g, abs(o - g), 0, reason, worst, f"{ctx.name} {o}, golden {g}")
@@ -192,11 +190,12 @@ def align_checks(ctx: Ctx) -> list[CheckResult]:
 
     out.append(
         exact_int_vector(
-            ctx, "align", "counts", "local experts' counts differ", reason, "local expert"
+            ctx, Stage.ALIGN, "counts", "local experts' counts differ", reason, "local expert"
         )
     )
 
-    m_sum, align = int_of(ctx.other, "align", "M_sum"), int_of(ctx.other, "align", "alignment")
+    m_sum = int_of(ctx.other, Stage.ALIGN, "M_sum")
+    align = int_of(ctx.other, Stage.ALIGN, "alignment")
     if align < 1:
         raise ContractError(f"{ctx.name} align.alignment must be >= 1, got {align}")
     remainder = m_sum % align
@@ -211,7 +210,7 @@ def align_checks(ctx: Ctx) -> list[CheckResult]:
             f"{ctx.name} M_sum {m_sum} with alignment {align} leaves {remainder}",
         )
     )
-    g_c = tensor_of(ctx.golden, "align", "counts", ctx.device).to(torch.int64)
+    g_c = tensor_of(ctx.golden, Stage.ALIGN, "counts", ctx.device).to(torch.int64)
     need = int((((g_c + align - 1) // align) * align).sum())
     out.append(
         CheckResult(
@@ -228,70 +227,155 @@ def align_checks(ctx: Ctx) -> list[CheckResult]:
     return out
 
 
-def permute_checks(ctx: Ctx) -> list[CheckResult]:
-    reason = ctx.check.reason
-    G, B = ctx.golden, ctx.other
-    out = []
-    g_m, o_m = (m.to(torch.int64) for m in ctx.pair("permute", "m_indices"))
-    m_sum = o_m.numel()
+# permute -----------------------------------------------------------------------------------------
 
-    out.append(exact_int_vector(ctx, "permute", "m_indices", "rows' local experts differ", reason))
-    if "expert_start" in G["permute"]:
-        out.append(
-            exact_int_vector(
-                ctx, "permute", "expert_start", "segment starts differ", reason, "local expert"
-            )
-        )
 
-    # inv_perm: every live slot owns one distinct row inside [0, M_sum).
-    s = live_slots(G, B, ctx.device)
-    rows = s.other_rows
+@dataclass(frozen=True)
+class PermuteRows:
+    """Where the tested permute put the golden's live slots.
+
+    slots: the live slots, other rows from the tested inv_perm; m_indices: (golden, other) int64
+    [M_sum]; in_range / shared: bool [L], the slot's row lies in [0, M_sum) / is claimed by
+    another slot too.
+    """
+
+    slots: Slots
+    m_indices: tuple[torch.Tensor, torch.Tensor]
+    in_range: torch.Tensor
+    shared: torch.Tensor
+
+    @property
+    def m_sum(self) -> int:
+        return self.m_indices[1].numel()
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """int64 [L]: each live slot's row in the tested buffers."""
+        return self.slots.other_rows
+
+    @property
+    def invalid(self) -> torch.Tensor:
+        """bool [L]: slots without a row of their own (their row contents are not compared)."""
+        return ~self.in_range | self.shared
+
+    @cached_property
+    def padding(self) -> torch.Tensor:
+        """bool [M_sum]: rows claimed by no live slot."""
+        claimed = torch.zeros(self.m_sum, dtype=torch.bool, device=self.rows.device)
+        claimed[self.rows[self.in_range]] = True
+        return ~claimed
+
+
+def permute_rows(ctx: Ctx) -> PermuteRows:
+    """The tested permute's m_indices and the row each live slot maps to, read once for all the
+    permute checks."""
+    g_m, o_m = (m.to(torch.int64) for m in ctx.pair(Stage.PERMUTE, "m_indices"))
+    s = live_slots(ctx.golden, ctx.other, ctx.device)
+    rows, m_sum = s.other_rows, o_m.numel()
     in_range = (rows >= 0) & (rows < m_sum)
     hits = take_rows(torch.bincount(rows[in_range], minlength=m_sum), rows)
-    shared = in_range & (hits > 1)
-    bad = ~in_range | shared
+    return PermuteRows(s, (g_m, o_m), in_range, in_range & (hits > 1))
+
+
+@dataclass(frozen=True)
+class PermutedScales:
+    """a_scale_perm of both sides as comparable int64 codes [M_sum, groups], and their kind."""
+
+    stored: torch.Tensor  # the tested side's a_scale_perm as returned
+    codes: tuple[torch.Tensor, torch.Tensor]  # (other, golden)
+    kind: str
+    groups: int
+    group: int
+
+
+def permuted_scales(ctx: Ctx, layout: PermuteRows) -> PermutedScales | CheckResult:
+    """Both sides' scale groups that exist (pad bytes of packed words ignored), or the failed
+    shape check."""
+    hidden = tensor_of(ctx.golden, Stage.PERMUTE, "a_perm", ctx.device).shape[1]
+    group = ctx.problem.recipe.act_group
+    groups = hidden // group
+    g_s, o_s = ctx.pair(Stage.PERMUTE, "a_scale_perm")
+    if layout.m_sum and o_s.shape[0] != layout.m_sum:
+        return shape_fail(ctx, "a_scale_perm", o_s, g_s)
+    o_codes, g_codes, kind = comparable_scale_codes(o_s, g_s, groups)
+    return PermutedScales(o_s, (o_codes, g_codes), kind, groups, group)
+
+
+def m_indices_check(ctx: Ctx) -> CheckResult:
+    """Each row's local expert (-1 on padding) equals the golden's, row for row."""
+    return exact_int_vector(
+        ctx, Stage.PERMUTE, "m_indices", "rows' local experts differ", ctx.check.reason
+    )
+
+
+def expert_start_check(ctx: Ctx) -> CheckResult:
+    """Each local expert's segment starts where the golden's does."""
+    return exact_int_vector(
+        ctx,
+        Stage.PERMUTE,
+        "expert_start",
+        "segment starts differ",
+        ctx.check.reason,
+        "local expert",
+    )
+
+
+def inv_perm_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
+    """Every live slot owns one distinct row inside [0, M_sum)."""
+    s, rows, bad = layout.slots, layout.rows, layout.invalid
     worst, note = None, ""
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
         worst = slot_worst(ctx, s, i, other=int(rows[i]), golden=int(s.gold_rows[i]))
-        why = "is shared with another slot" if bool(in_range[i]) else f"is outside [0, {m_sum})"
+        why = (
+            "is shared with another slot"
+            if bool(layout.in_range[i])
+            else f"is outside [0, {layout.m_sum})"
+        )
         note = f"; first: {slot_name(ctx, s, i)} -> row {int(rows[i])}, which {why}"
     what = "live slots map to an invalid row"
-    out.append(exact_check("inv_perm", mismatch_of(bad), what, reason, worst, note))
-    ok = ~bad
+    return exact_check("inv_perm", mismatch_of(bad), what, ctx.check.reason, worst, note)
 
-    # a_perm: the row of each live slot holds the golden row's bytes.
-    g_a, o_a = (fp8_codes(a) for a in ctx.pair("permute", "a_perm"))
+
+def a_perm_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
+    """The row of each live slot holds the golden row's fp8 bytes."""
+    g_a, o_a = (fp8_codes(a) for a in ctx.pair(Stage.PERMUTE, "a_perm"))
+    m_sum = layout.m_sum
     if o_a.dim() != 2 or o_a.shape[1] != g_a.shape[1] or (m_sum and o_a.shape[0] != m_sum):
-        out.append(shape_fail(ctx, "a_perm", o_a, g_a))
-    else:
-        gr, orow = g_a[s.gold_rows], take_rows(o_a, rows)
-        diff = (gr != orow) & ok[:, None]
-        out.append(
-            _slot_rows_check(ctx, s, diff, "a_perm rows", reason, gr, orow, fp8_value, "bytes")
-        )
+        return shape_fail(ctx, "a_perm", o_a, g_a)
+    gr, orow = g_a[layout.slots.gold_rows], take_rows(o_a, layout.rows)
+    diff = (gr != orow) & ~layout.invalid[:, None]
+    return _slot_rows_check(
+        ctx, layout.slots, diff, "a_perm rows", ctx.check.reason, gr, orow, fp8_value, "bytes"
+    )
 
-    # a_scale_perm: same, on the scale groups that exist (pad bytes of packed words ignored).
-    hidden, group = g_a.shape[1], ctx.problem.recipe.act_group
-    groups = hidden // group
-    g_s, o_s = ctx.pair("permute", "a_scale_perm")
-    if m_sum and o_s.shape[0] != m_sum:
-        out.append(shape_fail(ctx, "a_scale_perm", o_s, g_s))
-        o_codes = None
-    else:
-        o_codes, g_codes, kind = comparable_scale_codes(o_s, g_s, groups)
-        gr, orow = g_codes[s.gold_rows], take_rows(o_codes, rows)
-        diff = (gr != orow) & ok[:, None]
-        decode = partial(decode_scale, kind=kind)
-        out.append(
-            _slot_rows_check(
-                ctx, s, diff, "a_scale_perm rows", reason, gr, orow, decode, "scale groups", group
-            )
-        )
 
-    # Per-expert row sets: each live slot sits in its expert's segment.
+def a_scale_perm_check(ctx: Ctx, layout: PermuteRows, scales: PermutedScales) -> CheckResult:
+    """The row of each live slot holds the golden row's scale groups, bit for bit."""
+    o_codes, g_codes = scales.codes
+    gr, orow = g_codes[layout.slots.gold_rows], take_rows(o_codes, layout.rows)
+    diff = (gr != orow) & ~layout.invalid[:, None]
+    decode = partial(decode_scale, kind=scales.kind)
+    return _slot_rows_check(
+        ctx,
+        layout.slots,
+        diff,
+        "a_scale_perm rows",
+        ctx.check.reason,
+        gr,
+        orow,
+        decode,
+        "scale groups",
+        scales.group,
+    )
+
+
+def expert_rows_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
+    """Per-expert row sets: each live slot sits in its expert's segment."""
+    s, rows = layout.slots, layout.rows
+    g_m, o_m = layout.m_indices
     expected, got = g_m[s.gold_rows], take_rows(o_m, rows)
-    wrong = ok & (got != expected)
+    wrong = ~layout.invalid & (got != expected)
     worst, note = None, ""
     if bool(wrong.any()):
         i = int(torch.nonzero(wrong)[0, 0])
@@ -301,12 +385,12 @@ def permute_checks(ctx: Ctx) -> list[CheckResult]:
             f"{int(got[i])}'s segment, golden local expert {int(expected[i])}"
         )
     what = "live slots sit in another expert's segment"
-    out.append(exact_check("expert rows", mismatch_of(wrong), what, reason, worst, note))
+    return exact_check("expert rows", mismatch_of(wrong), what, ctx.check.reason, worst, note)
 
-    # Padding contract on rows claimed by no live slot.
-    claimed = torch.zeros(m_sum, dtype=torch.bool, device=ctx.device)
-    claimed[rows[in_range]] = True
-    pad = ~claimed
+
+def padding_m_indices_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
+    """Rows claimed by no live slot hold m_indices -1 (DeepGEMM skips those blocks)."""
+    o_m, pad = layout.m_indices[1], layout.padding
     bad_pad = pad & (o_m != -1)
     worst, note = None, ""
     if bool(bad_pad.any()):
@@ -315,10 +399,48 @@ def permute_checks(ctx: Ctx) -> list[CheckResult]:
         note = f"; first: row {r} holds {int(o_m[r])}"
     mism = Mismatch(int(bad_pad.sum()), int(pad.sum()), None)
     what = "padding rows (claimed by no live slot) do not hold -1"
-    out.append(exact_check("padding m_indices", mism, what, reason, worst, note))
-    if o_codes is not None:
-        out.append(_padding_scales(ctx, o_s, pad, groups, group, reason))
-    return out
+    return exact_check("padding m_indices", mism, what, ctx.check.reason, worst, note)
+
+
+def padding_scales_check(ctx: Ctx, layout: PermuteRows, scales: PermutedScales) -> CheckResult:
+    """fp32 padding rows must be +0.0 (bitwise); packed padding bytes must not be 0xFF (NaN)."""
+    stored, pad, group = scales.stored, layout.padding, scales.group
+    if stored.dtype == torch.int32:
+        codes = unpack_ue8m0(stored, scales.groups)
+        bad = pad[:, None] & (codes == _E8M0_NAN)
+        want, what = None, "padding-row packed bytes are 0xFF (NaN to the kernel, ref §14.19)"
+    else:
+        codes = bits(stored.to(torch.float32)).to(torch.int64)
+        bad = pad[:, None] & (codes != 0)
+        want, what = 0.0, "padding-row fp32 scales are not +0.0"
+    mism = mismatch_of(bad)
+    worst, note = None, ""
+    if mism.first is not None:
+        r, c = mism.first
+        other = int(codes[r, c]) if stored.dtype == torch.int32 else float(stored[r, c])
+        worst = Worst(rank=ctx.rank, column=c * group, golden=want, other=other, row=r)
+        note = f"; first: row {r}, group {c} holds {other}"
+    return exact_check("padding scales", mism, what, ctx.check.reason, worst, note)
+
+
+def permute_checks(ctx: Ctx) -> list[CheckResult]:
+    """permute (and dispatch, seen as a contiguous layout): m_indices and segment starts exactly,
+    each live slot's row, bytes, scales and segment, and the padding contract."""
+    out = [m_indices_check(ctx)]
+    if "expert_start" in ctx.golden[Stage.PERMUTE]:
+        out.append(expert_start_check(ctx))
+    layout = permute_rows(ctx)
+    out += [inv_perm_check(ctx, layout), a_perm_check(ctx, layout)]
+    scales = permuted_scales(ctx, layout)  # or the failed shape check, reported in its place
+    if isinstance(scales, CheckResult):
+        return [*out, scales, expert_rows_check(ctx, layout), padding_m_indices_check(ctx, layout)]
+    return [
+        *out,
+        a_scale_perm_check(ctx, layout, scales),
+        expert_rows_check(ctx, layout),
+        padding_m_indices_check(ctx, layout),
+        padding_scales_check(ctx, layout, scales),
+    ]
 
 
 def _slot_rows_check(
@@ -353,25 +475,3 @@ def _slot_rows_check(
             f"row {int(s.gold_rows[i])}: {int(diff[i].sum())} of {diff.shape[1]} {unit} differ"
         )
     return exact_check(name, mism, "live slots' rows differ", reason, worst, note)
-
-
-def _padding_scales(
-    ctx: Ctx, scales: torch.Tensor, pad: torch.Tensor, groups: int, group: int, reason: str
-) -> CheckResult:
-    """fp32 padding rows must be +0.0 (bitwise); packed padding bytes must not be 0xFF (NaN)."""
-    if scales.dtype == torch.int32:
-        codes = unpack_ue8m0(scales, groups)
-        bad = pad[:, None] & (codes == _E8M0_NAN)
-        want, what = None, "padding-row packed bytes are 0xFF (NaN to the kernel, ref §14.19)"
-    else:
-        codes = bits(scales.to(torch.float32)).to(torch.int64)
-        bad = pad[:, None] & (codes != 0)
-        want, what = 0.0, "padding-row fp32 scales are not +0.0"
-    mism = mismatch_of(bad)
-    worst, note = None, ""
-    if mism.first is not None:
-        r, c = mism.first
-        other = int(codes[r, c]) if scales.dtype == torch.int32 else float(scales[r, c])
-        worst = Worst(rank=ctx.rank, column=c * group, golden=want, other=other, row=r)
-        note = f"; first: row {r}, group {c} holds {other}"
-    return exact_check("padding scales", mism, what, reason, worst, note)

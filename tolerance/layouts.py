@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_verify.spec import Trace
+from moe_verify.spec import Stage, Trace
 from tolerance.metrics import bits
-from tolerance.results import ContractError, entry, ran
+from tolerance.results import ContractError, entry
 
 _E8M0_NAN = 0xFF
 
@@ -92,28 +92,28 @@ def flatten_batched(trace: Trace) -> Trace:
     the permuted layout applies: expert e's batch is rows [e*T, (e+1)*T) of one buffer, a
     synthesized `permute` stage keys (token, k) to row slot_expert*T + slot, and the batched
     GEMM / act_quant outputs [E_l, T, N] become [E_l*T, N]. Other traces pass through."""
-    if "dispatch" not in trace:
+    if Stage.DISPATCH not in trace:
         return trace
     out = Trace(trace.backend, trace.rank)
     for name, outs in trace.items():
-        if name in ("gemm1", "act_quant", "gemm2") and ran(outs):
+        if name in (Stage.GEMM1, Stage.ACT_QUANT, Stage.GEMM2) and trace.failure(name) is None:
             outs = {
                 k: v.reshape(-1, v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() == 3 else v
                 for k, v in outs.items()
             }
         out.add(name, outs)
-        if name == "dispatch" and ran(outs):
-            a = entry(trace, "dispatch", "a_batched")
+        if name == Stage.DISPATCH and trace.failure(name) is None:
+            a = entry(trace, Stage.DISPATCH, "a_batched")
             e_l, t_max = a.shape[0], a.shape[1]
-            slot = entry(trace, "dispatch", "slot").long()
-            expert = entry(trace, "dispatch", "slot_expert").long()
-            masked_m = entry(trace, "dispatch", "masked_m").long()
-            scales = entry(trace, "dispatch", "a_scale_batched")
+            slot = entry(trace, Stage.DISPATCH, "slot").long()
+            expert = entry(trace, Stage.DISPATCH, "slot_expert").long()
+            masked_m = entry(trace, Stage.DISPATCH, "masked_m").long()
+            scales = entry(trace, Stage.DISPATCH, "a_scale_batched")
             row = torch.arange(t_max, device=masked_m.device)[None, :]
             local = torch.arange(e_l, device=masked_m.device)[:, None]
             m_indices = torch.where(row < masked_m[:, None], local, -1).reshape(-1)
             out.add(
-                "permute",
+                Stage.PERMUTE,
                 {
                     "a_perm": a.reshape(e_l * t_max, a.shape[-1]),
                     "a_scale_perm": scales.reshape(e_l * t_max, scales.shape[-1]),

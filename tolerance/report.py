@@ -12,11 +12,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moe_verify.spec import MoEProblem
+from moe_verify.spec import Mode, MoEProblem, Status
 from tolerance.compare import CheckResult, StageResult, Worst
+from tolerance.policy import comparison_mode
 
-_MODES = ("isolated", "chained")
-_FAILING = ("fail", "error")
 _COLUMNS = ("stage", "status", "check", "value", "limit", "worst coordinates", "reason")
 
 
@@ -29,7 +28,7 @@ class Report:
 
     problem: MoEProblem
     backend: str
-    mode: str = "isolated"
+    mode: Mode = Mode.ISOLATED
     isolated: list[StageResult] | None = None
     chained: list[StageResult] | None = None
     golden: str = "reference"
@@ -37,8 +36,7 @@ class Report:
     rank_experts: dict[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in _MODES:
-            raise ValueError(f"Report mode must be one of {_MODES}, got {self.mode!r}")
+        self.mode = comparison_mode(self.mode)
         if getattr(self, self.mode) is None:
             setattr(self, self.mode, [])
 
@@ -53,19 +51,19 @@ class Report:
 
     def modes(self) -> list[tuple[str, list[StageResult]]]:
         """(mode, results) for each mode present, isolated first."""
-        return [(m, getattr(self, m)) for m in _MODES if getattr(self, m) is not None]
+        return [(m, getattr(self, m)) for m in Mode if getattr(self, m) is not None]
 
     @property
     def passed(self) -> bool:
         """No stage failed or errored in any mode (skipped stages do not fail a case)."""
-        return all(r.status not in _FAILING for _, results in self.modes() for r in results)
+        return all(not r.status.failing for _, results in self.modes() for r in results)
 
     @property
     def passed_strict(self) -> bool:
         """passed, and no stage skipped either: for CI that must not accept a backend (or a
         machine) that declines stages, e.g. DeepGEMM demanded where it cannot run."""
         return self.passed and all(
-            r.status == "pass" for _, results in self.modes() for r in results
+            r.status is Status.PASS for _, results in self.modes() for r in results
         )
 
     @property
@@ -79,7 +77,7 @@ class Report:
         """The culprit's result (with its rank), isolated mode first."""
         for _, results in self.modes():
             for r in results:
-                if r.status in _FAILING:
+                if r.status.failing:
                     return r
         return None
 
@@ -90,7 +88,7 @@ class Report:
             r.rank
             for _, results in self.modes()
             for r in results
-            if r.status in _FAILING and r.rank is not None
+            if r.status.failing and r.rank is not None
         }
         return sorted(ranks)
 
@@ -103,7 +101,7 @@ class Report:
 
     def counts(self, mode: str | None = None) -> dict[str, int]:
         results = getattr(self, mode or self.mode) or []
-        out = {s: 0 for s in ("pass", "fail", "skip", "error")}
+        out = {s.value: 0 for s in Status}
         for r in results:
             out[r.status] += 1
         return out
@@ -115,7 +113,7 @@ class Report:
         lines = []
         for mode, results in self.modes():
             for r in results:
-                if r.status == "error":
+                if r.status is Status.ERROR:
                     lines.append(f"{self.case_id} [{mode}] stage {r.label}: ERROR {r.reason}")
                 for c in r.failed_checks:
                     lines.append(failure_message(self.case_id, mode, r, c))
@@ -154,8 +152,7 @@ class Report:
             "failed_ranks": self.failed_ranks,
             "rank_experts": self.rank_experts,
             "problem": self.problem.to_dict(),
-            "isolated": _results_to_list(self.isolated),
-            "chained": _results_to_list(self.chained),
+            **{m.value: _results_to_list(getattr(self, m)) for m in Mode},
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -168,8 +165,8 @@ class Report:
             problem=MoEProblem.from_dict(d["problem"]),
             backend=d["backend"],
             mode=d["mode"],
-            isolated=_results_from_list(d.get("isolated")),
-            chained=_results_from_list(d.get("chained")),
+            isolated=_results_from_list(d.get(Mode.ISOLATED)),
+            chained=_results_from_list(d.get(Mode.CHAINED)),
             golden=d.get("golden", "reference"),
             rank_experts={int(r): e for r, e in d["rank_experts"].items()}
             if d.get("rank_experts")
@@ -210,7 +207,8 @@ class Report:
             keys += [(r.stage, r.rank) for r in results if (r.stage, r.rank) not in keys]
         rows = [("stage", "isolated", "chained", "tightest check (value / limit)", "where")]
         for key in keys:
-            iso, ch = by_mode.get("isolated", {}).get(key), by_mode.get("chained", {}).get(key)
+            iso = by_mode.get(Mode.ISOLATED, {}).get(key)
+            ch = by_mode.get(Mode.CHAINED, {}).get(key)
             shown = [r for r in (iso, ch) if r is not None]
             label = next((r.label for r in shown if r.engine), shown[0].label)
             check = _tightest(shown[0])
@@ -229,7 +227,10 @@ class Report:
             if n == 0:
                 lines.append("  ".join("-" * w for w in widths))
         skipped = [
-            f"{r.label}: {r.reason}" for _, rs in self.modes() for r in rs if r.status == "skip"
+            f"{r.label}: {r.reason}"
+            for _, rs in self.modes()
+            for r in rs
+            if r.status is Status.SKIP
         ]
         if skipped:
             lines.append("skipped:")

@@ -1,24 +1,11 @@
-"""What a comparison returns: the worst coordinates, one check, one stage's results.
-
-Also the two keys a trace uses to mark a stage that did not run: {SKIP_KEY: reason} when it was
-skipped (StageSkipped), {ERROR_KEY: message} when it raised.
-"""
+"""What a comparison returns: the worst coordinates, one check, one stage's results."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
 
-from moe_verify.spec import Trace
-
-Status = Literal["pass", "fail", "skip", "error"]
-
-# The key a backend (or the runner, on StageSkipped) records as a stage's only output to mark it
-# skipped: trace.add(stage, {SKIP_KEY: "needs SM100 (m_grouped_fp8_fp4_gemm_nt_contiguous)"}).
-SKIP_KEY = "skipped"
-# The key the runner records when a stage raised: {ERROR_KEY: "RuntimeError: ... (at f.py:12)"}.
-ERROR_KEY = "error"
+from moe_verify.spec import Status, Trace
 
 
 def entry(trace: Trace, stage: str, name: str) -> object:
@@ -27,11 +14,6 @@ def entry(trace: Trace, stage: str, name: str) -> object:
     if name not in outs:
         raise ContractError(f"{trace.backend} {stage} has no {name!r} (it has {sorted(outs)})")
     return outs[name]
-
-
-def ran(outputs: dict[str, object]) -> bool:
-    """The stage produced outputs (it was neither skipped nor raised)."""
-    return SKIP_KEY not in outputs and ERROR_KEY not in outputs
 
 
 @dataclass(frozen=True)
@@ -90,6 +72,9 @@ class StageResult:
     reason: str = ""
     rank: int | None = None  # the rank whose trace this is (None: single rank or cross-rank)
     engine: str | None = None  # the GEMM engine the tested side reported, for GEMM stages
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", Status(self.status))  # also from JSON's strings
 
     @property
     def label(self) -> str:

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import torch
 
-from moe_verify.device import interpreter_mode
+from optimized.triton_compat import interpreter_mode
 
 
 class InvalidKernelInput(ValueError):
@@ -51,7 +51,8 @@ def check_tensor(
         fail(
             fn,
             f"{name} is on {t.device}: Triton kernels run on CUDA tensors, or on CPU tensors only "
-            "under the interpreter (TRITON_INTERPRET=1, set before triton is imported)",
+            "under the interpreter (TRITON_INTERPRET=1 before triton is first imported; on a "
+            "machine without a GPU, `import optimized` sets it when it comes before triton)",
         )
     return t
 

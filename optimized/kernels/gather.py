@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_verify.device import interpreter_mode
 from optimized.kernels._validate import (
     check_inner_contiguous,
     check_range,
@@ -23,6 +22,7 @@ from optimized.kernels._validate import (
     check_tensor,
     output_buffer,
 )
+from optimized.triton_compat import interpreter_mode
 
 
 @triton.jit

@@ -42,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_verify.device import interpreter_mode
 from optimized.kernels._validate import (
     check_group,
     check_inner_contiguous,
@@ -54,6 +53,7 @@ from optimized.kernels._validate import (
     fail,
     output_buffer,
 )
+from optimized.triton_compat import interpreter_mode
 
 # Weight formats (constexpr B_FMT).
 _B_FP8_BLOCK = 0  # fp8 weights, fp32 scale per 128x128 block

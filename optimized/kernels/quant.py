@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_verify.device import interpreter_mode
 from moe_verify.spec import ScaleFmt
 from optimized.kernels._validate import (
     check_group,
@@ -30,6 +29,7 @@ from optimized.kernels._validate import (
     check_tensor,
     fail,
 )
+from optimized.triton_compat import interpreter_mode
 
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 _GROUPS = (32, 64, 128)

@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_verify.device import interpreter_mode
 from optimized.kernels._validate import (
     check_inner_contiguous,
     check_multiple,
@@ -39,6 +38,7 @@ from optimized.kernels._validate import (
     fail,
     output_buffer,
 )
+from optimized.triton_compat import interpreter_mode
 
 # A UE8M0 int32 word packs four E8M0 exponent bytes (DeepGEMM's MN-major packed layout).
 _GROUPS_PER_WORD = 4
@@ -488,6 +488,28 @@ def _copy_launch(num_tokens: int, h: int, device: torch.device) -> _CopyLaunch:
     return _CopyLaunch(min(triton.next_power_of_2(h), 2048), 4, min(num_tokens, 8 * sms))
 
 
+@dataclass(frozen=True)
+class Scattered:
+    """What `ep_scatter` returns: the permuted rows and where each slot went. The layout fields
+    are named and meant as in the golden's permute plan (`reference.layout.PermutePlan`).
+
+    a_perm        fp8 [m_sum, H]; padding rows are zero.
+    a_scale_perm  fp32 [m_sum, H/G] row-major, padding rows 0.0; or, for E8M0 input, int32
+                  [m_sum, ceil(H/32/4)] with strides (1, round_up(m_sum, 4)), byte j of word p =
+                  group 4p + j, pad bytes and padding rows 0.
+    m_indices     int32 [m_sum], local expert of each row, -1 on padding.
+    inv_perm      int32 [M, k], row of slot (t, k), -1 where the slot is skipped.
+    expert_start  int32 [E_l], first row of each expert's segment (a multiple of alignment).
+    Row order inside a segment depends on atomic order: compare through inv_perm, never by row.
+    """
+
+    a_perm: torch.Tensor
+    a_scale_perm: torch.Tensor
+    m_indices: torch.Tensor
+    inv_perm: torch.Tensor
+    expert_start: torch.Tensor
+
+
 def ep_scatter(
     a1q: torch.Tensor,
     a1q_scale: torch.Tensor,
@@ -500,7 +522,7 @@ def ep_scatter(
     *,
     validate: bool = True,
     a_perm_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Scattered:
     """Scatter token rows into per-expert segments aligned to `alignment` rows.
 
     a1q:        fp8 e4m3 [M, H], rows contiguous.
@@ -508,15 +530,8 @@ def ep_scatter(
     topk_ids:   signed int32/int64 [M, k] (any strides); global ids when `expert_map` is given.
     counts:     int32 [E_l], live slots per local expert (`count_expert_tokens`).
     m_sum:      rows of the permuted buffer, a multiple of `alignment` and >= the exact sum.
-    returns     (a_perm, a_scale_perm, m_indices, inv_perm, expert_start):
-      a_perm        fp8 [m_sum, H]; padding rows are zero.
-      a_scale_perm  fp32 [m_sum, H/G] row-major, padding rows 0.0; or, for E8M0 input, int32
-                    [m_sum, ceil(H/32/4)] with strides (1, round_up(m_sum, 4)), byte j of word p =
-                    group 4p + j, pad bytes and padding rows 0.
-      m_indices     int32 [m_sum], local expert of each row, -1 on padding.
-      inv_perm      int32 [M, k], row of slot (t, k), -1 where the slot is skipped.
-      expert_start  int32 [E_l], first row of each expert's segment (a multiple of alignment).
-    Row order inside a segment depends on atomic order: compare through inv_perm, never by row.
+    returns     a `Scattered` (the permuted rows, their scales, m_indices, inv_perm and
+                expert_start; layouts in its docstring).
     validate: run the host value checks: id range, counts against topk_ids, m_sum against the
               counts (device syncs and one extra count kernel; pass False under CUDA-graph
               capture). Shape, dtype and stride checks always run.
@@ -546,7 +561,7 @@ def ep_scatter(
     if m_sum == 0 or num_local_experts == 0:
         # No rows, or only padding rows (a rank that hosts no expert): every slot is skipped.
         a_perm.view(torch.uint8).zero_()
-        return a_perm, a_scale_perm, m_indices, inv_perm, expert_start
+        return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start)
 
     a_bytes = a1q.view(torch.uint8)
     out_bytes = a_perm.view(torch.uint8)
@@ -572,7 +587,7 @@ def ep_scatter(
         num_warps=4,
     )
     if m == 0 or h == 0:
-        return a_perm, a_scale_perm, m_indices, inv_perm, expert_start
+        return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start)
 
     if pack:
         scale_src = a1q_scale.view(torch.uint8)
@@ -615,4 +630,4 @@ def ep_scatter(
         BLOCK_S=block_s,
         num_warps=launch.num_warps,
     )
-    return a_perm, a_scale_perm, m_indices, inv_perm, expert_start
+    return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start)

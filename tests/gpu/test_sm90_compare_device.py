@@ -16,12 +16,12 @@ import torch
 
 from moe_verify.cases import DSV3_LOCAL
 from moe_verify.inputs import make_inputs
-from moe_verify.runner import MODES, resolve_backend, run_rank
-from moe_verify.spec import Backend, MoEProblem, Recipe, ScaleFmt, Trace
+from moe_verify.runner import resolve_backend, run_rank
+from moe_verify.spec import Backend, Mode, MoEProblem, Recipe, ScaleFmt, Trace
 from optimized.backend import OptimizedBackend
 from tests.tester.test_wrong_backends import CASES, Expect
-from tolerance.checks import comparison_device
 from tolerance.compare import CheckResult, StageResult, compare
+from tolerance.context import comparison_device
 
 pytestmark = pytest.mark.sm90
 P = MoEProblem
@@ -78,9 +78,8 @@ def _isolated_on_every_device(problem: MoEProblem, backend: Backend) -> list[Sta
     golden = resolve_backend("golden")
     isolated: list[StageResult] = []
     for rank in range(problem.topology.size):
-        run = run_rank(problem, inputs, backend, golden, MODES, rank)
-        for mode in MODES:
-            other = getattr(run, mode)
+        run = run_rank(problem, inputs, backend, golden, rank, tuple(Mode))
+        for mode, other in run.tested.items():
             stages = list(problem.stages)
             assert comparison_device(run.golden, stages[-1]).type == "cuda"
             on_gpu = compare(run.golden, other, problem, stages, mode=mode)
@@ -89,7 +88,7 @@ def _isolated_on_every_device(problem: MoEProblem, backend: Backend) -> list[Sta
             where = f"{problem.id} rank {rank} {mode}"
             _assert_same(on_gpu, on_host, f"{where} (GPU vs host)")
             _assert_same(mixed, on_host, f"{where} (tested trace on the host vs host)")
-            if mode == "isolated":
+            if mode is Mode.ISOLATED:
                 isolated += [dataclasses.replace(r, rank=rank) for r in on_gpu]
     return isolated
 

@@ -13,7 +13,7 @@ import torch
 
 from moe_verify.cases import nightly
 from moe_verify.spec import MoEProblem, Recipe
-from moe_verify.verify import verify
+from moe_verify.verification import verify
 
 pytestmark = pytest.mark.sm90
 
@@ -35,7 +35,7 @@ PARAMS = [pytest.param(p, e, id=f"{p.id}-{e}") for p in CASES for e in _engines(
 
 def _expected_engine(problem: MoEProblem) -> str:
     """What vLLM's TritonOrDeepGemmExperts picks on SM90 for this case."""
-    from optimized.backend import choose_engine
+    from optimized.deepgemm import choose_engine
 
     return choose_engine(problem, problem.tokens).engine
 
@@ -140,7 +140,7 @@ def test_poisoned_workspaces_agree_with_a_fresh_run(scale_fmt: str) -> None:
     #2, #8): every live row of every stage must be bitwise the fresh run's under both poisons."""
     from moe_verify.inputs import make_inputs
     from optimized.backend import OptimizedBackend
-    from tolerance.checks import live_slots
+    from tolerance.context import live_slots
 
     problem = MoEProblem(
         tokens=300, hidden=2048, intermediate=2048, num_experts=16, topk=4, scale_fmt=scale_fmt
@@ -177,11 +177,11 @@ def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> N
         (128, 128),
     )
     good = torch.tensor([0] * 128 + [1] * 128, dtype=torch.int32, device="cuda")
-    before = deepgemm.m_grouped_gemm(a, sa, w, w.scale, good, 128, 128, use_ue8m0=False)
+    before = deepgemm.m_grouped_gemm(a, sa, 128, w, w.scale, good, 128, use_ue8m0=False)
     bad = good.clone()
     bad[200] = g  # an expert id past the weights: DeepGEMM would read outside b
     with pytest.raises(InvalidKernelInput, match="outside"):
-        deepgemm.m_grouped_gemm(a, sa, w, w.scale, bad, 128, 128, use_ue8m0=False)
+        deepgemm.m_grouped_gemm(a, sa, 128, w, w.scale, bad, 128, use_ue8m0=False)
     counts = torch.tensor([3, 129], dtype=torch.int32, device="cuda")
     with pytest.raises(InvalidKernelInput, match="masked_m"):
         deepgemm.m_grouped_gemm_masked(
@@ -197,7 +197,7 @@ def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> N
             20,
             use_ue8m0=False,
         )
-    after = deepgemm.m_grouped_gemm(a, sa, w, w.scale, good, 128, 128, use_ue8m0=False)
+    after = deepgemm.m_grouped_gemm(a, sa, 128, w, w.scale, good, 128, use_ue8m0=False)
     torch.cuda.synchronize()
     assert bool(before.isfinite().all()) and bool(before.abs().amax() > 0)
     assert torch.equal(after, before), "the same GEMM gave other bits after the refused calls"

@@ -9,7 +9,7 @@ import pytest
 
 from moe_verify.cases import dsv3_ep8
 from moe_verify.spec import MoEProblem
-from moe_verify.verify import verify
+from moe_verify.verification import verify
 
 pytestmark = [pytest.mark.sm90, pytest.mark.slow]
 

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from moe_verify.audit import audit
-from moe_verify.audit_checkpoint import AuditError, find_fp8_weights
-from moe_verify.audit_report import to_markdown, write_report
+from moe_verify.audit import AuditError, audit, find_fp8_weights, to_markdown, write_report
 from moe_verify.cli import main
 from reference.formats import cast_to_fp8, quantize_fp8_blocks
 
@@ -223,13 +222,13 @@ def test_markdown_says_when_plots_are_missing(tmp_path: Path) -> None:
     assert write_report(report, tmp_path / "r")[0].name == "report.md"
 
 
-def _bad_scale(shape_or_value: object) -> dict[str, torch.Tensor]:
+def _bad_scale(shape_or_value: tuple[int, ...] | float) -> dict[str, torch.Tensor]:
     q, s = _weight(INTER, H, 1, "fp32")
     if isinstance(shape_or_value, tuple):
         s = torch.ones(shape_or_value)
     else:
         s = s.clone()
-        s[1, 0] = shape_or_value  # type: ignore[assignment]
+        s[1, 0] = shape_or_value
     return {
         "model.layers.0.mlp.down_proj.weight": q,
         "model.layers.0.mlp.down_proj.weight_scale_inv": s,
@@ -287,8 +286,8 @@ def _bad_scale(shape_or_value: object) -> dict[str, torch.Tensor]:
     ],
 )
 def test_bad_checkpoints_are_refused_naming_what_is_wrong(
-    tmp_path: Path, build, message: str
-) -> None:  # type: ignore[no-untyped-def]
+    tmp_path: Path, build: Callable[[Path], Path], message: str
+) -> None:
     path = build(tmp_path)
     with pytest.raises(AuditError) as info:
         audit(path, device="cpu")

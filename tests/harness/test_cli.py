@@ -12,7 +12,7 @@ import pytest
 
 from moe_verify.cli import main
 from moe_verify.spec import MoEProblem, StageSkipped
-from moe_verify.verify import verify
+from moe_verify.verification import verify
 from optimized.backend import OptimizedBackend
 from tolerance.compare import compare
 
@@ -59,7 +59,7 @@ def test_each_package_imports_first_in_a_fresh_interpreter(module: str) -> None:
 def test_compare_on_cpu_reaches_compare_and_torchrun_refuses_it(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    verify_module = sys.modules["moe_verify.verify"]  # the package's `verify` is the function
+    verify_module = sys.modules["moe_verify.verification"]
     devices = []
 
     def spy(*args, device=None, **kwargs):  # type: ignore[no-untyped-def]
@@ -82,7 +82,7 @@ class DeclinesGemm2(OptimizedBackend):
 
     name = "declines-gemm2"
 
-    def _gemm2(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+    def gemm2(self, p, x, up, rank):  # type: ignore[no-untyped-def]
         raise StageSkipped("not implemented by this backend")
 
 
@@ -122,8 +122,8 @@ class SharedTwice(OptimizedBackend):
 
     name = "shared-twice"
 
-    def _shared(self, p, x, up, rank):  # type: ignore[no-untyped-def]
-        out = super()._shared(p, x, up, rank)["out"]
+    def shared(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+        out = super().shared(p, x, up, rank)["out"]
         return {"out": (out.float() * 2).to(out.dtype), "engine": "triton"}
 
 

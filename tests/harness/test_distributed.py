@@ -1,4 +1,4 @@
-"""Real multi-process runs (moe_verify/distributed.py): two gloo ranks under torchrun on the CPU.
+"""Real multi-process runs (moe_verify/distributed/): two gloo ranks under torchrun on the CPU.
 
 The backends below are deliberately wrong on rank 1 only; the workers import them by module path
 (`--backend tests.harness.test_distributed:SwapsTokensOnRank1`), so the report must name rank 1.
@@ -18,12 +18,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_verify.distributed import _partials, _reduce_result, failed_ranks, finish
+from moe_verify.distributed.launch import failed_ranks
+from moe_verify.distributed.worker import _reduce_result
 from moe_verify.inputs import make_inputs
-from moe_verify.runner import reduce_ranks, run_chained
-from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from moe_verify.runner import run_golden
+from moe_verify.spec import MoEInputs, MoEProblem, StageSkipped, Trace
 from optimized.backend import OptimizedBackend
 from reference.moe import ReferenceBackend
+from reference.topology import rank_partial, reduce_ranks
 
 pytestmark = pytest.mark.cpu
 
@@ -178,7 +180,8 @@ def test_a_wrong_rank_is_named(tmp_path: Path) -> None:
 
 
 def test_a_failing_torchrun_case_dumps_every_rank_and_replays(tmp_path: Path) -> None:
-    from moe_verify.dump import load_trace, replay
+    from moe_verify.dump import load_trace
+    from moe_verify.verification import replay
 
     backend = f"{__name__}:SwapsTokensOnRank1"
     dumps = tmp_path / "dumps"
@@ -247,30 +250,42 @@ def _shared_problem(topology: str) -> MoEProblem:
 
 
 # The reduce stage is compared within a GEMM's bound, which would let a wrong rounding order
-# pass; here the ranks' partials must sum to the emulated reduce bit for bit, for both finishes.
+# pass; here the one definition of the reduce (reference.topology, which the torchrun worker
+# all-reduces too) must equal the runner's two finishes written out, bit for bit: routed + shared
+# in bf16 on each rank before the sum (tp, ep), or the shared sum rounded on its own and added
+# after the combine (ep+ht, ep+ll).
 @pytest.mark.parametrize("topology", ["tp:2", "ep:2", "ep:2+ht", "ep:2+ll"])
-def test_rank_partials_sum_to_the_emulated_reduce_bit_for_bit(topology: str) -> None:
+def test_the_reduce_is_the_runners_finish_bit_for_bit(topology: str) -> None:
     p = _shared_problem(topology)
     inputs = make_inputs(p, "cpu")
-    traces = [run_chained(ReferenceBackend(), p, inputs, r) for r in range(2)]
-    parts = [_partials(t, p) for t in traces]
-    assert all(x.missing is None and x.reduce is not None for x in parts)
-    combined = topology.endswith(("+ht", "+ll"))
-    assert all((x.shared is not None) == combined for x in parts)
-    total = parts[0].reduce + parts[1].reduce  # what the SUM all-reduce leaves, fp32
-    shared = parts[0].shared + parts[1].shared if combined else None
-    want = reduce_ranks(traces, p)["out"]
-    assert torch.equal(finish(total, shared).view(torch.int16), want.view(torch.int16))
+    traces = [run_golden(ReferenceBackend(), p, inputs, r) for r in range(2)]
+    bf16 = torch.bfloat16
+    routed = []
+    for t in traces:
+        out, index = t["gather"]["out"].float(), t["route"].get("token_index")
+        full = torch.zeros(p.tokens, p.hidden)
+        routed.append(full.index_add_(0, index, out) if index is not None else full + out)
+    shared = [t["shared"]["out"].float() for t in traces]
+    if topology.endswith(("+ht", "+ll")):
+        combined = (routed[0] + routed[1]).to(bf16).float()
+        want = (combined + (shared[0] + shared[1]).to(bf16).float()).to(bf16)
+    else:
+        finals = [(r + s).to(bf16).float() for r, s in zip(routed, shared, strict=True)]
+        want = (finals[0] + finals[1]).to(bf16)
+    assert torch.equal(reduce_ranks(traces, p).view(torch.int16), want.view(torch.int16))
+    parts = [rank_partial(t, p) for t in traces]  # what each torchrun rank all-reduces
+    assert all((x.shared is not None) == topology.endswith(("+ht", "+ll")) for x in parts)
 
 
 def test_a_misshaped_shared_output_is_named_not_all_reduced() -> None:
     p = _shared_problem("ep:2+ht")
-    trace = run_chained(ReferenceBackend(), p, make_inputs(p, "cpu"), 1)
+    trace = run_golden(ReferenceBackend(), p, make_inputs(p, "cpu"), 1)
     bad = Trace(trace.backend, trace.rank)
     for stage, outs in trace.items():
         bad.add(stage, {**outs, "out": outs["out"][:-1]} if stage == "shared" else outs)
-    assert _partials(bad, p).missing == "shared out is (7, 128), not (8, 128)"
-    assert _partials(trace, p).missing is None
+    with pytest.raises(StageSkipped, match=r"shared out of rank 1 is \(7, 128\), not \(8, 128\)"):
+        rank_partial(bad, p)
+    rank_partial(trace, p)
 
 
 def test_a_dump_from_a_rank_with_nothing_says_what_is_missing(
@@ -280,7 +295,7 @@ def test_a_dump_from_a_rank_with_nothing_says_what_is_missing(
     problem, the report and the inputs (rebuilt from the seed), and says what it lacks."""
     import torch.distributed as dist
 
-    from moe_verify.distributed import RankContext, RankWork, _dump
+    from moe_verify.distributed.worker import RankContext, RankWork, _dump
     from tolerance.report import Report
 
     p = MoEProblem(tokens=8, hidden=128, intermediate=256, num_experts=4, topk=2)

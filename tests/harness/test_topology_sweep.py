@@ -6,7 +6,7 @@ import pytest
 
 from moe_verify.cases import TOPOLOGY
 from moe_verify.spec import MoEProblem
-from moe_verify.verify import verify
+from moe_verify.verification import verify
 
 pytestmark = pytest.mark.cpu
 

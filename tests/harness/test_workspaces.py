@@ -8,9 +8,10 @@ import torch
 
 from moe_verify.inputs import make_inputs
 from moe_verify.spec import MoEProblem, Routing, ScaleFmt
-from moe_verify.verify import verify
-from optimized.backend import GUARD_BYTES, OptimizedBackend
-from tolerance.checks import live_slots
+from moe_verify.verification import verify
+from optimized.backend import OptimizedBackend
+from optimized.workspace import GUARD_BYTES
+from tolerance.context import live_slots
 
 pytestmark = pytest.mark.cpu
 
@@ -53,9 +54,9 @@ def test_workspaces_are_reused_across_calls() -> None:
     inputs = make_inputs(problem, "cpu")
     backend = OptimizedBackend(engine="triton", workspace=True)
     backend.run(problem, inputs)
-    buffers = {k: v.data_ptr() for k, v in backend._buffers.items()}
+    buffers = {k: v.data_ptr() for k, v in backend.workspaces.buffers.items()}
     backend.run(problem, inputs)
-    assert buffers and {k: v.data_ptr() for k, v in backend._buffers.items()} == buffers
+    assert buffers and {k: v.data_ptr() for k, v in backend.workspaces.buffers.items()} == buffers
 
 
 def test_a_kernel_that_skips_rows_is_caught_by_the_poison() -> None:
@@ -65,8 +66,8 @@ def test_a_kernel_that_skips_rows_is_caught_by_the_poison() -> None:
     class SkipsLastToken(OptimizedBackend):
         """ep_gather that never writes the last token's row (an off-by-one grid)."""
 
-        def _gather(self, p, x, up, rank):  # type: ignore[no-untyped-def]
-            out = super()._gather(p, x, up, rank)["out"]
+        def gather(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+            out = super().gather(p, x, up, rank)["out"]
             if self.poison is not None:
                 out[-1].view(torch.uint8).fill_(self.poison)
             return {"out": out}
@@ -87,9 +88,9 @@ class WritesPastItsOutput(OptimizedBackend):
     name = "writes-past-its-output"
     spill = 8
 
-    def _gemm1(self, p, x, up, rank):  # type: ignore[no-untyped-def]
-        out = super()._gemm1(p, x, up, rank)
-        ((key, buf),) = [(k, b) for k, b in self._buffers.items() if k[0] == "mm_w13"]
+    def gemm1(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+        out = super().gemm1(p, x, up, rank)
+        ((key, buf),) = [(k, b) for k, b in self.workspaces.buffers.items() if k[0] == "mm_w13"]
         flat = buf.view(-1)
         if self.spill > 0:
             torch.as_strided(flat, (self.spill,), (1,), flat.storage_offset() + flat.numel())[:] = 1
@@ -116,8 +117,8 @@ class OverrunsThenRaises(WritesPastItsOutput):
 
     name = "overruns-then-raises"
 
-    def _gemm1(self, p, x, up, rank):  # type: ignore[no-untyped-def]
-        super()._gemm1(p, x, up, rank)
+    def gemm1(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+        super().gemm1(p, x, up, rank)
         raise ValueError("the kernel's own failure")
 
 
@@ -133,9 +134,10 @@ def test_a_stage_that_overruns_and_raises_reports_both_at_that_stage() -> None:
 def test_guard_bands_keep_the_workspace_aligned_and_intact() -> None:
     backend = OptimizedBackend(engine="triton", workspace=True, poison=0xFF)
     backend.run(CASES[0], make_inputs(CASES[0], "cpu"))
-    assert backend._buffers and backend._buffers.keys() == backend._guarded.keys()
-    for key, buf in backend._buffers.items():
-        whole = backend._guarded[key]
+    spaces = backend.workspaces
+    assert spaces.buffers and spaces.buffers.keys() == spaces.guarded.keys()
+    for key, buf in spaces.buffers.items():
+        whole = spaces.guarded[key]
         assert buf.is_contiguous() and buf.data_ptr() == whole.data_ptr() + GUARD_BYTES
         assert buf.data_ptr() % 16 == 0  # TMA's alignment for DeepGEMM's output
-    assert backend.guard_hits() == ""  # the poison filled the workspaces, never their guards
+    assert spaces.guard_hits() == ""  # the poison filled the workspaces, never their guards

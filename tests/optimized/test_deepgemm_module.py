@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.spec import MoEProblem, QuantizedWeight, Recipe, ScaleFmt, StageSkipped
+from moe_verify.spec import Engine, MoEProblem, QuantizedWeight, Recipe, ScaleFmt, StageSkipped
 from optimized import deepgemm
-from optimized.backend import choose_engine
 from optimized.kernels._validate import InvalidKernelInput
 
 pytestmark = pytest.mark.cpu
@@ -30,9 +29,20 @@ def test_demanding_deepgemm_without_it_skips_with_the_reason() -> None:
     if deepgemm.probe().usable:
         pytest.skip("DeepGEMM is usable here")
     with pytest.raises(StageSkipped, match="DeepGEMM demanded but cannot run here"):
-        choose_engine(MoEProblem(), 64, "deepgemm")
-    auto = choose_engine(MoEProblem(), 64, "auto")
-    assert auto.engine == "triton" and "fallback" in auto.reason
+        deepgemm.choose_engine(MoEProblem(), 64, Engine.DEEPGEMM)
+    auto = deepgemm.choose_engine(MoEProblem(), 64, "auto")
+    assert auto.engine is Engine.TRITON and "fallback" in auto.reason
+
+
+def test_engine_takes_its_names_and_refuses_others() -> None:
+    assert deepgemm.as_engine("triton") is Engine.TRITON
+    assert deepgemm.as_engine(Engine.DEEPGEMM) is Engine.DEEPGEMM
+    choice = deepgemm.choose_engine(MoEProblem(), 64, "triton")
+    assert choice.engine is Engine.TRITON and choice.reason == "engine forced to triton"
+    with pytest.raises(
+        ValueError, match=r"engine: expected one of \('auto', 'deepgemm', 'triton'\)"
+    ):
+        deepgemm.as_engine("cutlass")
 
 
 def test_version_parsing_rejects_the_old_pypi_package() -> None:

@@ -20,12 +20,10 @@ def test_scatter_with_no_local_experts_skips_every_slot() -> None:
     m_sum = aligned_m_sum_upper_bound(3, 2, 0, 32)
     a1q = torch.randn(3, 128).to(torch.float8_e4m3fn)
     scale = torch.rand(3, 1)
-    a_perm, scale_perm, m_indices, inv_perm, starts = ep_scatter(
-        a1q, scale, ids, counts, 0, 32, m_sum, emap
-    )
-    assert m_sum == 32 and starts.shape == (0,)
-    assert bool((m_indices == -1).all()) and bool((inv_perm == -1).all())
-    assert not a_perm.view(torch.uint8).any() and not scale_perm.any()
+    out = ep_scatter(a1q, scale, ids, counts, 0, 32, m_sum, emap)
+    assert m_sum == 32 and out.expert_start.shape == (0,)
+    assert bool((out.m_indices == -1).all()) and bool((out.inv_perm == -1).all())
+    assert not out.a_perm.view(torch.uint8).any() and not out.a_scale_perm.any()
 
 
 def test_grouped_gemm_with_no_experts_writes_zero_padding_rows() -> None:

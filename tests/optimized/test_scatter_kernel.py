@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from optimized.kernels.scatter import (
+    Scattered,
     aligned_m_sum_exact,
     aligned_m_sum_upper_bound,
     count_expert_tokens,
@@ -153,7 +154,7 @@ class Run:
     counts: torch.Tensor
     m_sum: int
     plan: object
-    out: tuple[torch.Tensor, ...]
+    out: Scattered
 
 
 @functools.cache
@@ -179,7 +180,7 @@ def _run(case: Case) -> Run:
 
 def _live(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, rows) of every live slot, through the kernel's inv_perm."""
-    inv_perm = run.out[3]
+    inv_perm = run.out.inv_perm
     live = run.plan.inv_perm >= 0
     tokens = torch.arange(run.case.tokens).unsqueeze(1).expand_as(inv_perm)[live]
     return tokens, inv_perm[live].long()
@@ -198,7 +199,7 @@ def test_counts_match_golden(case: Case) -> None:
 @ids
 def test_m_indices_and_starts_exact(case: Case) -> None:
     run = _run(case)
-    _, _, m_indices, _, expert_start = run.out
+    m_indices, expert_start = run.out.m_indices, run.out.expert_start
     assert m_indices.dtype == torch.int32 and m_indices.shape == (run.m_sum,)
     assert torch.equal(expert_start, run.plan.expert_start), (expert_start, run.plan.expert_start)
     bad = (m_indices != run.plan.m_indices).nonzero().flatten()
@@ -211,7 +212,7 @@ def test_m_indices_and_starts_exact(case: Case) -> None:
 @ids
 def test_inv_perm_places_each_slot_in_its_segment(case: Case) -> None:
     run = _run(case)
-    inv_perm = run.out[3]
+    inv_perm = run.out.inv_perm
     m_indices = run.plan.m_indices
     assert inv_perm.dtype == torch.int32 and inv_perm.shape == run.topk_ids.shape
     live = run.plan.inv_perm >= 0
@@ -228,7 +229,7 @@ def test_inv_perm_places_each_slot_in_its_segment(case: Case) -> None:
 @ids
 def test_rows_copied_bitwise(case: Case) -> None:
     run = _run(case)
-    a_perm = run.out[0]
+    a_perm = run.out.a_perm
     assert a_perm.dtype == torch.float8_e4m3fn and a_perm.shape == (run.m_sum, case.hidden)
     tokens, rows = _live(run)
     got = a_perm.view(torch.uint8)[rows]
@@ -246,7 +247,7 @@ def test_rows_copied_bitwise(case: Case) -> None:
 @ids
 def test_scales_copied_bitwise(case: Case) -> None:
     run = _run(case)
-    scale_perm = run.out[1]
+    scale_perm = run.out.a_scale_perm
     tokens, rows = _live(run)
     pad = run.plan.m_indices < 0
     if case.scale == "e8m0":
@@ -281,14 +282,15 @@ def test_hand_computed_layout() -> None:
     assert m_sum == 16
     a1q = torch.arange(3 * 128, dtype=torch.uint8).view(3, 128).view(torch.float8_e4m3fn)
     scale = torch.tensor([[1.0], [2.0], [3.0]])
-    a_perm, s_perm, m_indices, inv_perm, start = ep_scatter(a1q, scale, topk_ids, counts, 3, 4, 16)
-    assert start.tolist() == [0, 4, 8]
-    assert m_indices.tolist() == [0, -1, -1, -1, 1, -1, -1, -1, 2, 2, 2, -1, -1, -1, -1, -1]
+    out = ep_scatter(a1q, scale, topk_ids, counts, 3, 4, 16)
+    inv_perm = out.inv_perm
+    assert out.expert_start.tolist() == [0, 4, 8]
+    assert out.m_indices.tolist() == [0, -1, -1, -1, 1, -1, -1, -1, 2, 2, 2, -1, -1, -1, -1, -1]
     assert inv_perm[0, 0] == 0 and inv_perm[2, 0] == 4 and inv_perm[1, 1] == -1
     # Expert 2's three slots fill rows 8..10 in whatever order the atomics chose.
     assert sorted(int(inv_perm[t, j]) for t, j in ((0, 1), (1, 0), (2, 1))) == [8, 9, 10]
-    assert s_perm[:, 0].tolist()[:5] == [1.0, 0.0, 0.0, 0.0, 3.0]
-    assert torch.equal(a_perm.view(torch.uint8)[inv_perm[2, 1]], a1q.view(torch.uint8)[2])
+    assert out.a_scale_perm[:, 0].tolist()[:5] == [1.0, 0.0, 0.0, 0.0, 3.0]
+    assert torch.equal(out.a_perm.view(torch.uint8)[inv_perm[2, 1]], a1q.view(torch.uint8)[2])
 
 
 @pytest.mark.parametrize(
@@ -330,7 +332,7 @@ def test_unvalidated_out_of_range_ids_are_skipped_not_written() -> None:
     counts = torch.tensor([1, 1], dtype=torch.int32)
     a1q = torch.ones(2, 128).to(torch.float8_e4m3fn)
     out = ep_scatter(a1q, torch.ones(2, 1), topk_ids, counts, 2, 32, 64, validate=False)
-    assert out[3].tolist() == [[0, -1], [32, -1]]
+    assert out.inv_perm.tolist() == [[0, -1], [32, -1]]
     assert count_expert_tokens(topk_ids, 2, validate=False).tolist() == [1, 1]
 
 
@@ -340,9 +342,8 @@ def test_unvalidated_count_overflow_is_dropped() -> None:
     topk_ids = torch.tensor([[0], [0], [0], [1]], dtype=torch.int32)
     counts = torch.tensor([1, 1], dtype=torch.int32)
     a1q = torch.full((4, 128), 2.0).to(torch.float8_e4m3fn)
-    a_perm, _, m_indices, inv_perm, _ = ep_scatter(
-        a1q, torch.ones(4, 1), topk_ids, counts, 2, 32, 64, validate=False
-    )
+    out = ep_scatter(a1q, torch.ones(4, 1), topk_ids, counts, 2, 32, 64, validate=False)
+    a_perm, m_indices, inv_perm = out.a_perm, out.m_indices, out.inv_perm
     assert sorted(inv_perm[:3, 0].tolist()) == [-1, -1, 0]
     assert inv_perm[3, 0] == 32
     written = a_perm.view(torch.uint8).any(1).nonzero().flatten().tolist()
@@ -356,9 +357,8 @@ def test_unvalidated_segments_past_m_sum_stay_in_bounds() -> None:
     counts = torch.tensor([1, 2], dtype=torch.int32)
     a1q = torch.full((3, 128), 2.0).to(torch.float8_e4m3fn)
     # The exact sum is 64; m_sum 32 fits expert 0's segment only.
-    a_perm, _, m_indices, inv_perm, _ = ep_scatter(
-        a1q, torch.ones(3, 1), topk_ids, counts, 2, 32, 32, validate=False
-    )
+    out = ep_scatter(a1q, torch.ones(3, 1), topk_ids, counts, 2, 32, 32, validate=False)
+    m_indices, inv_perm = out.m_indices, out.inv_perm
     assert m_indices.shape == (32,) and m_indices.tolist() == [0] + [-1] * 31
     assert inv_perm.flatten().tolist() == [0, -1, -1]
 

@@ -29,7 +29,7 @@ RTNE = interp._ir.ROUNDING_MODE.RTNE
 
 @pytest.fixture(autouse=True)
 def _fixed_interpreter() -> None:
-    # conftest installs the fix only when kernels run interpreted; direct calls need it always.
+    # `import optimized` installs the fix only when kernels run interpreted; direct calls need it.
     triton_compat.install_interpreter_fp8_fix()
 
 

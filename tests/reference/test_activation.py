@@ -7,6 +7,7 @@ bf16 has 8 significant bits, so its step is 2^-5 in [4, 8), 2^-8 in [0.5, 1), an
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_swiglu_outputs_are_bf16_numbers(rounding: str) -> None:
         ),
     ],
 )
-def test_swiglu_rejects(call, match: str) -> None:  # type: ignore[no-untyped-def]
+def test_swiglu_rejects(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
 
@@ -235,6 +236,6 @@ def test_act_quant_batched_leading_dims() -> None:
         ),
     ],
 )
-def test_act_quant_rejects(call, match: str) -> None:  # type: ignore[no-untyped-def]
+def test_act_quant_rejects(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()

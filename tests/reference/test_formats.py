@@ -7,6 +7,7 @@ the e4m3 oracle below decodes codes from their bit fields, independent of torch'
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -527,7 +528,7 @@ def test_requantize_small_codes_moves_scale_keeps_values() -> None:
         ),
     ],
 )
-def test_fp8_blocks_reject(call, match: str) -> None:  # type: ignore[no-untyped-def]
+def test_fp8_blocks_reject(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
 
@@ -594,7 +595,7 @@ def test_quantize_mxfp8_weights_and_dequant() -> None:
         ),
     ],
 )
-def test_mxfp8_rejects(call, match: str) -> None:  # type: ignore[no-untyped-def]
+def test_mxfp8_rejects(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
 
@@ -712,7 +713,7 @@ def test_mxfp4_weights_round_trip_exact_values() -> None:
         ),
     ],
 )
-def test_mxfp4_rejects(call, match: str) -> None:  # type: ignore[no-untyped-def]
+def test_mxfp4_rejects(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
 
@@ -802,6 +803,6 @@ def test_unpack_ue8m0_accepts_any_strides() -> None:
         ),
     ],
 )
-def test_pack_ue8m0_rejects(call, match: str) -> None:  # type: ignore[no-untyped-def]
+def test_pack_ue8m0_rejects(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()

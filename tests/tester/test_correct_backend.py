@@ -11,7 +11,7 @@ import pytest
 
 from moe_verify.cases import SMOKE
 from moe_verify.spec import MoEProblem
-from moe_verify.verify import verify
+from moe_verify.verification import verify
 from optimized.backend import OptimizedBackend
 
 pytestmark = pytest.mark.cpu

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 import pytest
 
 from moe_verify.spec import STAGES, MoEProblem, Recipe, Routing, ScaleFmt, Topology
-from moe_verify.verify import verify
+from moe_verify.verification import verify
 from optimized.backend import OptimizedBackend
 from tests.tester import wrong_backends as wrong
 from tolerance.compare import StageResult
 
 pytestmark = pytest.mark.cpu
 
-_FAILING = ("fail", "error")
 CEIL, PACKED = ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED
 # Four experts, top-2, A = 32 (SM100's smallest DeepGEMM alignment, half the interpreter time of
 # 128): every expert has live rows and padding rows; one 128-column scale group per row.
@@ -113,11 +112,11 @@ CASES: list[Expect] = [
 
 
 def _overridden_stage(backend: type[OptimizedBackend]) -> list[str]:
-    return [s for s in STAGES if f"_{s}" in vars(backend)]
+    return [s for s in STAGES if s in vars(backend)]
 
 
 def _first_failing(results: list[StageResult] | None) -> StageResult | None:
-    return next((r for r in results or [] if r.status in _FAILING), None)
+    return next((r for r in results or [] if r.status.failing), None)
 
 
 def test_every_wrong_backend_has_a_case() -> None:
@@ -139,7 +138,7 @@ def test_wrong_backend_is_caught(expect: Expect, record_report) -> None:  # type
     assert culprit.status == "fail", (
         f"{expect.id}: {culprit.label} raised instead of failing a check: {culprit.reason}"
     )
-    isolated = {(r.stage, r.rank) for r in report.isolated or [] if r.status in _FAILING}
+    isolated = {(r.stage, r.rank) for r in report.isolated or [] if r.status.failing}
     assert {s for s, _ in isolated if s != "reduce"} == {expect.stage}, (
         f"isolated mode must blame {expect.stage} alone, it fails {sorted(isolated, key=str)}"
     )

@@ -1,10 +1,11 @@
 """A folder of wrong answers: backends that each get ONE stage wrong, the way a real bug did.
 
-Every class is the optimized path (`OptimizedBackend`) with one `_<stage>` method overridden. The
-override runs the correct stage and then corrupts its outputs (or, where the bug is a wrong input
-to an otherwise correct kernel, feeds the correct stage that wrong input), so each wrong answer
-reads as "the right thing, then the bug". The docstring names the field bug it imitates: rows of
-`ref/anchors.md` §2 as "anchors #n", sections of `ref/vllm-deepgemm-path.md` as "§n".
+Every class is the optimized path (`OptimizedBackend`) with one stage hook (the public method
+named after the stage) overridden. The override runs the correct stage and then corrupts its
+outputs (or, where the bug is a wrong input to an otherwise correct kernel, feeds the correct
+stage that wrong input), so each wrong answer reads as "the right thing, then the bug". The
+docstring names the field bug it imitates: rows of `ref/anchors.md` §2 as "anchors #n", sections
+of `ref/vllm-deepgemm-path.md` as "§n".
 
 Outputs are fresh tensors of this backend, so they are corrupted in place; the upstream Trace may
 be the golden's (isolated mode) and is never written: `_with` builds a modified copy instead.
@@ -62,8 +63,8 @@ class MisroutedToken(OptimizedBackend):
 
     name = "misrouted_token"
 
-    def _route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._route(p, x, up, rank)
+    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().route(p, x, up, rank)
         ids = out["topk_ids"].clone()
         used = set(ids[0].tolist())
         ids[0, 0] = min(e for e in range(p.num_experts) if e not in used)
@@ -80,8 +81,8 @@ class RoutedScalingTwice(OptimizedBackend):
 
     name = "routed_scaling_twice"
 
-    def _route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._route(p, x, up, rank)
+    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().route(p, x, up, rank)
         out["topk_weights"] = out["topk_weights"] * p.routed_scaling_factor
         return out
 
@@ -100,8 +101,8 @@ class FloorInputScales(OptimizedBackend):
 
     name = "floor_input_scales"
 
-    def _quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._quant_input(p, x, up, rank)
+    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().quant_input(p, x, up, rank)
         out["a1q_scale"] = out["a1q_scale"] / 2
         out["a1q"] = _double_codes(out["a1q"])
         return out
@@ -119,8 +120,8 @@ class MSumOneBlockShort(OptimizedBackend):
 
     name = "m_sum_one_block_short"
 
-    def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._align(p, x, up, rank)
+    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().align(p, x, up, rank)
         out["M_sum"] -= out["alignment"]
         return out
 
@@ -135,8 +136,8 @@ class HalfAlignment(OptimizedBackend):
 
     name = "half_alignment"
 
-    def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        return super()._align(p.replace(alignment=p.alignment // 2), x, up, rank)
+    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        return super().align(p.replace(alignment=p.alignment // 2), x, up, rank)
 
 
 class ExpertMapIgnoredOnRank1(OptimizedBackend):
@@ -149,8 +150,8 @@ class ExpertMapIgnoredOnRank1(OptimizedBackend):
 
     name = "expert_map_ignored_on_rank1"
 
-    def _align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._align(p, x, up, rank)
+    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().align(p, x, up, rank)
         if rank == 1:
             ids = up["route"]["topk_ids"]
             local = len(out["counts"])
@@ -172,8 +173,8 @@ class SwappedExpertRows(OptimizedBackend):
 
     name = "swapped_expert_rows"
 
-    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._permute(p, x, up, rank)
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().permute(p, x, up, rank)
         inv, m = out["inv_perm"], out["m_indices"]
         (t0, k0), *others = ((int(t), int(k)) for t, k in (inv >= 0).nonzero())
         first = int(inv[t0, k0])
@@ -195,8 +196,8 @@ class SlotInWrongSegment(OptimizedBackend):
 
     name = "slot_in_wrong_segment"
 
-    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._permute(p, x, up, rank)
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().permute(p, x, up, rank)
         inv, m, start = out["inv_perm"], out["m_indices"], out["expert_start"]
         counts, align = up["align"]["counts"].tolist(), up["align"]["alignment"]
         t, k = (int(i) for i in (inv >= 0).nonzero()[0])
@@ -221,8 +222,8 @@ class PaddingMIndicesZero(OptimizedBackend):
 
     name = "padding_m_indices_zero"
 
-    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._permute(p, x, up, rank)
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().permute(p, x, up, rank)
         out["m_indices"][out["m_indices"] == -1] = 0
         return out
 
@@ -237,8 +238,8 @@ class UnalignedSegments(OptimizedBackend):
 
     name = "unaligned_segments"
 
-    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        return super()._permute(p, x, _with(up, "align", alignment=1), rank)
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        return super().permute(p, x, _with(up, "align", alignment=1), rank)
 
 
 class InvPermOffByOne(OptimizedBackend):
@@ -250,8 +251,8 @@ class InvPermOffByOne(OptimizedBackend):
 
     name = "inv_perm_off_by_one"
 
-    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._permute(p, x, up, rank)
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().permute(p, x, up, rank)
         inv = out["inv_perm"]
         inv[inv >= 0] += 1
         return out
@@ -268,8 +269,8 @@ class GarbagePaddingScales(OptimizedBackend):
 
     name = "garbage_padding_scales"
 
-    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._permute(p, x, up, rank)
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().permute(p, x, up, rank)
         out["a_scale_perm"][out["m_indices"] == -1] = 0.3
         return out
 
@@ -284,8 +285,8 @@ class NanPaddingPackedScales(OptimizedBackend):
 
     name = "nan_padding_packed_scales"
 
-    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._permute(p, x, up, rank)
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().permute(p, x, up, rank)
         out["a_scale_perm"][out["m_indices"] == -1] = -1
         return out
 
@@ -299,8 +300,8 @@ class PermutedScaleBytesReversed(OptimizedBackend):
 
     name = "permuted_scale_bytes_reversed"
 
-    def _permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._permute(p, x, up, rank)
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().permute(p, x, up, rank)
         _reverse_bytes_(out["a_scale_perm"])
         return out
 
@@ -318,8 +319,8 @@ class StaleGemm1Row(OptimizedBackend):
 
     name = "stale_gemm1_row"
 
-    def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._gemm1(p, x, up, rank)
+    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().gemm1(p, x, up, rank)
         row = int(up["permute"]["inv_perm"].max())  # the last live row
         out["mm1"][row] = self._previous_mm1(p, x, rank)[row]
         return out
@@ -344,8 +345,8 @@ class HalfGridGemm1(OptimizedBackend):
 
     name = "half_grid_gemm1"
 
-    def _gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._gemm1(p, x, up, rank)
+    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().gemm1(p, x, up, rank)
         align = up["align"]["alignment"]
         rows = torch.arange(out["mm1"].shape[0], device=out["mm1"].device)
         out["mm1"][rows % align >= align // 2] = 0
@@ -364,11 +365,11 @@ class GateUpSwapped(OptimizedBackend):
 
     name = "gate_up_swapped"
 
-    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         mm1 = up["gemm1"]["mm1"]
         half = mm1.shape[1] // 2
         swapped = torch.cat([mm1[:, half:], mm1[:, :half]], dim=1)
-        return super()._act_quant(p, x, _with(up, "gemm1", mm1=swapped), rank)
+        return super().act_quant(p, x, _with(up, "gemm1", mm1=swapped), rank)
 
 
 class FloorActScales(OptimizedBackend):
@@ -380,8 +381,8 @@ class FloorActScales(OptimizedBackend):
 
     name = "floor_act_scales"
 
-    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._act_quant(p, x, up, rank)
+    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().act_quant(p, x, up, rank)
         out["a2q_scale"].mul_(0.5)  # in place: the column-major strides stay
         out["a2q"] = _double_codes(out["a2q"])
         return out
@@ -396,8 +397,8 @@ class ActScaleBytesReversed(OptimizedBackend):
 
     name = "act_scale_bytes_reversed"
 
-    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._act_quant(p, x, up, rank)
+    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().act_quant(p, x, up, rank)
         _reverse_bytes_(out["a2q_scale"])
         return out
 
@@ -411,8 +412,8 @@ class ActScaleWrittenRowMajor(OptimizedBackend):
 
     name = "act_scale_written_row_major"
 
-    def _act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._act_quant(p, x, up, rank)
+    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().act_quant(p, x, up, rank)
         s = out["a2q_scale"]
         wrong = torch.empty_strided(s.shape, s.stride(), dtype=s.dtype, device=s.device)
         wrong.as_strided((s.numel(),), (1,)).copy_(s.contiguous().view(-1))
@@ -434,10 +435,10 @@ class Gemm2IgnoresScaleStrides(OptimizedBackend):
 
     name = "gemm2_ignores_scale_strides"
 
-    def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         s = up["act_quant"]["a2q_scale"]
         assumed = torch.as_strided(s, s.shape, (1, s.shape[0]))
-        return super()._gemm2(p, x, _with(up, "act_quant", a2q_scale=assumed), rank)
+        return super().gemm2(p, x, _with(up, "act_quant", a2q_scale=assumed), rank)
 
 
 class NanExpertOutput(OptimizedBackend):
@@ -449,8 +450,8 @@ class NanExpertOutput(OptimizedBackend):
 
     name = "nan_expert_output"
 
-    def _gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._gemm2(p, x, up, rank)
+    def gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().gemm2(p, x, up, rank)
         m, inv = up["permute"]["m_indices"], up["permute"]["inv_perm"]
         expert = m[inv[inv >= 0][0]]
         out["mm2"][m == expert] = float("nan")
@@ -469,9 +470,9 @@ class TopkWeightsIgnored(OptimizedBackend):
 
     name = "topk_weights_ignored"
 
-    def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         ones = torch.ones_like(up["route"]["topk_weights"])
-        return super()._gather(p, x, _with(up, "route", topk_weights=ones), rank)
+        return super().gather(p, x, _with(up, "route", topk_weights=ones), rank)
 
 
 class Bf16GatherAccumulation(OptimizedBackend):
@@ -485,7 +486,7 @@ class Bf16GatherAccumulation(OptimizedBackend):
 
     name = "bf16_gather_accumulation"
 
-    def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         mm2, inv = up["gemm2"]["mm2"], up["permute"]["inv_perm"].long()
         weights = up["route"]["topk_weights"]
         acc = torch.zeros(inv.shape[0], mm2.shape[1], dtype=torch.bfloat16, device=mm2.device)
@@ -506,8 +507,8 @@ class InvalidSlotGathered(OptimizedBackend):
 
     name = "invalid_slot_gathered"
 
-    def _gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super()._gather(p, x, up, rank)
+    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().gather(p, x, up, rank)
         route, mm2 = up["route"], up["gemm2"]["mm2"]
         dead = (route["topk_weights"] * (route["topk_ids"] < 0)).sum(dim=1, keepdim=True)
         out["out"] = (out["out"].float() + dead * mm2[0].float()).to(torch.bfloat16)

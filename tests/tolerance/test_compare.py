@@ -12,16 +12,17 @@ import importlib
 import pytest
 import torch
 
-from moe_verify.spec import STAGES, MoEProblem, Recipe, Trace
-from tests.tolerance import (
+from moe_verify.spec import STAGES, Mode, MoEProblem, Recipe, Stage, Status, Trace
+from tests.tolerance.synthetic import (
     build_golden,
     clone_trace,
+    mark_stage,
     reorder_segments,
     replace_stage,
     slot_row,
     tiny_problem,
 )
-from tolerance import ERROR_KEY, SKIP_KEY, StageResult, compare, compare_stage, policy_for
+from tolerance import StageResult, compare, compare_stage, policy_for
 from tolerance.policy import POLICY
 
 pytestmark = pytest.mark.cpu
@@ -35,8 +36,8 @@ PROBLEMS = {
 }
 FP32_SCALES = ["fp8_block-float32", "fp8_block-ceil"]
 PACKED_ACT = ["fp8_block-packed", "mxfp8-packed"]
-MODES = ["isolated", "chained"]
-ALL_STAGES = [*STAGES, "reduce"]
+MODES = list(Mode)
+ALL_STAGES = [*STAGES, Stage.REDUCE]
 
 
 @pytest.fixture(params=list(PROBLEMS), ids=list(PROBLEMS))
@@ -54,7 +55,9 @@ def other(golden: Trace) -> Trace:
     return clone_trace(golden)
 
 
-def _stage(golden: Trace, other: Trace, problem: MoEProblem, stage: str, mode: str = "isolated"):
+def _stage(
+    golden: Trace, other: Trace, problem: MoEProblem, stage: str, mode: Mode = Mode.ISOLATED
+) -> StageResult:
     return compare_stage(stage, golden, other, problem, mode=mode)
 
 
@@ -107,8 +110,10 @@ def test_policy_covers_every_stage_recipe_format_and_mode(
 
 def test_policy_chained_row_outranks_recipe_row() -> None:
     mx = tiny_problem("mxfp8", "ue8m0_packed")
-    assert policy_for("gemm2", mx, "chained") != policy_for("gemm2", mx, "isolated")
-    assert policy_for("gemm2", mx, "chained") == policy_for("gemm2", tiny_problem(), "chained")
+    assert policy_for("gemm2", mx, Mode.CHAINED) != policy_for("gemm2", mx, Mode.ISOLATED)
+    assert policy_for("gemm2", mx, Mode.CHAINED) == policy_for(
+        "gemm2", tiny_problem(), Mode.CHAINED
+    )
 
 
 def test_policy_rows_all_carry_reasons() -> None:
@@ -139,23 +144,23 @@ def test_identical_traces_pass_every_stage(
 ) -> None:
     results = compare(golden, other, problem, mode=mode)
     assert [r.stage for r in results] == ALL_STAGES
-    assert {r.stage: r.status for r in results} == dict.fromkeys(ALL_STAGES, "pass")
+    assert {r.stage: r.status for r in results} == dict.fromkeys(ALL_STAGES, Status.PASS)
 
 
 def test_segment_reorder_passes_every_stage_chained(golden: Trace, problem: MoEProblem) -> None:
-    results = compare(golden, reorder_segments(golden), problem, mode="chained")
-    assert {r.stage: r.status for r in results} == dict.fromkeys(ALL_STAGES, "pass")
+    results = compare(golden, reorder_segments(golden), problem, mode=Mode.CHAINED)
+    assert {r.stage: r.status for r in results} == dict.fromkeys(ALL_STAGES, Status.PASS)
 
 
 def test_segment_reorder_passes_permute_isolated(golden: Trace, problem: MoEProblem) -> None:
-    assert _stage(golden, reorder_segments(golden), problem, "permute").status == "pass"
+    assert _stage(golden, reorder_segments(golden), problem, "permute").status == Status.PASS
 
 
 def test_isolated_mode_keys_downstream_rows_by_the_golden_layout(
     golden: Trace, problem: MoEProblem
 ) -> None:
     # An isolated gemm1 ran on the golden's a_perm; rows in another order are then wrong rows.
-    assert _stage(golden, reorder_segments(golden), problem, "gemm1").status == "fail"
+    assert _stage(golden, reorder_segments(golden), problem, "gemm1").status == Status.FAIL
 
 
 def test_route_order_inside_a_token_passes(
@@ -163,7 +168,7 @@ def test_route_order_inside_a_token_passes(
 ) -> None:
     other["route"]["topk_ids"] = golden["route"]["topk_ids"].flip(1).clone()
     other["route"]["topk_weights"] = golden["route"]["topk_weights"].flip(1).clone()
-    assert _stage(golden, other, problem, "route").status == "pass"
+    assert _stage(golden, other, problem, "route").status == Status.PASS
 
 
 def test_route_weight_within_ulp_limit_passes(
@@ -171,7 +176,7 @@ def test_route_weight_within_ulp_limit_passes(
 ) -> None:
     steps = int(policy_for("route", problem).limit("ulp").value)
     _fp32_up(other["route"]["topk_weights"], (0, 1), steps)
-    assert _stage(golden, other, problem, "route").status == "pass"
+    assert _stage(golden, other, problem, "route").status == Status.PASS
 
 
 @pytest.mark.parametrize("stage", ["gemm1", "gemm2"])
@@ -181,7 +186,7 @@ def test_gemm_nan_in_padding_row_passes(
     name = "mm1" if stage == "gemm1" else "mm2"
     padding = int(torch.nonzero(golden["permute"]["m_indices"] == -1)[0, 0])
     other[stage][name][padding, 3] = float("nan")
-    assert _stage(golden, other, problem, stage).status == "pass"
+    assert _stage(golden, other, problem, stage).status == Status.PASS
 
 
 @pytest.mark.parametrize("stage", ["gemm1", "gemm2"])
@@ -192,13 +197,13 @@ def test_gemm_one_bf16_ulp_everywhere_passes(
     name = "mm1" if stage == "gemm1" else "mm2"
     live = golden["permute"]["m_indices"] >= 0
     other[stage][name].view(torch.int16)[live] += 1
-    assert _stage(golden, other, problem, stage).status == "pass"
+    assert _stage(golden, other, problem, stage).status == Status.PASS
 
 
 def test_gather_within_ulp_limit_passes(golden: Trace, other: Trace, problem: MoEProblem) -> None:
     steps = int(policy_for("gather", problem).limit("ulp").value)
     _bf16_up(other["gather"]["out"], (2, 7), steps)
-    assert _stage(golden, other, problem, "gather").status == "pass"
+    assert _stage(golden, other, problem, "gather").status == Status.PASS
 
 
 # -- route ----------------------------------------------------------------------------------------
@@ -344,7 +349,7 @@ def test_act_quant_packed_pad_bytes_are_ignored() -> None:
     scale = golden["act_quant"]["a2q_scale"]
     other = clone_trace(golden)
     other["act_quant"]["a2q_scale"].copy_(scale | (0x5E << 8))
-    assert _stage(golden, other, problem, "act_quant").status == "pass"
+    assert _stage(golden, other, problem, "act_quant").status == Status.PASS
 
 
 def test_permute_scale_row_differs_fails(golden: Trace, other: Trace, problem: MoEProblem) -> None:
@@ -427,7 +432,7 @@ def test_gemm_misrouted_row_fails_per_token(
 def test_gemm_missing_output_fails_contract(golden: Trace, problem: MoEProblem) -> None:
     other = replace_stage(clone_trace(golden), "gemm1", {"engine": "deepgemm"})
     result = _stage(golden, other, problem, "gemm1")
-    assert result.status == "fail"
+    assert result.status == Status.FAIL
     assert "'mm1'" in _failed(result)["contract"].detail
 
 
@@ -482,7 +487,7 @@ def test_act_quant_nan_code_in_padding_row_passes(
 ) -> None:
     padding = int(torch.nonzero(golden["permute"]["m_indices"] == -1)[0, 0])
     other["act_quant"]["a2q"].view(torch.uint8)[padding, 3] = 0x7F
-    assert _stage(golden, other, problem, "act_quant").status == "pass"
+    assert _stage(golden, other, problem, "act_quant").status == Status.PASS
 
 
 # -- gather / reduce ------------------------------------------------------------------------------
@@ -521,32 +526,32 @@ def test_reduce_perturbed_token_fails(golden: Trace, other: Trace, problem: MoEP
 
 
 def test_skipped_stage_is_reported_as_skip_with_reason(golden: Trace, problem: MoEProblem) -> None:
-    other = replace_stage(clone_trace(golden), "gemm2", {SKIP_KEY: "needs SM100"})
+    other = mark_stage(clone_trace(golden), "gemm2", Status.SKIP, "needs SM100")
     result = _stage(golden, other, problem, "gemm2")
-    assert result.status == "skip"
+    assert result.status == Status.SKIP
     assert "needs SM100" in result.reason
 
 
 def test_missing_stage_is_reported_as_skip(golden: Trace, problem: MoEProblem) -> None:
     other = replace_stage(clone_trace(golden), "act_quant", None)
     results = {r.stage: r for r in compare(golden, other, problem)}
-    assert results["act_quant"].status == "skip"
+    assert results["act_quant"].status == Status.SKIP
     assert "no 'act_quant' stage" in results["act_quant"].reason
 
 
 def test_chained_stage_after_skipped_permute_fails_contract(
     golden: Trace, problem: MoEProblem
 ) -> None:
-    other = replace_stage(clone_trace(golden), "permute", {SKIP_KEY: "not here"})
-    result = _stage(golden, other, problem, "gemm1", "chained")
-    assert result.status == "fail"
+    other = mark_stage(clone_trace(golden), "permute", Status.SKIP, "not here")
+    result = _stage(golden, other, problem, "gemm1", Mode.CHAINED)
+    assert result.status == Status.FAIL
     assert "permute was skipped or raised" in _failed(result)["contract"].detail
 
 
 def test_stage_that_raised_is_reported_as_error(golden: Trace, problem: MoEProblem) -> None:
-    other = replace_stage(clone_trace(golden), "gemm1", {ERROR_KEY: "RuntimeError: IMA"})
+    other = mark_stage(clone_trace(golden), "gemm1", Status.ERROR, "RuntimeError: IMA")
     result = _stage(golden, other, problem, "gemm1")
-    assert result.status == "error"
+    assert result.status == Status.ERROR
     assert "candidate raised in gemm1: RuntimeError: IMA" == result.reason
 
 
@@ -560,7 +565,7 @@ def test_comparison_bug_is_an_error_not_a_crash(
     compare_module = importlib.import_module("tolerance.compare")
     monkeypatch.setitem(compare_module._COMPARERS, "route", broken)
     result = _stage(golden, other, problem, "route")
-    assert (result.status, result.reason) == ("error", "RuntimeError: boom")
+    assert (result.status, result.reason) == (Status.ERROR, "RuntimeError: boom")
 
 
 def test_compare_subset_of_stages(golden: Trace, other: Trace, problem: MoEProblem) -> None:

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from moe_verify.spec import MoEProblem, Trace
-from tests.tolerance import build_golden, clone_trace, replace_stage, slot_row, tiny_problem
-from tolerance import SKIP_KEY, CheckResult, Report, StageResult, Worst, compare
+from moe_verify.spec import Mode, MoEProblem, Status, Trace
+from tests.tolerance.synthetic import build_golden, clone_trace, mark_stage, slot_row, tiny_problem
+from tolerance import CheckResult, Report, StageResult, Worst, compare
 
 pytestmark = pytest.mark.cpu
 
@@ -42,9 +42,9 @@ def _report(problem: MoEProblem, golden: Trace, isolated: Trace, chained: Trace 
     return Report(
         problem,
         "candidate",
-        "isolated",
-        isolated=compare(golden, isolated, problem, mode="isolated"),
-        chained=None if chained is None else compare(golden, chained, problem, mode="chained"),
+        Mode.ISOLATED,
+        isolated=compare(golden, isolated, problem, mode=Mode.ISOLATED),
+        chained=None if chained is None else compare(golden, chained, problem, mode=Mode.CHAINED),
     )
 
 
@@ -67,17 +67,20 @@ def test_first_failure_falls_back_to_chained(problem: MoEProblem, golden: Trace)
 
 
 def test_skipped_stage_does_not_pass_or_fail_the_case(problem: MoEProblem, golden: Trace) -> None:
-    other = replace_stage(clone_trace(golden), "gemm1", {SKIP_KEY: "needs SM100"})
+    other = mark_stage(clone_trace(golden), "gemm1", Status.SKIP, "needs SM100")
     report = _report(problem, golden, other)
     assert report.passed
-    assert report.counts()["skip"] == 1 and report.counts()["pass"] == 8
+    assert report.counts()[Status.SKIP] == 1 and report.counts()[Status.PASS] == 8
     assert "1 skip" in report.summary_line()
     assert "needs SM100" in report.to_table()
 
 
 def test_error_stage_fails_the_case(problem: MoEProblem) -> None:
-    results = [StageResult("route", "pass", []), StageResult("permute", "error", [], "Boom: x")]
-    report = Report(problem, "candidate", "isolated", isolated=results)
+    results = [
+        StageResult("route", Status.PASS, []),
+        StageResult("permute", Status.ERROR, [], "Boom: x"),
+    ]
+    report = Report(problem, "candidate", Mode.ISOLATED, isolated=results)
     assert not report.passed
     assert report.first_failure == "permute"
     assert "ERROR Boom: x" in "\n".join(report.failure_messages())
@@ -89,7 +92,7 @@ def test_json_round_trips(problem: MoEProblem, golden: Trace) -> None:
     assert data["case"] == problem.id
     assert data["first_failure"] == "gemm2"
     assert data["passed"] is False
-    assert [s["stage"] for s in data["isolated"]][:2] == ["route", "quant_input"]
+    assert [s["stage"] for s in data[Mode.ISOLATED]][:2] == ["route", "quant_input"]
     assert Report.from_dict(data).to_dict() == report.to_dict()
 
 
@@ -155,8 +158,8 @@ def test_report_rejects_unknown_mode(problem: MoEProblem) -> None:
 
 
 def test_report_results_follow_primary_mode(problem: MoEProblem) -> None:
-    chained = [StageResult("route", "fail", [CheckResult("topk_ids", False, 1, 0, "r")])]
-    report = Report(problem, "candidate", "chained", chained=chained)
+    chained = [StageResult("route", Status.FAIL, [CheckResult("topk_ids", False, 1, 0, "r")])]
+    report = Report(problem, "candidate", Mode.CHAINED, chained=chained)
     assert report.results is chained
     assert report.isolated is None
     assert report.first_failure == "route"

@@ -12,13 +12,14 @@ import math
 import pytest
 import torch
 
-from moe_verify.spec import Activation, MoEInputs, MoEProblem, QuantizedWeight, Routing
+from moe_verify.spec import Activation, MoEInputs, MoEProblem, QuantizedWeight, Routing, Trace
 from reference.moe import ReferenceBackend
 
 pytestmark = pytest.mark.cpu
 
 H = I = 128  # noqa: E741 - the paper names: hidden, intermediate
 FP8 = torch.float8_e4m3fn
+TinyTrace = tuple[MoEProblem, MoEInputs, Trace]
 
 
 def _identity_stack(scale: list[float], rows: int, cols: int) -> QuantizedWeight:
@@ -64,18 +65,18 @@ def _tiny_case(
 
 
 @pytest.fixture
-def trace_k1():  # type: ignore[no-untyped-def]
+def trace_k1() -> TinyTrace:
     problem, inputs = _tiny_case([[1], [0]], [[1.0], [1.0]])
     return problem, inputs, ReferenceBackend().run(problem, inputs)
 
 
-def test_route_passes_fixed_ids_through(trace_k1) -> None:  # type: ignore[no-untyped-def]
+def test_route_passes_fixed_ids_through(trace_k1: TinyTrace) -> None:
     _, _, t = trace_k1
     assert t["route"]["topk_ids"].tolist() == [[1], [0]]
     assert t["route"]["topk_weights"].tolist() == [[1.0], [1.0]]
 
 
-def test_quant_input_is_exact(trace_k1) -> None:  # type: ignore[no-untyped-def]
+def test_quant_input_is_exact(trace_k1: TinyTrace) -> None:
     _, _, t = trace_k1
     q, s = t["quant_input"]["a1q"], t["quant_input"]["a1q_scale"]
     two_over_448 = (torch.tensor(2.0) / 448.0).item()  # fp32 division, as the recipe does
@@ -84,14 +85,14 @@ def test_quant_input_is_exact(trace_k1) -> None:  # type: ignore[no-untyped-def]
     assert torch.all(q[1].float() == 448.0)
 
 
-def test_align_uses_the_upper_bound(trace_k1) -> None:  # type: ignore[no-untyped-def]
+def test_align_uses_the_upper_bound(trace_k1: TinyTrace) -> None:
     _, _, t = trace_k1
     # M*k = 2 slots, min(2, E_l=2) active experts: round_up(2 + 2*127, 128) = 256.
     assert t["align"]["M_sum"] == 256
     assert t["align"]["counts"].tolist() == [1, 1]
 
 
-def test_permute_layout(trace_k1) -> None:  # type: ignore[no-untyped-def]
+def test_permute_layout(trace_k1: TinyTrace) -> None:
     _, _, t = trace_k1
     perm = t["permute"]
     expected = [0] + [-1] * 127 + [1] + [-1] * 127
@@ -104,7 +105,7 @@ def test_permute_layout(trace_k1) -> None:  # type: ignore[no-untyped-def]
     assert perm["a_scale_perm"][1:128].abs().sum().item() == 0.0  # padding scales exactly zero
 
 
-def test_gemm1_identity_weights(trace_k1) -> None:  # type: ignore[no-untyped-def]
+def test_gemm1_identity_weights(trace_k1: TinyTrace) -> None:
     _, _, t = trace_k1
     mm1 = t["gemm1"]["mm1"].float()
     # row 128 = token 0 through expert 1 (x2): gate and up both 2*x0.
@@ -115,7 +116,7 @@ def test_gemm1_identity_weights(trace_k1) -> None:  # type: ignore[no-untyped-de
     assert mm1[1:128].abs().sum().item() == 0.0
 
 
-def test_act_quant_silu_values(trace_k1) -> None:  # type: ignore[no-untyped-def]
+def test_act_quant_silu_values(trace_k1: TinyTrace) -> None:
     _, _, t = trace_k1
     q, s = t["act_quant"]["a2q"], t["act_quant"]["a2q_scale"]
     # Token 1, expert 0: g = u = 2 -> y = silu(2) * 2, rounded through bf16 three times (colmajor).
@@ -127,7 +128,7 @@ def test_act_quant_silu_values(trace_k1) -> None:  # type: ignore[no-untyped-def
     assert torch.all(q[0].float() == 448.0)  # every element is the group max
 
 
-def test_gemm2_and_gather(trace_k1) -> None:  # type: ignore[no-untyped-def]
+def test_gemm2_and_gather(trace_k1: TinyTrace) -> None:
     _, _, t = trace_k1
     mm2 = t["gemm2"]["mm2"].float()
     a2 = t["act_quant"]["a2q"].float() * t["act_quant"]["a2q_scale"].float()[:, :1]

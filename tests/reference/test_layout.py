@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import MoEProblem, Routing
+from moe_verify.spec import MoEProblem, Routing, Trace
 from reference.layout import (
     aligned_m_sum_exact,
     aligned_m_sum_upper_bound,
@@ -20,7 +20,8 @@ from reference.moe import ReferenceBackend
 pytestmark = pytest.mark.cpu
 
 # (tokens, experts, topk, alignment, routing): the edge each row exercises.
-CASES = [
+Case = tuple[int, int, int, int, Routing]
+CASES: list[Case] = [
     (1, 4, 2, 128, Routing.SOFTMAX),  # T = 1
     (7, 8, 2, 128, Routing.SOFTMAX),  # T < alignment, counts not multiples of A
     (64, 8, 2, 128, Routing.EMPTY_FIRST),  # expert 0 empty
@@ -34,21 +35,21 @@ CASES = [
 ]
 
 
-def _ids(case: tuple[int, int, int, int, Routing]) -> torch.Tensor:
+def _ids(case: Case) -> torch.Tensor:
     t, e, k, a, routing = case
     p = MoEProblem(
         tokens=t, num_experts=e, topk=k, routing=routing, alignment=a, hidden=128, intermediate=128
     )
-    return ReferenceBackend().run_stage("route", p, make_inputs(p, "cpu"), None, 0)["topk_ids"]  # type: ignore[arg-type]
+    return ReferenceBackend().route(p, make_inputs(p, "cpu"), Trace("golden"), 0)["topk_ids"]
 
 
-def _case_id(case: tuple[int, int, int, int, Routing]) -> str:
+def _case_id(case: Case) -> str:
     t, e, k, a, routing = case
     return f"T{t}-E{e}-k{k}-A{a}-{routing}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_inv_perm_is_a_bijection_onto_live_rows(case) -> None:  # type: ignore[no-untyped-def]
+def test_inv_perm_is_a_bijection_onto_live_rows(case: Case) -> None:
     ids = _ids(case)
     _, e, _, a, _ = case
     plan = permute_plan(ids, e, a)
@@ -61,7 +62,7 @@ def test_inv_perm_is_a_bijection_onto_live_rows(case) -> None:  # type: ignore[n
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_segments_start_aligned_and_hold_their_counts(case) -> None:  # type: ignore[no-untyped-def]
+def test_segments_start_aligned_and_hold_their_counts(case: Case) -> None:
     ids = _ids(case)
     _, e, _, a, _ = case
     plan = permute_plan(ids, e, a)
@@ -78,7 +79,7 @@ def test_segments_start_aligned_and_hold_their_counts(case) -> None:  # type: ig
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_exact_m_sum_never_exceeds_the_upper_bound(case) -> None:  # type: ignore[no-untyped-def]
+def test_exact_m_sum_never_exceeds_the_upper_bound(case: Case) -> None:
     ids = _ids(case)
     t, e, k, a, _ = case
     plan = permute_plan(ids, e, a)
@@ -134,7 +135,9 @@ def test_batched_plan_numbers_slots_per_expert() -> None:
     ],
     ids=["id-ge-E", "id-minus-2", "unsigned", "1-D", "id-beyond-map"],
 )
-def test_bad_ids_are_rejected(ids, experts, emap, message) -> None:  # type: ignore[no-untyped-def]
+def test_bad_ids_are_rejected(
+    ids: torch.Tensor, experts: int, emap: torch.Tensor | None, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         permute_plan(ids, experts, 128, emap)
 

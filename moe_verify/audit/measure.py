@@ -1,4 +1,4 @@
-"""`moe-verify audit-e8m0 CHECKPOINT`: what E8M0 (power-of-two) scales cost a model's FP8 weights.
+"""The E8M0 audit's measurements and verdict: what power-of-two scales cost a model's FP8 weights.
 
 With E8M0 on (Blackwell always, Hopper with VLLM_USE_DEEP_GEMM_E8M0), vLLM requantizes every
 block-scaled FP8 weight to power-of-two scales (`requant_weight_ue8m0_inplace`: dequantize, then
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from moe_verify.audit_checkpoint import (
+from moe_verify.audit.checkpoint import (
     AuditError,
     FP8Weight,
     block_size,

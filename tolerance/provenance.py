@@ -1,5 +1,7 @@
 """Provenance-tagged activations: each token carries its own index in bits that survive FP8 and
-UE8M0 quantization exactly, so any permuted row says which token it came from.
+UE8M0 quantization exactly, so any permuted row says which token it came from. The tag is written
+here (`tag_hidden_states`, for the inputs) and read here (`decode_*`, `check_permuted_tokens`,
+`with_provenance`, for the comparison), so encoding and decoding cannot drift apart.
 
 Group 0 of token t holds a 448 marker at column 0 and the base-16 digits of t at columns 1..4,
 the rest of the group zero. With amax = 448 the group's scale is exactly 1 (fp32 and ceil-UE8M0)
@@ -9,7 +11,13 @@ e4m3 values, so dequantizing and rounding recovers t bit for bit in every recipe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from moe_verify.spec import Stage, Status, Trace
+from tolerance.policy import PROVENANCE_REASON
+from tolerance.results import CheckResult, StageResult, Worst
 
 MARKER = 448.0
 DIGITS = 4  # base-16 digits: tokens up to 65535
@@ -66,3 +74,36 @@ def check_permuted_tokens(
     return [
         (int(t), int(k), int(topk_ids[t, k]), int(found[t, k])) for t, k in wrong.nonzero().tolist()
     ]
+
+
+def with_provenance(result: StageResult, trace: Trace, rank: int) -> StageResult:
+    """Permute of a provenance-tagged case: `result` plus a "provenance" check naming the token
+    each misplaced row of `trace` really holds; a failing check fails a stage that was not an
+    error. Other stages, and a permute without an a_perm, come back unchanged."""
+    if (
+        result.stage != Stage.PERMUTE
+        or Stage.PERMUTE not in trace
+        or "a_perm" not in trace[Stage.PERMUTE]
+    ):
+        return result
+    perm = trace[Stage.PERMUTE]
+    route = trace[Stage.ROUTE]
+    wrong = check_permuted_tokens(
+        route["topk_ids"], perm["inv_perm"], perm["a_perm"], route.get("token_index")
+    )
+    worst = None
+    if wrong:
+        t, k, e, found = wrong[0]
+        worst = Worst(token=t, k=k, expert=e, rank=rank, golden=t, other=found)
+    listed = ", ".join(f"(t={t}, k={k}, e={e}) holds token {f}" for t, k, e, f in wrong[:5])
+    check = CheckResult(
+        "provenance",
+        not wrong,
+        len(wrong),
+        0,
+        PROVENANCE_REASON,
+        worst,
+        f"{len(wrong)} live slots hold another token's row" + (f": {listed}" if wrong else ""),
+    )
+    status = result.status if not wrong or result.status is Status.ERROR else Status.FAIL
+    return dataclasses.replace(result, checks=[*result.checks, check], status=status)

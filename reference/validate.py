@@ -1,4 +1,8 @@
-"""Input validation shared by the golden's public functions: one clear ValueError per violation."""
+"""Input validation shared by the golden's public functions: one clear ValueError per violation.
+
+The golden's twin of optimized/kernels/_validate.py (which the kernel wrappers run before launch);
+the two share no code, so a wrong assumption in one is not copied into the other.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_verify.audit import HIST_BINS, AuditReport
+from moe_verify.audit.measure import HIST_BINS, AuditReport
 
 
 def _bar(count: int, most: int, width: int = 30) -> str:

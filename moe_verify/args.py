@@ -1,0 +1,131 @@
+"""Command-line vocabulary shared by `moe-verify` and the torchrun worker: exit codes, the problem
+and backend flags, the flags of `run`, and the problem they describe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moe_verify.spec import MODE_CHOICES, Engine, MoEProblem, Recipe, Routing, ScaleFmt
+
+# 0 every check passed, 1 a check failed, 2 an error (bad arguments, crash, missing dependency).
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+
+def add_problem_args(p: argparse.ArgumentParser) -> None:
+    """The MoEProblem's fields as flags, defaulting to MoEProblem()'s."""
+    d = MoEProblem()
+    p.add_argument("--tokens", "-T", type=int, default=d.tokens)
+    p.add_argument("--hidden", "-H", type=int, default=d.hidden)
+    p.add_argument("--intermediate", "-I", type=int, default=d.intermediate)
+    p.add_argument("--num-experts", "-E", type=int, default=d.num_experts)
+    p.add_argument("--topk", "-k", type=int, default=d.topk)
+    p.add_argument("--recipe", choices=[r.value for r in Recipe], default=d.recipe.value)
+    p.add_argument(
+        "--scale-fmt",
+        choices=[f.value for f in ScaleFmt],
+        default=None,
+        help="default: the recipe's first allowed format",
+    )
+    p.add_argument(
+        "--activation", default="silu", help="silu | silu:L<limit> | swigluoai[:alpha:beta:limit]"
+    )
+    p.add_argument("--routing", choices=[r.value for r in Routing], default=d.routing.value)
+    p.add_argument(
+        "--topology", default="tp:1", help="tp:N | ep:N | ep:N:round_robin | ep:N+ht | ep:N+ll"
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--alignment", type=int, default=d.alignment)
+    p.add_argument("--provenance", action="store_true")
+    p.add_argument("--no-renormalize", action="store_true")
+    p.add_argument("--routed-scaling-factor", type=float, default=d.routed_scaling_factor)
+    p.add_argument("--num-expert-group", type=int, default=d.num_expert_group)
+    p.add_argument("--topk-group", type=int, default=d.topk_group)
+    p.add_argument(
+        "--shared-experts",
+        type=int,
+        default=d.shared_experts,
+        help="DeepSeek-style shared experts added to the routed output",
+    )
+
+
+def add_backend_args(p: argparse.ArgumentParser, modes: bool = True) -> None:
+    """--backend and --engine (and --mode unless `modes` is False)."""
+    p.add_argument(
+        "--backend",
+        default="optimized",
+        help="optimized | golden | module:Class (your own Backend)",
+    )
+    p.add_argument(
+        "--engine",
+        default=Engine.AUTO.value,
+        choices=[e.value for e in Engine],
+        help="GEMM engine of the optimized backend",
+    )
+    if modes:
+        p.add_argument("--mode", default="both", choices=MODE_CHOICES)
+
+
+def add_run_args(run: argparse.ArgumentParser) -> None:
+    """The flags of `moe-verify run`, which the torchrun worker takes too."""
+    add_problem_args(run)
+    add_backend_args(run)
+    run.add_argument("--json", help="write the report as JSON here")
+    run.add_argument("--markdown", help="write the report as markdown here")
+    run.add_argument("--dump-dir", help="on failure, dump inputs and both traces here")
+    run.add_argument(
+        "--strict", action="store_true", help="a skipped stage fails the run too (exit 1)"
+    )
+    run.add_argument(
+        "--verbose", "-v", action="store_true", help="every check of every stage, not a line each"
+    )
+    run.add_argument(
+        "--problem-json",
+        help="read the whole problem from this JSON file "
+        "(MoEProblem.to_dict); the problem flags are then ignored",
+    )
+    run.add_argument(
+        "--launcher",
+        choices=["none", "torchrun"],
+        default="none",
+        help="none: emulate every rank in this process; torchrun: one process per rank, the real "
+        "collective (NCCL on GPUs, gloo on the CPU), see moe_verify/distributed/",
+    )
+    run.add_argument(
+        "--nproc", type=int, default=None, help="torchrun processes (default and only value: ranks)"
+    )
+    run.add_argument(
+        "--compare-on",
+        choices=["golden", "cpu"],
+        default="golden",
+        help="where stages are compared: the golden's device (a GPU run is compared on the GPU), "
+        "or the CPU, which spends no GPU memory on comparisons but copies every stage to the host",
+    )
+
+
+def problem_from_args(args: argparse.Namespace) -> MoEProblem:
+    """The problem the flags describe, or the one --problem-json holds."""
+    if getattr(args, "problem_json", None):
+        return MoEProblem.from_dict(json.loads(Path(args.problem_json).read_text()))
+    recipe = Recipe(args.recipe)
+    return MoEProblem(
+        tokens=args.tokens,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        num_experts=args.num_experts,
+        topk=args.topk,
+        recipe=recipe,
+        scale_fmt=args.scale_fmt or recipe.allowed_scale_fmts[0],
+        activation=args.activation,
+        routing=args.routing,
+        topology=args.topology,
+        seed=args.seed,
+        alignment=args.alignment,
+        provenance=args.provenance,
+        renormalize=not args.no_renormalize,
+        routed_scaling_factor=args.routed_scaling_factor,
+        num_expert_group=args.num_expert_group,
+        topk_group=args.topk_group,
+        shared_experts=args.shared_experts,
+    )

@@ -1,0 +1,171 @@
+"""Start one torchrun process per rank (`moe-verify run --launcher torchrun`) and, when the ranks
+end without a verdict, name the rank(s) that failed from torchrun's failures and each rank's note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from moe_verify.args import EXIT_ERROR
+from moe_verify.distributed import EXCHANGE, NO_MULTICAST_ENV, STATUS_DIR_ENV, rank_problem
+from moe_verify.spec import Engine, Mode, MoEProblem
+
+
+@contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    """os.environ with `updates` for the duration (torchrun's workers inherit it)."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _launch_env(status_dir: Path) -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])  # moe_verify, reference, ... importable
+    path = os.environ.get("PYTHONPATH")
+    env = {
+        STATUS_DIR_ENV: str(status_dir),
+        "PYTHONPATH": f"{root}{os.pathsep}{path}" if path else root,
+    }
+    env.update(NO_MULTICAST_ENV)
+    # torchrun's own default for several processes on one node, set here to keep its banner out.
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "1")
+    return env
+
+
+def launch(
+    problem: MoEProblem,
+    *,
+    backend: str = "optimized",
+    engine: Engine | str = Engine.AUTO,
+    mode: Mode | str = "both",
+    json_path: str | None = None,
+    markdown_path: str | None = None,
+    nproc: int | None = None,
+    dump_dir: str | None = None,
+) -> int:
+    """Run `problem` with one torchrun process per rank; the exit code of `moe-verify run`."""
+    from torch.distributed.run import parse_args, run
+
+    size = problem.topology.size
+    if nproc is not None and nproc != size:
+        raise ValueError(
+            f"--nproc {nproc}: topology {problem.topology} has {size} ranks, one process each"
+        )
+    Mode.select(mode)  # refused here, before any process starts
+    with tempfile.TemporaryDirectory(prefix="moe-verify-dist-") as tmp:
+        status = Path(tmp)
+        (status / "problem.json").write_text(json.dumps(problem.to_dict()))
+        worker = ["--problem-json", str(status / "problem.json")]
+        worker += ["--backend", backend, "--engine", engine, "--mode", mode]
+        if json_path:
+            worker += ["--json", str(Path(json_path).resolve())]
+        if markdown_path:
+            worker += ["--markdown", str(Path(markdown_path).resolve())]
+        if dump_dir:
+            worker += ["--dump-dir", str(Path(dump_dir).resolve())]
+        torchrun = [
+            "--standalone",
+            f"--nproc-per-node={size}",
+            "--monitor-interval=0.1",
+            "-m",
+            "moe_verify.distributed.worker",
+            *worker,
+        ]
+        failures: dict[int, ProcessFailure] = {}
+        with _environ(_launch_env(status)):
+            try:
+                run(parse_args(torchrun))
+            except ChildFailedError as exc:
+                failures = dict(exc.failures)
+        verdict = status / "verdict.json"
+        if verdict.exists():
+            return int(json.loads(verdict.read_text())["exit"])
+        print(failure_summary(problem, status, failures), file=sys.stderr)
+        return EXIT_ERROR
+
+
+def failure_summary(problem: MoEProblem, status: Path, failures: dict[int, ProcessFailure]) -> str:
+    """Which rank(s) failed and where, when the ranks ended without a verdict."""
+    notes = {}
+    for rank in range(problem.topology.size):
+        path = status / f"rank{rank}.json"
+        notes[rank] = json.loads(path.read_text()) if path.exists() else {}
+    lines = [
+        f"moe-verify: error: {problem.id}: the torchrun ranks ended without a verdict; "
+        f"failed rank(s): {failed_ranks(notes, failures)}"
+    ]
+    for rank in range(problem.topology.size):
+        note = notes[rank]
+        where = f"last in {note.get('stage', 'startup')}"
+        if note.get("mode"):
+            where += f" ({note['mode']})"
+        what = _exit_text(failures.get(rank), note.get("error"))
+        lines.append(f"  rank {rank}: {what}; {where}")
+    return "\n".join(lines)
+
+
+def _exit_text(failure: ProcessFailure | None, noted_error: str | None) -> str:
+    if noted_error:  # the rank said why before it exited
+        code = "" if failure is None else f" (exit {failure.exitcode})"
+        return f"error{code}: {noted_error}"
+    if failure is None:
+        return "exited 0"
+    if failure.exitcode == -signal.SIGTERM:
+        return "terminated by torchrun after a peer failed"
+    message = failure.error_file_data.get("message", "")
+    if isinstance(message, dict):  # @record's error file: {"message": text, "extraInfo": ...}
+        message = message.get("message", "")
+    message = str(message).strip()
+    if not message or message == "<NONE>":  # torchrun's placeholder: no error file was written
+        return f"exit {failure.exitcode} with no Python error (a crash: segfault, IMA, abort?)"
+    return f"exit {failure.exitcode}: {message.splitlines()[0]}"
+
+
+def failed_ranks(notes: dict[int, dict], failures: dict[int, ProcessFailure]) -> list[int]:
+    """The ranks to blame: those that never reached the exchange while others did (crashed or
+    hung in their local work); else those that noted an error or exited on their own rather than
+    being terminated."""
+    behind = [
+        r
+        for r, n in notes.items()
+        if not str(n.get("stage", "")).startswith(EXCHANGE) and n.get("stage") != "done"
+    ]
+    if behind and len(behind) < len(notes):
+        return behind
+    own = {r for r, f in failures.items() if f.exitcode != -signal.SIGTERM}
+    own |= {r for r, n in notes.items() if n.get("error")}
+    return sorted(own or failures)
+
+
+def launch_from_args(args: argparse.Namespace) -> int:
+    """`moe-verify run --launcher torchrun`: the run flags, one process per rank."""
+    return launch(
+        rank_problem(args),
+        backend=args.backend,
+        engine=args.engine,
+        mode=args.mode,
+        json_path=args.json,
+        markdown_path=args.markdown,
+        nproc=args.nproc,
+        dump_dir=args.dump_dir,
+    )

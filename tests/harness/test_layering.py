@@ -1,0 +1,104 @@
+"""The architecture as a test: which package may import which, and no import cycle anywhere.
+
+DESIGN.md's rule: `moe_verify.spec` <- reference, optimized, tolerance <- the harness <- tests.
+The golden never imports the optimized path (a golden that shares code with the kernel shares its
+bugs), the optimized path never imports the golden, tolerance judges both and imports neither.
+Every import counts, also those inside functions: a lazy import still ties two modules together.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("moe_verify", "reference", "optimized", "tolerance")
+# What each layer may import from the project (a prefix allows its submodules).
+ALLOWED = {
+    "reference": ("reference", "moe_verify.spec"),
+    "optimized": ("optimized", "moe_verify.spec"),
+    "tolerance": ("tolerance", "moe_verify.spec"),
+}
+FORBIDDEN_THIRD_PARTY = {"reference": ("triton", "deep_gemm"), "tolerance": ("triton", "deep_gemm")}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, anywhere in the file (absolute names)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            # `from pkg import sub` imports the submodule when there is one
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _project_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports. A module's own parent packages are left out:
+    Python initializes them before the module whatever it imports (`from pkg import submodule`
+    inside pkg's own modules is no cycle)."""
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    modules = {_module_name(p): p for p in files}
+    graph = {}
+    for name, path in modules.items():
+        parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = {m for m in _imports(path) if m in modules and m != name} - parents
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (as a path that ends where it starts), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_project_modules() -> None:
+    cycle = _cycle(_project_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_each_layer_imports_only_what_it_may(layer: str) -> None:
+    wrong = []
+    for path in sorted((ROOT / layer).rglob("*.py")):
+        for name in sorted(_imports(path)):
+            top = name.split(".")[0]
+            project = top in PACKAGES
+            if project and not name.startswith(ALLOWED[layer]):
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+            if top in FORBIDDEN_THIRD_PARTY.get(layer, ()):
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "\n".join(wrong)
