@@ -151,7 +151,7 @@ def slot_worst(ctx: Ctx, s: Slots, i: int, **values: object) -> Worst:
         expert=expert if expert >= 0 else None,
         rank=ctx.rank,
         row=int(s.other_rows[i]),
-        **values,  # type: ignore[arg-type]
+        **values,
     )
 
 

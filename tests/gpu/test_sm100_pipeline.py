@@ -17,7 +17,7 @@ DSV3_LOCAL = dict(hidden=7168, intermediate=2048, num_experts=32, topk=8)
 
 # (recipe, scale format, tokens): the Blackwell recipes, decode and prefill sizes.
 CASES = [
-    MoEProblem(tokens=t, recipe=r, scale_fmt=f, **DSV3_LOCAL)  # type: ignore[arg-type]
+    MoEProblem(tokens=t, recipe=r, scale_fmt=f, **DSV3_LOCAL)
     for r, f in (
         (Recipe.FP8_BLOCK, ScaleFmt.UE8M0_PACKED),  # fp32 power-of-two scales packed by DeepGEMM
         (Recipe.FP8_BLOCK, ScaleFmt.FLOAT32_CEIL_UE8M0),
@@ -29,7 +29,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("problem", CASES, ids=lambda p: p.id)
-def test_blackwell_pipeline_through_deepgemm(problem: MoEProblem, record_report) -> None:  # type: ignore[no-untyped-def]
+def test_blackwell_pipeline_through_deepgemm(problem: MoEProblem, record_report) -> None:
     from optimized.backend import OptimizedBackend
 
     report = record_report(
@@ -41,7 +41,7 @@ def test_blackwell_pipeline_through_deepgemm(problem: MoEProblem, record_report)
 
 
 @pytest.mark.parametrize("alignment", [32, 64, 96, 128])
-def test_sm100_alignments_deepgemm_2_6_1_can_pick(alignment: int, record_report) -> None:  # type: ignore[no-untyped-def]
+def test_sm100_alignments_deepgemm_2_6_1_can_pick(alignment: int, record_report) -> None:
     """DG 2.6.1 on SM100 can shrink the alignment to 32/64/96 (ref §2.2): BLOCK_M must follow."""
     from optimized.backend import OptimizedBackend
 

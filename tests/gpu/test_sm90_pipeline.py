@@ -41,7 +41,7 @@ def _expected_engine(problem: MoEProblem) -> str:
 
 
 @pytest.mark.parametrize(("problem", "engine"), PARAMS)
-def test_pipeline_matches_golden(problem: MoEProblem, engine: str, record_report) -> None:  # type: ignore[no-untyped-def]
+def test_pipeline_matches_golden(problem: MoEProblem, engine: str, record_report) -> None:
     from optimized.backend import OptimizedBackend
 
     report = record_report(verify(problem, backend=OptimizedBackend(engine=engine), mode="both"))
@@ -123,7 +123,7 @@ LL_CASES = [
 
 
 @pytest.mark.parametrize("problem", LL_CASES, ids=lambda p: p.id)
-def test_masked_deepgemm_matches_golden(problem: MoEProblem, record_report) -> None:  # type: ignore[no-untyped-def]
+def test_masked_deepgemm_matches_golden(problem: MoEProblem, record_report) -> None:
     from optimized.backend import OptimizedBackend
 
     report = record_report(

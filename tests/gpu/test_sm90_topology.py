@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.sm90, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("problem", dsv3_ep8(), ids=lambda p: p.id)
-def test_dsv3_ep8_emulated(problem: MoEProblem, record_report) -> None:  # type: ignore[no-untyped-def]
+def test_dsv3_ep8_emulated(problem: MoEProblem, record_report) -> None:
     report = record_report(verify(problem, mode="both"))
     assert report.passed_strict, report.summary_line()
     ranks = {r.rank for r in report.isolated if r.rank is not None}

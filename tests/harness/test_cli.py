@@ -62,7 +62,7 @@ def test_compare_on_cpu_reaches_compare_and_torchrun_refuses_it(
     verify_module = sys.modules["moe_verify.verification"]
     devices = []
 
-    def spy(*args, device=None, **kwargs):  # type: ignore[no-untyped-def]
+    def spy(*args, device=None, **kwargs):
         devices.append(device)
         return compare(*args, device=device, **kwargs)
 
@@ -82,7 +82,7 @@ class DeclinesGemm2(OptimizedBackend):
 
     name = "declines-gemm2"
 
-    def gemm2(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+    def gemm2(self, p, x, up, rank):
         raise StageSkipped("not implemented by this backend")
 
 
@@ -122,7 +122,7 @@ class SharedTwice(OptimizedBackend):
 
     name = "shared-twice"
 
-    def shared(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+    def shared(self, p, x, up, rank):
         out = super().shared(p, x, up, rank)["out"]
         return {"out": (out.float() * 2).to(out.dtype), "engine": "triton"}
 

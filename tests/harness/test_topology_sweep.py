@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cpu
 
 
 @pytest.mark.parametrize("problem", TOPOLOGY, ids=lambda p: p.id)
-def test_topology_matches_golden(problem: MoEProblem, record_report) -> None:  # type: ignore[no-untyped-def]
+def test_topology_matches_golden(problem: MoEProblem, record_report) -> None:
     report = record_report(verify(problem, mode="both", engine="triton"))
     assert report.passed, report.summary_line()
     ranks = {r.rank for r in report.isolated if r.rank is not None}

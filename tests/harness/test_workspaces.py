@@ -66,7 +66,7 @@ def test_a_kernel_that_skips_rows_is_caught_by_the_poison() -> None:
     class SkipsLastToken(OptimizedBackend):
         """ep_gather that never writes the last token's row (an off-by-one grid)."""
 
-        def gather(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+        def gather(self, p, x, up, rank):
             out = super().gather(p, x, up, rank)["out"]
             if self.poison is not None:
                 out[-1].view(torch.uint8).fill_(self.poison)
@@ -88,7 +88,7 @@ class WritesPastItsOutput(OptimizedBackend):
     name = "writes-past-its-output"
     spill = 8
 
-    def gemm1(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+    def gemm1(self, p, x, up, rank):
         out = super().gemm1(p, x, up, rank)
         ((key, buf),) = [(k, b) for k, b in self.workspaces.buffers.items() if k[0] == "mm_w13"]
         flat = buf.view(-1)
@@ -117,7 +117,7 @@ class OverrunsThenRaises(WritesPastItsOutput):
 
     name = "overruns-then-raises"
 
-    def gemm1(self, p, x, up, rank):  # type: ignore[no-untyped-def]
+    def gemm1(self, p, x, up, rank):
         super().gemm1(p, x, up, rank)
         raise ValueError("the kernel's own failure")
 

@@ -90,7 +90,7 @@ def scale_values(scale: torch.Tensor, fmt: ScaleFmt, num_groups: int) -> torch.T
     return formats.e8m0_to_fp32(formats.unpack_ue8m0(scale, num_groups))
 
 
-def assert_within_policy(q, s, q_ref, s_ref, group: int, fmt: ScaleFmt, act: Activation) -> None:  # type: ignore[no-untyped-def]
+def assert_within_policy(q, s, q_ref, s_ref, group: int, fmt: ScaleFmt, act: Activation) -> None:
     """Native only: the policy's act_quant bound (tl.exp is not torch.exp on a GPU)."""
     problem = MoEProblem(
         hidden=128, intermediate=128, recipe=Recipe.FP8_BLOCK, scale_fmt=fmt, activation=act
@@ -203,7 +203,7 @@ WRONG = [
 
 
 @pytest.mark.parametrize(("wrong", "act", "fmt"), [w[1:] for w in WRONG], ids=[w[0] for w in WRONG])
-def test_a_wrong_kernel_would_be_caught(wrong, act: Activation, fmt: ScaleFmt) -> None:  # type: ignore[no-untyped-def]
+def test_a_wrong_kernel_would_be_caught(wrong, act: Activation, fmt: ScaleFmt) -> None:
     mm1 = mm1_input("wrong-kernels", 64, 384)
     if wrong is _wrong_recipe:
         # Inputs near the clamp, where one rounding vs three lands on different bf16 values.
@@ -255,6 +255,6 @@ BAD_CALLS = [
 @pytest.mark.parametrize(
     ("call", "message"), [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS]
 )
-def test_bad_inputs_are_refused_before_launch(call, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_inputs_are_refused_before_launch(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()

@@ -51,7 +51,7 @@ def test_version_parsing_rejects_the_old_pypi_package() -> None:
     assert deepgemm._parse_version("2.6.1+local") == (2, 6, 1)
 
 
-def _call(m_indices: list[int], alignment: int = 4, scale: float = 1.0):  # type: ignore[no-untyped-def]
+def _call(m_indices: list[int], alignment: int = 4, scale: float = 1.0):
     m_sum = len(m_indices)
     a = torch.zeros(m_sum, 128).to(torch.float8_e4m3fn)
     sa = torch.full((m_sum, 1), scale)
@@ -77,12 +77,12 @@ def test_valid_layout_passes_validation() -> None:
     ],
     ids=["two-experts-one-block", "hole", "id-out-of-range", "unaligned-m-sum", "nan-scale"],
 )
-def test_broken_invariants_are_reported_before_launch(m_indices, alignment, scale, message) -> None:  # type: ignore[no-untyped-def]
+def test_broken_invariants_are_reported_before_launch(m_indices, alignment, scale, message) -> None:
     with pytest.raises(InvalidKernelInput, match=message):
         _call(m_indices, alignment, scale)
 
 
-def _masked_call(masked_m: list[int], groups: int = 2, max_m: int = 256, expected_m: int = 2):  # type: ignore[no-untyped-def]
+def _masked_call(masked_m: list[int], groups: int = 2, max_m: int = 256, expected_m: int = 2):
     a = torch.zeros(groups, max_m, 128).to(torch.float8_e4m3fn)
     sa = torch.ones(groups, max_m, 1)
     w = QuantizedWeight(
@@ -118,7 +118,7 @@ def test_valid_masked_layout_passes_validation() -> None:
         "expected-m-zero",
     ],
 )
-def test_broken_masked_invariants_are_reported_before_launch(  # type: ignore[no-untyped-def]
+def test_broken_masked_invariants_are_reported_before_launch(
     masked_m, groups, max_m, expected_m, message
 ) -> None:
     with pytest.raises(InvalidKernelInput, match=message):

@@ -81,7 +81,7 @@ def make_inputs(case: GatherCase) -> dict[str, torch.Tensor | None]:
     }
 
 
-def fp32_loop(mm2, topk_ids, topk_weights, inv_perm, expert_map) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def fp32_loop(mm2, topk_ids, topk_weights, inv_perm, expert_map) -> torch.Tensor:
     """The §6 definition, one token and one slot at a time."""
     out = torch.zeros(topk_ids.shape[0], mm2.shape[1], dtype=torch.bfloat16)
     for t in range(topk_ids.shape[0]):
@@ -111,11 +111,11 @@ def test_ep_gather_matches_fp32_loop_and_golden(case: GatherCase) -> None:
     inputs = make_inputs(case)
     device = default_device()
     on_device = {n: (v.to(device) if v is not None else None) for n, v in inputs.items()}
-    out = ep_gather(**on_device).cpu()  # type: ignore[arg-type]
+    out = ep_gather(**on_device).cpu()
     assert out.shape == (case.tokens, case.hidden) and out.dtype == torch.bfloat16
     assert_same_bits(out, fp32_loop(**inputs), "vs the fp32 loop")
     golden_inputs = dict(inputs, inv_perm=inputs["inv_perm"].clamp(max=case.m_sum - 1))
-    assert_same_bits(out, golden_gather(**golden_inputs), "vs reference.gather")  # type: ignore[arg-type]
+    assert_same_bits(out, golden_gather(**golden_inputs), "vs reference.gather")
     ids, expert_map = inputs["topk_ids"], inputs["expert_map"]
     assert ids is not None
     live = ids >= 0
@@ -132,27 +132,27 @@ def test_ep_gather_validate_false_gives_the_same_output() -> None:
     # validate=False only skips the host-side range checks (no device sync, graph-capturable).
     inputs = make_inputs(CASES[4])
     on_device = {n: (v.to(default_device()) if v is not None else None) for n, v in inputs.items()}
-    checked = ep_gather(**on_device)  # type: ignore[arg-type]
-    unchecked = ep_gather(**on_device, validate=False)  # type: ignore[arg-type]
+    checked = ep_gather(**on_device)
+    unchecked = ep_gather(**on_device, validate=False)
     assert torch.equal(checked.view(torch.int16), unchecked.view(torch.int16))
 
 
 # (case, mutation of the valid T9 inputs, what the message must say)
-def _bad(mutate) -> dict[str, torch.Tensor | None]:  # type: ignore[no-untyped-def]
+def _bad(mutate) -> dict[str, torch.Tensor | None]:
     inputs = make_inputs(CASES[4])
     mutate(inputs)
     return inputs
 
 
-def _set(name: str, value) -> object:  # type: ignore[no-untyped-def]
-    def mutate(inputs: dict) -> None:  # type: ignore[type-arg]
+def _set(name: str, value) -> object:
+    def mutate(inputs: dict) -> None:
         inputs[name] = value(inputs[name]) if callable(value) else value
 
     return mutate
 
 
 def _poke(name: str, at: tuple[int, int], value: int) -> object:
-    def mutate(inputs: dict) -> None:  # type: ignore[type-arg]
+    def mutate(inputs: dict) -> None:
         inputs[name] = inputs[name].clone()
         inputs[name][at] = value
 
@@ -162,7 +162,7 @@ def _poke(name: str, at: tuple[int, int], value: int) -> object:
 def _live_slot_row(at: tuple[int, int], row: int) -> object:
     """Make slot `at` live (a local expert) and point it at mm2 row `row`."""
 
-    def mutate(inputs: dict) -> None:  # type: ignore[type-arg]
+    def mutate(inputs: dict) -> None:
         inputs["topk_ids"] = inputs["topk_ids"].clone()
         inputs["topk_ids"][at] = int(torch.nonzero(inputs["expert_map"] >= 0)[0])
         inputs["inv_perm"] = inputs["inv_perm"].clone()
@@ -205,12 +205,12 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(
     ("mutate", "message"), [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
 )
-def test_bad_inputs_are_refused_before_launch(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_inputs_are_refused_before_launch(mutate, message: str) -> None:
     inputs = _bad(mutate)
     device = default_device()
     on_device = {n: (v.to(device) if v is not None else None) for n, v in inputs.items()}
     with pytest.raises(ValueError, match=message):
-        ep_gather(**on_device)  # type: ignore[arg-type]
+        ep_gather(**on_device)
 
 
 def test_dead_slots_may_hold_any_inv_perm() -> None:
@@ -220,4 +220,4 @@ def test_dead_slots_may_hold_any_inv_perm() -> None:
     assert ids is not None and bool((ids == -1).any())
     assert int(inputs["inv_perm"].max()) == 1 << 30  # garbage on dead slots
     on_device = {n: (v.to(default_device()) if v is not None else None) for n, v in inputs.items()}
-    ep_gather(**on_device)  # type: ignore[arg-type]
+    ep_gather(**on_device)

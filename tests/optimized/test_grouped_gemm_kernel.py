@@ -170,7 +170,7 @@ def _reference(
     return out, mag
 
 
-def _prepare(case: Case, exact: bool):  # type: ignore[no-untyped-def]
+def _prepare(case: Case, exact: bool):
     g = torch.Generator().manual_seed(case.seed + exact)
     m_indices = _m_indices(case)
     w = _weights(case, len(case.counts), g, exact)
@@ -184,7 +184,7 @@ def _prepare(case: Case, exact: bool):  # type: ignore[no-untyped-def]
     return d, ref, mag, m_indices
 
 
-def _describe(case: Case, bad: torch.Tensor, d: torch.Tensor, ref: torch.Tensor, m_idx) -> str:  # type: ignore[no-untyped-def]
+def _describe(case: Case, bad: torch.Tensor, d: torch.Tensor, ref: torch.Tensor, m_idx) -> str:
     r, n = (int(v) for v in bad.nonzero()[0])
     return (
         f"{case.id}: {int(bad.sum())} elements wrong; first at row {r} (expert {int(m_idx[r])}), "

@@ -314,6 +314,6 @@ BAD_CALLS = [
 @pytest.mark.parametrize(
     ("call", "message"), [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS]
 )
-def test_bad_inputs_are_refused_before_launch(call, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_inputs_are_refused_before_launch(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()

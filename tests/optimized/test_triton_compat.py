@@ -119,7 +119,7 @@ def np_bits(x: torch.Tensor) -> np.ndarray:
 # ------------------------------------------------------------------ the cast functions directly
 
 
-def _bf16_to_e4m3(convert) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+def _bf16_to_e4m3(convert) -> tuple[torch.Tensor, torch.Tensor]:
     x = all_bf16()
     got = torch.from_numpy(convert(np_bits(x), tl.bfloat16, tl.float8e4nv, RTNE).astype(np.uint8))
     return x.double(), got

@@ -29,7 +29,7 @@ def _check(problem: MoEProblem) -> list[str]:
 @pytest.mark.parametrize(
     "problem", [p.replace(seed=s) for p in SMOKE for s in QUICK_SEEDS], ids=lambda p: p.id
 )
-def test_correct_backend_passes(problem: MoEProblem, record_report) -> None:  # type: ignore[no-untyped-def]
+def test_correct_backend_passes(problem: MoEProblem, record_report) -> None:
     report = record_report(verify(problem, backend=OptimizedBackend(engine="triton"), mode="both"))
     assert report.passed, "\n".join([report.summary_line(), *report.failure_messages()])
 

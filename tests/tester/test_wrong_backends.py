@@ -125,7 +125,7 @@ def test_every_wrong_backend_has_a_case() -> None:
 
 
 @pytest.mark.parametrize("expect", CASES, ids=lambda e: e.id)
-def test_wrong_backend_is_caught(expect: Expect, record_report) -> None:  # type: ignore[no-untyped-def]
+def test_wrong_backend_is_caught(expect: Expect, record_report) -> None:
     assert _overridden_stage(expect.backend) == [expect.stage], (
         f"{expect.id} must override exactly the stage it is expected to fail in"
     )

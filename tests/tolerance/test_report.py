@@ -169,4 +169,4 @@ def test_worst_holds_plain_numbers_only() -> None:
     """A tensor in a report pins device memory and prints as tensor(..., device=...)."""
     assert Worst(golden=1, other=2.5).other == 2.5
     with pytest.raises(TypeError, match="Worst.golden must be a number, got Tensor"):
-        Worst(golden=torch.tensor(119))  # type: ignore[arg-type]
+        Worst(golden=torch.tensor(119))
