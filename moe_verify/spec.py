@@ -631,6 +631,11 @@ class Trace:
     extra named entries (e.g. "engine" on GEMM stages). Non-tensor values (ints, strings) are
     allowed for host-side facts such as M_sum or the GEMM engine used. A stage that did not run
     is recorded with `add_skipped` or `add_error`, and `failure(stage)` says which and why.
+
+    Two host entries have a fixed meaning: "engine" (the GEMM engine that ran a GEMM stage) and
+    "recipe" (the legitimate rounding recipe a backend declares it implements for a stage with
+    several, e.g. quant_input "triton_reciprocal"; DESIGN.md "Legitimate recipes"). Without a
+    declared recipe a stage passes when it matches one legitimate recipe exactly.
     """
 
     def __init__(self, backend: str, rank: int = 0) -> None:

@@ -375,6 +375,7 @@ def _results_from_list(items: list[dict[str, Any]] | None) -> list[StageResult] 
                 item.get("reason", ""),
                 item.get("rank"),
                 item.get("engine"),
+                item.get("recipe"),
             )
         )
     return out

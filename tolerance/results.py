@@ -72,6 +72,9 @@ class StageResult:
     reason: str = ""
     rank: int | None = None  # the rank whose trace this is (None: single rank or cross-rank)
     engine: str | None = None  # the GEMM engine the tested side reported, for GEMM stages
+    # The legitimate recipe the tested side matched (or declared), for stages with several
+    # correct implementations ("quant_input: triton_reciprocal"); None where only one exists.
+    recipe: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Status(self.status))  # also from JSON's strings
