@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tolerance.provenance import with_provenance
 
 from moe_verify.dump import dump_case, load_case
 from moe_verify.inputs import make_inputs
@@ -35,6 +34,7 @@ from moe_verify.spec import (
 )
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
+from tolerance.provenance import with_provenance
 from tolerance.report import Report
 
 
