@@ -7,7 +7,15 @@ import argparse
 import json
 from pathlib import Path
 
-from moe_verify.spec import MODE_CHOICES, Engine, MoEProblem, Recipe, Routing, ScaleFmt
+from moe_verify.spec import (
+    MODE_CHOICES,
+    Engine,
+    GroupedLayout,
+    MoEProblem,
+    Recipe,
+    Routing,
+    ScaleFmt,
+)
 
 # 0 every check passed, 1 a check failed, 2 an error (bad arguments, crash, missing dependency).
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
@@ -47,6 +55,12 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.shared_experts,
         help="DeepSeek-style shared experts added to the routed output",
+    )
+    p.add_argument(
+        "--grouped-layout",
+        choices=[g.value for g in GroupedLayout],
+        default=d.grouped_layout.value,
+        help="the grouped GEMMs' layout: per-row m_indices, per-expert psum ends, or as vLLM picks",
     )
 
 
@@ -128,4 +142,5 @@ def problem_from_args(args: argparse.Namespace) -> MoEProblem:
         num_expert_group=args.num_expert_group,
         topk_group=args.topk_group,
         shared_experts=args.shared_experts,
+        grouped_layout=args.grouped_layout,
     )

@@ -105,6 +105,20 @@ class Status(enum.StrEnum):
         return self in (Status.FAIL, Status.ERROR)
 
 
+class GroupedLayout(enum.StrEnum):
+    """How the contiguous grouped GEMMs learn each row's expert (DESIGN.md "stage contract").
+
+    Both come from one permute plan; `permute` outputs both, and the problem says which one the
+    GEMMs and act_quant consume.
+    """
+
+    AUTO = "auto"  # as vLLM chooses for the recipe, scale format, activation and GPU arch
+    M_INDICES = "m_indices"  # per-row local expert, -1 on padding (the seed article's layout)
+    PSUM = (
+        "psum"  # per-expert cumulative row ends (DeepGEMM use_psum_layout=True); gap rows skipped
+    )
+
+
 class Engine(enum.StrEnum):
     """The GEMM engine of the optimized path (DESIGN.md "Recipes and scale formats")."""
 
@@ -340,10 +354,16 @@ class MoEProblem:
     num_expert_group: int = 1
     topk_group: int = 1
     shared_experts: int = 0  # DeepSeek-style shared experts: a dense MLP every token passes
+    grouped_layout: GroupedLayout = GroupedLayout.AUTO
 
     def __post_init__(self) -> None:
         # Accept plain strings for the enum fields (CLI, JSON round trips).
-        for name, typ in (("recipe", Recipe), ("scale_fmt", ScaleFmt), ("routing", Routing)):
+        for name, typ in (
+            ("recipe", Recipe),
+            ("scale_fmt", ScaleFmt),
+            ("routing", Routing),
+            ("grouped_layout", GroupedLayout),
+        ):
             value = getattr(self, name)
             if not isinstance(value, typ):
                 try:
@@ -481,6 +501,8 @@ class MoEProblem:
             parts.append(f"A{self.alignment}")
         if self.shared_experts:
             parts.append(f"sh{self.shared_experts}")
+        if self.grouped_layout is not GroupedLayout.AUTO:
+            parts.append(str(self.grouped_layout))
         if self.provenance:
             parts.append("prov")
         if self.seed:
@@ -516,6 +538,7 @@ class MoEProblem:
             "num_expert_group": self.num_expert_group,
             "topk_group": self.topk_group,
             "shared_experts": self.shared_experts,
+            "grouped_layout": self.grouped_layout.value,
         }
 
     @staticmethod
