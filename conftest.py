@@ -1,11 +1,13 @@
 """Test-suite wiring: markers, arch gating, CPU/interpreter mode, xdist GPU pinning, reports.
 
 Arch gating lives here and only here: `sm90` means compute capability major == 9 exactly, `sm100`
-major == 10, `multi_gpu` two or more GPUs. Every skip carries its reason.
+major == 10, `multi_gpu` two or more GPUs, `vllm` an importable vLLM (the adapter's tier). Every
+skip carries its reason.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
@@ -50,11 +52,24 @@ def _gate_reason(item: pytest.Item, config: pytest.Config) -> str | None:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < 2:
             return f"needs >= 2 GPUs; this machine has {n}"
+    if item.get_closest_marker("vllm"):
+        usable, why = _vllm_availability()
+        if not usable:
+            return f"needs vLLM's kernels (the -m vllm tier, .ci/run step 2): {why}"
     if item.get_closest_marker("slow") and not config.getoption("--run-slow"):
         return "slow test: pass --run-slow to run it"
     if item.get_closest_marker("bench") and not config.getoption("--run-bench"):
         return "benchmark, not a test: pass --run-bench (or use `moe-verify bench`)"
     return None
+
+
+@functools.cache
+def _vllm_availability() -> tuple[bool, str]:
+    """Whether the vLLM adapter loads here (imports vLLM once per session, only when a vllm test
+    was collected)."""
+    from moe_verify.adapters.vllm import availability
+
+    return availability()
 
 
 def _describe(major: int | None) -> str:

@@ -69,7 +69,7 @@ def add_backend_args(p: argparse.ArgumentParser, modes: bool = True) -> None:
     p.add_argument(
         "--backend",
         default="optimized",
-        help="optimized | golden | module:Class (your own Backend)",
+        help="optimized | golden | vllm (docs/vllm.md) | module:Class (your own Backend)",
     )
     p.add_argument(
         "--engine",

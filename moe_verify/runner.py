@@ -9,6 +9,7 @@ access still says where it was.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -18,20 +19,28 @@ from pathlib import Path
 
 import torch
 
+from moe_verify.poison import poisoned_allocations
 from moe_verify.spec import (
     Backend,
     Engine,
     Mode,
     MoEInputs,
     MoEProblem,
+    Stage,
     StageSkipped,
     Trace,
 )
 from reference.topology import REDUCE_INPUTS
 
+# Stages whose permuted scales have a padding contract (+0.0 fp32, no 0xFF byte): they run with
+# uninitialised allocations poisoned, so a padding row left as torch.empty garbage fails every
+# time instead of passing on zeroed pages (moe_verify/poison.py).
+POISONED_STAGES = frozenset({Stage.PERMUTE, Stage.DISPATCH})
+
 
 def resolve_backend(spec: str | Backend, engine: Engine | str = Engine.AUTO) -> Backend:
-    """'optimized', 'golden', or 'package.module:Class' (any class with the Backend protocol)."""
+    """'optimized', 'golden', 'vllm' (vLLM's installed kernels, docs/vllm.md), or
+    'package.module:Class' (any class with the Backend protocol)."""
     if not isinstance(spec, str):
         return spec
     if spec == "optimized":
@@ -42,9 +51,18 @@ def resolve_backend(spec: str | Backend, engine: Engine | str = Engine.AUTO) -> 
         from reference import ReferenceBackend
 
         return ReferenceBackend()
+    if spec == "vllm":
+        from moe_verify.adapters.vllm import VllmBackend, VllmUnavailable
+
+        try:
+            return VllmBackend(engine=engine)
+        except VllmUnavailable as exc:
+            raise ValueError(f"backend 'vllm': {exc}") from exc
     module_name, sep, class_name = spec.partition(":")
     if not sep or not module_name or not class_name:
-        raise ValueError(f"backend: expected 'optimized', 'golden' or 'module:Class', got {spec!r}")
+        raise ValueError(
+            f"backend: expected 'optimized', 'golden', 'vllm' or 'module:Class', got {spec!r}"
+        )
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
@@ -99,8 +117,10 @@ def run_stage_into(
 ) -> None:
     """Run one stage of `backend` on `upstream` and record its outputs, skip or error in `trace`."""
     _breadcrumb(problem, trace.rank, stage, mode)
+    poison = poisoned_allocations() if stage in POISONED_STAGES else contextlib.nullcontext()
     try:
-        outputs = backend.run_stage(stage, problem, inputs, upstream, trace.rank)
+        with poison:
+            outputs = backend.run_stage(stage, problem, inputs, upstream, trace.rank)
         _sync()  # an asynchronous kernel fault surfaces here, attributed to this stage
     except StageSkipped as exc:
         trace.add_skipped(stage, str(exc))

@@ -119,6 +119,35 @@ class GroupedLayout(enum.StrEnum):
     )
 
 
+class MSumRecipe(enum.StrEnum):
+    """The legitimate formulas for align's M_sum (DESIGN.md "Legitimate recipes", ref §2.3).
+
+    Each is a multiple of the alignment A and at least the exact sum, so every one is a valid
+    M_sum; a backend may declare the one it implements (the align stage's "recipe" entry).
+    """
+
+    MIN_ACTIVE_BOUND = "min_active_bound"  # round_up(M*k + min(M*k, E_l)*(A-1), A): vLLM >= 0.30
+    ALL_EXPERTS_BOUND = "all_experts_bound"  # round_up(M*k + E_l*(A-1), A): older vLLM
+    EXACT_COUNTS = "exact_counts"  # sum_e round_up(count_e, A): counts on the host (DeepEP HT)
+
+
+class InputQuantRecipe(enum.StrEnum):
+    """vLLM's two 1 x 128 input quantizers (DESIGN.md "Legitimate recipes"; reference/formats.py
+    models both, docs/tolerance.md#quant_input-recipes says where they differ)."""
+
+    CUDA_DIVISION = "cuda_division"  # per_token_group_quant.cu: amax / 448, scale floor 1e-10
+    TRITON_RECIPROCAL = "triton_reciprocal"  # fp8_utils._per_token_group_quant_fp8: amax * (1/448)
+
+
+class ActQuantRecipe(enum.StrEnum):
+    """vLLM's three SwiGLU + FP8 requant kernels (DESIGN.md "Legitimate recipes";
+    reference/activation.py models each)."""
+
+    PACKED = "packed"  # silu_mul_quant_fp8_packed_triton: fp32, one bf16 rounding (UE8M0_PACKED)
+    COLMAJOR = "colmajor"  # silu_mul_per_token_group_quant_fp8_colmajor: silu_and_mul's roundings
+    BF16_STEPS = "bf16_steps"  # persistent_masked_m_silu_mul_quant (CUDA, LL): every step in bf16
+
+
 class Engine(enum.StrEnum):
     """The GEMM engine of the optimized path (DESIGN.md "Recipes and scale formats")."""
 

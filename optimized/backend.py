@@ -2,7 +2,9 @@
 
 Stage for stage it mirrors reference/moe.py, so the two read side by side. GEMM stages pick an
 engine like vLLM's TritonOrDeepGemmExperts (`deepgemm.choose_engine`) and record which one ran,
-and why.
+and why. The permute yields both grouped layouts (m_indices and the psum expert_ends) from one
+plan; the GEMMs and act_quant read the one `deepgemm.choose_grouped_layout` picks (as vLLM 0.32
+does, or as the problem forces) and record it as "layout".
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from moe_verify.spec import (
     Engine,
+    GroupedLayout,
     MoEInputs,
     MoEProblem,
     QuantizedWeight,
@@ -24,7 +27,7 @@ from moe_verify.spec import (
     run_stages,
 )
 from optimized import deepgemm
-from optimized.deepgemm import EngineChoice, as_engine, choose_engine
+from optimized.deepgemm import EngineChoice, as_engine, choose_engine, choose_grouped_layout
 from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter
 from optimized.routing import select_experts
 from optimized.topology import Shard, shard, tp_down_shard, tp_gate_up_shard
@@ -186,9 +189,19 @@ class OptimizedBackend:
             "a_perm": self.workspaces.own(out.a_perm),
             "a_scale_perm": out.a_scale_perm,
             "m_indices": out.m_indices,
+            "expert_ends": out.expert_ends,
             "inv_perm": out.inv_perm,
             "expert_start": out.expert_start,
+            "layout": choose_grouped_layout(problem).layout.value,
         }
+
+    @staticmethod
+    def grouped_layout(problem: MoEProblem, upstream: Trace) -> tuple[GroupedLayout, torch.Tensor]:
+        """The layout the contiguous GEMMs and act_quant read, and its tensor from the upstream
+        permute: m_indices [M_sum], or expert_ends [E_l] for psum."""
+        layout = choose_grouped_layout(problem).layout
+        name = "expert_ends" if layout is GroupedLayout.PSUM else "m_indices"
+        return layout, upstream["permute"][name]
 
     def gemm1(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         if "dispatch" in upstream:
@@ -199,6 +212,7 @@ class OptimizedBackend:
             return {"mm1": r.pop("out"), **r}
         perm = upstream["permute"]
         choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
+        layout, grouped = self.grouped_layout(problem, upstream)
         mm1 = self._grouped_gemm(
             choice,
             problem,
@@ -207,9 +221,16 @@ class OptimizedBackend:
             "w13",
             perm["a_perm"],
             perm["a_scale_perm"],
-            perm["m_indices"],
+            grouped,
+            layout,
+            upstream["align"]["alignment"],
         )
-        return {"mm1": mm1, "engine": choice.engine, "engine_reason": choice.reason}
+        return {
+            "mm1": mm1,
+            "engine": choice.engine,
+            "engine_reason": choice.reason,
+            "layout": layout.value,
+        }
 
     def act_quant(
         self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
@@ -219,18 +240,26 @@ class OptimizedBackend:
         mm1 = upstream["gemm1"]["mm1"]
         batch = mm1.shape[:-1]
         flat = mm1.reshape(-1, mm1.shape[-1])
-        out_q = None
-        if mm1.dim() == 2:
-            out_q = self.workspaces.get(
-                "a2q", (flat.shape[0], flat.shape[1] // 2), torch.float8_e4m3fn, mm1.device
+        if mm1.dim() == 3:  # batched layout: every batch row is quantized, kept [E_l, T, ...]
+            q, s = act_quant.silu_mul_quant(
+                flat, problem.activation, problem.recipe.act_group, problem.scale_fmt
             )
-        q, s = act_quant.silu_mul_quant(
-            flat, problem.activation, problem.recipe.act_group, problem.scale_fmt, out_q
-        )
-        q = self.workspaces.own(q)
-        if mm1.dim() == 3:  # batched layout keeps its [E_l, max_tokens, ...] shape
             return {"a2q": q.view(*batch, q.shape[-1]), "a2q_scale": s.reshape(*batch, s.shape[-1])}
-        return {"a2q": q, "a2q_scale": s}
+        out_q = self.workspaces.get(
+            "a2q", (flat.shape[0], flat.shape[1] // 2), torch.float8_e4m3fn, mm1.device
+        )
+        layout, grouped = self.grouped_layout(problem, upstream)
+        psum = layout is GroupedLayout.PSUM
+        q, s = act_quant.silu_mul_quant(
+            flat,
+            problem.activation,
+            problem.recipe.act_group,
+            problem.scale_fmt,
+            out_q,
+            expert_ends=grouped if psum else None,
+            expert_alignment=upstream["align"]["alignment"] if psum else 0,
+        )
+        return {"a2q": self.workspaces.own(q), "a2q_scale": s, "layout": layout.value}
 
     def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         act = upstream["act_quant"]
@@ -240,6 +269,7 @@ class OptimizedBackend:
             )
             return {"mm2": r.pop("out"), **r}
         choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
+        layout, grouped = self.grouped_layout(problem, upstream)
         mm2 = self._grouped_gemm(
             choice,
             problem,
@@ -248,9 +278,16 @@ class OptimizedBackend:
             "w2",
             act["a2q"],
             act["a2q_scale"],
-            upstream["permute"]["m_indices"],
+            grouped,
+            layout,
+            upstream["align"]["alignment"],
         )
-        return {"mm2": mm2, "engine": choice.engine, "engine_reason": choice.reason}
+        return {
+            "mm2": mm2,
+            "engine": choice.engine,
+            "engine_reason": choice.reason,
+            "layout": layout.value,
+        }
 
     def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         route = upstream["route"]
@@ -412,16 +449,23 @@ class OptimizedBackend:
         which: str,
         a: torch.Tensor,
         a_scale: torch.Tensor,
-        m_indices: torch.Tensor,
+        grouped: torch.Tensor,
+        layout: GroupedLayout,
+        alignment: int,
     ) -> torch.Tensor:
+        """One contiguous grouped GEMM on `choice`'s engine; `grouped` is the layout's tensor
+        (m_indices, or expert_ends for psum) and `alignment` the segments' A (the align
+        stage's, so an isolated GEMM tiles the golden's layout as the golden laid it out)."""
         sh = self.shard(problem, inputs, rank)
         w = sh.w13 if which == "w13" else sh.w2
         group = problem.recipe.act_group
+        psum = layout is GroupedLayout.PSUM
         out = self.workspaces.get(f"mm_{which}", (a.shape[0], w.shape[1]), torch.bfloat16, a.device)
         if choice.engine is Engine.TRITON:
             d = grouped_gemm.grouped_gemm(
-                a, a_scale, group, w.q, w.scale, w.block, m_indices, problem.alignment, out=out
-            )
+                a, a_scale, group, w.q, w.scale, w.block, grouped, alignment,
+                use_psum_layout=psum, out=out,
+            )  # fmt: skip
         else:
             d = deepgemm.m_grouped_gemm(
                 a,
@@ -429,9 +473,10 @@ class OptimizedBackend:
                 group,
                 w,
                 self._deepgemm_weight_scales(problem, inputs, rank, which, w),
-                m_indices,
-                problem.alignment,
+                grouped,
+                alignment,
                 use_ue8m0=problem.scale_fmt.is_ue8m0,
+                use_psum_layout=psum,
                 out=out,
             )
         return self.workspaces.own(d)

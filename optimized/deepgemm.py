@@ -23,6 +23,7 @@ import torch
 from moe_verify.spec import (
     LL_BLOCK_ROWS,
     Engine,
+    GroupedLayout,
     MoEProblem,
     QuantizedWeight,
     Recipe,
@@ -35,6 +36,7 @@ from optimized.kernels._validate import (
     fail,
     output_buffer,
 )
+from optimized.triton_compat import interpreter_mode
 
 MIN_VERSION = (2, 6)
 # Names our calls need; their absence means an old or partial build.
@@ -185,6 +187,48 @@ def choose_engine(
     )
 
 
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The grouped layout the contiguous GEMMs and act_quant read (M_INDICES or PSUM, never
+    AUTO), and why."""
+
+    layout: GroupedLayout
+    reason: str
+
+
+def _gpu_arch_major() -> int | None:
+    """The GPU this path runs on, or None on the CPU (the Triton interpreter)."""
+    if interpreter_mode() or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()[0]
+
+
+def choose_grouped_layout(problem: MoEProblem) -> LayoutChoice:
+    """vLLM 0.32's choice (DeepGemmExperts.apply, `use_psum_layout`) unless the problem forces one.
+
+    psum for fp8_block (not MXFP8; the FP4 experts never use it) with silu or swigluoai, on SM90,
+    and on SM100 with packed UE8M0 scales (vLLM's DeepGemmQuantScaleFMT.UE8M0, the only E8M0
+    format it runs there). Without a GPU there is no arch to choose by: m_indices, the seed
+    article's layout (both come from one permute plan, so either is exercised by forcing it).
+    """
+    if problem.grouped_layout is not GroupedLayout.AUTO:
+        return LayoutChoice(problem.grouped_layout, "forced by the problem")
+    major = _gpu_arch_major()
+    if major is None:
+        return LayoutChoice(GroupedLayout.M_INDICES, "auto without a GPU: m_indices")
+    if problem.recipe is not Recipe.FP8_BLOCK:
+        return LayoutChoice(
+            GroupedLayout.M_INDICES, f"auto: vLLM runs {problem.recipe} on m_indices"
+        )
+    arch_ok = major == 9 or (major == 10 and problem.scale_fmt is ScaleFmt.UE8M0_PACKED)
+    if arch_ok and problem.activation.kind in ("silu", "swigluoai"):
+        return LayoutChoice(GroupedLayout.PSUM, f"auto: vLLM 0.32 runs psum on SM{major}x here")
+    return LayoutChoice(
+        GroupedLayout.M_INDICES,
+        f"auto: vLLM 0.32 runs m_indices on SM{major}x with {problem.scale_fmt}",
+    )
+
+
 @contextlib.contextmanager
 def alignment_scope(value: int) -> Iterator[None]:
     """Set DeepGEMM's process-global contiguous-layout alignment (its BLOCK_M) for one call.
@@ -242,41 +286,57 @@ def validate_contiguous_call(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     w: QuantizedWeight,
-    m_indices: torch.Tensor,
+    grouped_layout: torch.Tensor,
     alignment: int,
     use_ue8m0: bool,
+    use_psum_layout: bool = False,
 ) -> None:
     """The invariants DeepGEMM's m-grouped contiguous GEMM assumes, checked on the host first.
 
     Violations fault or silently misroute inside the kernel (ref §14.1, §14.17, anchors #6, #25);
-    here they raise InvalidKernelInput naming the broken rule instead.
+    here they raise InvalidKernelInput naming the broken rule instead. The fp32 scales the kernel
+    reads must be finite and >= 0, and on SM100 (which packs them to UE8M0) powers of two: every
+    row with m_indices, the live rows only with psum (the packer skips gap rows, gemm.hpp).
     """
     from optimized.kernels.grouped_gemm import _check_m_indices
+    from optimized.kernels.psum import check_expert_ends, psum_live_rows
 
     fn = "deepgemm.m_grouped_gemm"
     m_sum, k = a.shape
     num_experts, n, _ = w.shape
+    name = "expert_ends" if use_psum_layout else "m_indices"
     if a.dtype != torch.float8_e4m3fn or a.stride(-1) != 1:
         fail(fn, f"a must be K-major float8_e4m3fn, got {a.dtype} with strides {a.stride()}")
     if k % 128 or n % 8:
         fail(fn, f"K={k} must be a multiple of 128 and N={n} of 8 (TMA and the SM90 epilogue)")
-    if m_indices.dtype != torch.int32 or not m_indices.is_contiguous():
-        fail(fn, f"m_indices must be contiguous int32, got {m_indices.dtype}")
-    if m_indices.numel() != m_sum or m_sum % alignment:
-        fail(
-            fn,
-            f"m_indices has {m_indices.numel()} rows for M_sum={m_sum}; M_sum must be a "
-            f"multiple of the alignment {alignment} (DeepGEMM's BLOCK_M)",
-        )
-    _check_m_indices(fn, m_indices, num_experts, alignment)
+    if grouped_layout.dtype != torch.int32 or not grouped_layout.is_contiguous():
+        fail(fn, f"{name} must be contiguous int32, got {grouped_layout.dtype}")
+    if m_sum % alignment:
+        fail(fn, f"M_sum={m_sum} must be a multiple of the alignment {alignment} (BLOCK_M)")
+    if use_psum_layout:
+        if grouped_layout.shape != (num_experts,):
+            fail(
+                fn,
+                f"expert_ends has shape {tuple(grouped_layout.shape)}; the psum layout holds "
+                f"one end per expert, [{num_experts}] (DeepGEMM asserts it)",
+            )
+        check_expert_ends(fn, grouped_layout, m_sum, alignment)
+        live = psum_live_rows(grouped_layout, m_sum, alignment)
+    else:
+        if grouped_layout.numel() != m_sum:
+            fail(fn, f"m_indices has {grouped_layout.numel()} rows for M_sum={m_sum}")
+        _check_m_indices(fn, grouped_layout, num_experts, alignment)
+        live = None
     if a_scale.dtype == torch.float32:
-        bad = ~torch.isfinite(a_scale) | (a_scale < 0)
+        scales = a_scale if live is None else a_scale[live]
+        bad = ~torch.isfinite(scales) | (scales < 0)
         if bool(bad.any()):
             r, g = (int(i) for i in bad.nonzero()[0])
-            fail(fn, f"a_scale[{r}, {g}] = {float(a_scale[r, g])} is not a finite scale >= 0")
+            what = f"a_scale[{r}, {g}]" if live is None else f"a_scale (live row {r}, group {g})"
+            fail(fn, f"{what} = {float(scales[r, g])} is not a finite scale >= 0")
         if use_ue8m0 and probe().arch_major == 10:
             # DeepGEMM 2.6 device-asserts powers of two when packing fp32 scales to UE8M0.
-            check_power_of_two_scales(fn, "a_scale", a_scale)
+            check_power_of_two_scales(fn, "a_scale", scales)
 
 
 # The largest BLOCK_M DeepGEMM picks for the masked GEMM (SM90 heuristics: 64 or 128); the LL
@@ -346,38 +406,51 @@ def m_grouped_gemm(
     a_group: int,
     w: QuantizedWeight,
     w_scale: torch.Tensor,
-    m_indices: torch.Tensor,
+    grouped_layout: torch.Tensor,
     alignment: int,
     *,
     use_ue8m0: bool,
+    use_psum_layout: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """d = A @ B[m_indices]^T in bf16 through m_grouped_fp8(_fp4)_gemm_nt_contiguous.
+    """d = A @ B[e(r)]^T in bf16 through m_grouped_fp8(_fp4)_gemm_nt_contiguous.
 
     The arguments in the order of every grouped GEMM of the suite (the golden's, the Triton
     engine's `grouped_gemm`): activations with their scales and group, weights, layout.
     a_group: K elements per activation scale; w_scale: `w`'s scales in this arch's layout
-    (`prepare_weight_scales`); `out`, when given, is a reused [M_sum, N] bf16 workspace
-    (DeepGEMM writes padding rows unspecified)."""
+    (`prepare_weight_scales`); grouped_layout: m_indices [M_sum], or with `use_psum_layout`
+    expert_ends [E] (DeepGEMM 2.6.1's `use_psum_layout=True`: the SM100 SFA packer then skips
+    the gap rows; vLLM 0.32 passes neither `expected_m_for_psum_layout` nor
+    `ensure_zero_padding`, and neither do we); `out`, when given, is a reused [M_sum, N] bf16
+    workspace. DeepGEMM writes padding (-1) rows, and under psum gap rows, unspecified, and
+    leaves tail rows past the last segment unwritten."""
     dg = module()
     m_sum = a.shape[0]
     n = w.shape[1]
     d = output_buffer("deepgemm.m_grouped_gemm", "out", out, (m_sum, n), torch.bfloat16, a.device)
     if m_sum == 0:
         return d
-    validate_contiguous_call(a, a_scale, w, m_indices, alignment, use_ue8m0)
+    validate_contiguous_call(a, a_scale, w, grouped_layout, alignment, use_ue8m0, use_psum_layout)
     b = w.q.view(torch.int8) if w.fp4 else w.q
     kwargs: dict[str, object] = {"disable_ue8m0_cast": not use_ue8m0}
     if w.fp4 or w.block != (128, 128):
         kwargs["recipe_a"] = (1, a_group)
         kwargs["recipe_b"] = (1, w.block[1])
+    if use_psum_layout:
+        kwargs["use_psum_layout"] = True
+        if a_scale.dtype == torch.float32 and probe().arch_major == 10:
+            # The psum SFA packer takes only a K-major contiguous fp32 SF (smxx_layout.hpp
+            # asserts it); act_quant's fp32 scales are column-major. A layout copy, same values.
+            a_scale = a_scale.contiguous()
     with alignment_scope(alignment):
         if w.fp4:
             dg.m_grouped_fp8_fp4_gemm_nt_contiguous(
-                (a, a_scale), (b, w_scale), d, m_indices, **kwargs
+                (a, a_scale), (b, w_scale), d, grouped_layout, **kwargs
             )
         else:
-            dg.m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (b, w_scale), d, m_indices, **kwargs)
+            dg.m_grouped_fp8_gemm_nt_contiguous(
+                (a, a_scale), (b, w_scale), d, grouped_layout, **kwargs
+            )
     return d
 
 

@@ -1,4 +1,4 @@
-"""A correct float downcast for the Triton CPU interpreter (TRITON_INTERPRET=1).
+"""Correct float casts and bf16 arithmetic for the Triton CPU interpreter (TRITON_INTERPRET=1).
 
 The interpreter's `_convert_float` (triton/runtime/interpreter.py) rounds a downcast by adding the
 cut-off bit (not ties-to-even) and ORs a mantissa overflow into the exponent field instead of
@@ -10,8 +10,15 @@ flushes bf16 subnormals and decodes e4m3 NaN as a number; torch's are exact). Ot
 keep the interpreter's own code.
 The replaced function stays reachable (`unpatched_convert_float`), so a test can show it is wrong.
 
-`prepare_interpreter` is the one setup: without a GPU it selects the interpreter and installs the
-fix. `optimized/__init__` calls it before any kernel module is imported, so every way into the
+The interpreter also computes bf16 arithmetic on the uint16 bit patterns it stores bf16 in (a
+kernel's bf16 `silu_out * up` gives garbage). `install_interpreter_bf16_fix` makes each entry that
+does so decode to fp32, compute, and round back RNE once, the GPU's `mul.rn.bf16` result; see
+"bf16 arithmetic" below for what is covered and why one fp32 op then RNE is correctly rounded.
+`unpatched_bf16_arithmetic` runs a block on the interpreter's own code, so a test can show it is
+wrong.
+
+`prepare_interpreter` is the one setup: without a GPU it selects the interpreter and installs both
+fixes. `optimized/__init__` calls it before any kernel module is imported, so every way into the
 optimized kernels (the CLI, `verify`, a user's `OptimizedBackend` subclass) gets it.
 
 `torch_exp_in_interpreter` is separate and opt-in: the interpreter evaluates `tl.exp` with numpy's
@@ -69,7 +76,7 @@ def interpreter_mode() -> bool:
 
 
 def prepare_interpreter() -> bool:
-    """Without a GPU, run Triton kernels under its interpreter, with the correct float casts.
+    """Without a GPU, run Triton kernels under its interpreter, with correct float casts and bf16.
 
     Idempotent; returns whether kernels run interpreted. TRITON_INTERPRET must be set before
     triton is first imported: triton.language's own helpers (`tl.max`, ...) are `@triton.jit`
@@ -84,6 +91,7 @@ def prepare_interpreter() -> bool:
     if not interpreter_mode():
         return False
     install_interpreter_fp8_fix()
+    install_interpreter_bf16_fix()
     return True
 
 
@@ -123,6 +131,299 @@ def unpatched_convert_float() -> Callable[..., np.ndarray]:
 
     current = interp._convert_float
     return current.original if isinstance(current, _TorchConvertFloat) else current
+
+
+# ------------------------------------------------------------------------------ bf16 arithmetic
+#
+# The interpreter holds bf16 as its uint16 bit patterns and hands those to numpy, so `x * y`,
+# `x + y`, `x < y`, `-x`, `tl.maximum`, `tl.fma`, `tl.clamp`, `tl.dot`, bf16 reductions and
+# scans, and int/bool/fp64 -> bf16 casts compute on integers. Each entry patched below decodes
+# bf16 operands to fp32 (exact), runs the interpreter's own fp32 code, rounds to bf16 once, RNE,
+# as `add/sub/mul/fma.rn.bf16` and `cvt.rn.bf16.*` do on a GPU. For add, sub and mul (and div)
+# one fp32 operation then one RNE rounding IS the correctly rounded bf16 result: a double
+# rounding can only go wrong when the fp32 result lands exactly on a bf16 midpoint while the
+# exact result is not that midpoint, and a sweep of all 2^32 pairs of finite bf16 values found no
+# such pair for add (sub is add of -y), mul or div (fp32 has 24 >= 2*8 + 2 bits). max/min/fmod/
+# compares are exact in fp32. fma and the casts from wider types need a sticky bit: see
+# `_round_to_bf16`.
+#
+# Not reached as bf16 from a kernel, so not fixes but consistency: `/` and `%` promote bf16 to
+# fp32 in the frontend (computation_type_impl), and exp/log/sqrt/sigmoid reject bf16 (libdevice's
+# convention, on GPUs too), so kernels upcast before those and neg is the only unary op to fix.
+# Not the GPU's bits: bf16 sums and dots, whose order the hardware layout sets. Sums accumulate
+# in fp32 and round once and scans round every step, as numpy treats fp16 here.
+
+_BF16_ORIGINAL = "_moe_verify_bf16_original"
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> their fp32 values; exact (bf16 is fp32's upper half)."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 values -> bf16 bit patterns (uint16), rounded to nearest even."""
+    return _convert_float_via_torch(np.asarray(x, dtype=np.float32), torch.float32, torch.bfloat16)
+
+
+def _round_to_bf16(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns of the exact value hi + lo (float64, |lo| <= ulp(hi) / 2), one RNE.
+
+    Rounding to fp32 first and then to bf16 rounds twice and can break a tie the wrong way
+    (cast 1 + 2^-8 + 2^-30 via fp32: 1 + 2^-8 is a bf16 tie, and it goes down). Rounding to fp32
+    *to odd* keeps a sticky bit instead, and RNE of a round-to-odd result with >= 2 spare bits is
+    the correct RNE (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums", 2008):
+    an inexact fp32 result with an even last bit steps one ulp toward the exact value.
+    """
+    with np.errstate(invalid="ignore", over="ignore"):
+        f = hi.astype(np.float32)  # RNE; beyond fp32's range inf, which bf16 rounds to as well
+        # hi - f is exact (Sterbenz), so its sign with lo's is the sign of the rounding error.
+        rest = (hi - f.astype(np.float64)) + lo
+    inexact_even = (rest != 0) & np.isfinite(f) & ((f.view(np.uint32) & 1) == 0)
+    toward = np.where(rest > 0, np.float32(np.inf), np.float32(-np.inf))
+    return _f32_to_bf16(np.where(inexact_even, np.nextafter(f, toward), f))
+
+
+def _exact_f64_pair(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Integers or fp64 as (hi, lo) float64 with hi + lo exactly x (lo == 0 below 64 bits)."""
+    hi = x.astype(np.float64)
+    if x.dtype.kind not in "iu" or x.dtype.itemsize < 8:
+        return hi, np.zeros_like(hi)
+    # A 64-bit integer may round to 2^63 (2^64 unsigned), which does not convert back: stay one
+    # fp64 below it. The residual is then under 2^11, exact in (wrapping) integer arithmetic.
+    top = np.float64(2.0**63 if x.dtype.kind == "i" else 2.0**64)
+    hi = np.minimum(hi, np.nextafter(top, 0.0))
+    lo = (x - hi.astype(x.dtype)).view(np.int64).astype(np.float64)
+    return hi, lo
+
+
+def _is_bf16(handle: object) -> bool:
+    import triton.language as tl
+
+    return handle.dtype.scalar == tl.bfloat16
+
+
+def _as_f32_handle(handle: object) -> object:
+    """A bf16 TensorHandle as the fp32 handle of the same values; other handles unchanged."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    if not _is_bf16(handle):
+        return handle
+    return interp.TensorHandle(_bf16_to_f32(handle.data), tl.float32)
+
+
+def _as_f32_tensor(t: object) -> object:
+    """A bf16 tl.tensor (block or scalar) as the fp32 tensor of the same values."""
+    import triton.language as tl
+
+    return tl.core.tensor(_as_f32_handle(t.handle), t.type.with_element_ty(tl.float32))
+
+
+def _as_bf16_tensor(t: object) -> object:
+    """An fp32 tl.tensor rounded (RNE) to a bf16 tensor of the same shape."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    handle = interp.TensorHandle(_f32_to_bf16(t.handle.data), tl.bfloat16)
+    return tl.core.tensor(handle, t.type.with_element_ty(tl.bfloat16))
+
+
+def _bf16_binary_op(original: Callable[..., object]) -> Callable[..., object]:
+    def binary_op(self: object, lhs: object, rhs: object, op: Callable[..., np.ndarray]) -> object:
+        import triton.language as tl
+        import triton.runtime.interpreter as interp
+
+        if not (_is_bf16(lhs) or _is_bf16(rhs)):
+            return original(self, lhs, rhs, op)
+        with np.errstate(all="ignore"):  # inf and NaN are the IEEE answers, as on a GPU
+            out = original(self, _as_f32_handle(lhs), _as_f32_handle(rhs), op).data
+        # Comparisons give bools, tagged with the operand type as the interpreter does.
+        data = _f32_to_bf16(out) if out.dtype == np.float32 else out
+        return interp.TensorHandle(data, tl.bfloat16)
+
+    return binary_op
+
+
+def _bf16_unary_op(original: Callable[..., object]) -> Callable[..., object]:
+    def unary_op(self: object, arg: object, op: Callable[..., np.ndarray]) -> object:
+        import triton.language as tl
+        import triton.runtime.interpreter as interp
+
+        if not _is_bf16(arg):
+            return original(self, arg, op)
+        if op is np.negative:
+            # neg.bf16 flips the sign bit, NaN payloads included.
+            return interp.TensorHandle(arg.data ^ np.uint16(0x8000), tl.bfloat16)
+        with np.errstate(all="ignore"):  # inf and NaN are the IEEE answers, as on a GPU
+            out = op(_bf16_to_f32(arg.data))
+        return interp.TensorHandle(_f32_to_bf16(out), tl.bfloat16)
+
+    return unary_op
+
+
+def _bf16_fma(original: Callable[..., object]) -> Callable[..., object]:
+    def create_fma(self: object, x: object, y: object, z: object) -> object:
+        import triton.language as tl
+        import triton.runtime.interpreter as interp
+
+        if not _is_bf16(z):
+            return original(self, x, y, z)
+        a, b, c = (_bf16_to_f32(h.data).astype(np.float64) for h in (x, y, z))
+        a, b, c = np.broadcast_arrays(a, b, c)
+        with np.errstate(invalid="ignore"):
+            product = a * b  # 16 significant bits: exact in fp64
+            hi = product + c
+            # TwoSum: lo is exactly the error of hi, so hi + lo is the exact x*y + z.
+            back = hi - product
+            lo = (product - (hi - back)) + (c - back)
+        return interp.TensorHandle(_round_to_bf16(hi, lo), tl.bfloat16)
+
+    return create_fma
+
+
+def _bf16_clampf(original: Callable[..., object]) -> Callable[..., object]:
+    def create_clampf(
+        self: object, arg: object, lo: object, hi: object, propagate: object
+    ) -> object:
+        import triton.language as tl
+        import triton.runtime.interpreter as interp
+
+        if not _is_bf16(arg):
+            return original(self, arg, lo, hi, propagate)
+        out = original(self, *(_as_f32_handle(h) for h in (arg, lo, hi)), propagate)
+        return interp.TensorHandle(_f32_to_bf16(out.data), tl.bfloat16)
+
+    return create_clampf
+
+
+def _bf16_cast_impl(original: Callable[..., object]) -> Callable[..., object]:
+    def cast_impl(self: object, src: object, dst_type: object) -> object:
+        import triton.language as tl
+        import triton.runtime.interpreter as interp
+
+        # fp32 -> bf16 goes through the fixed `_convert_float`, and the frontend sends bf16 to any
+        # other type through fp32. Integers and bools (compares come tagged with their operands'
+        # float type, so the data decides) would be cast as bit patterns: round them here.
+        data = np.asarray(src.data)
+        keep = data.dtype == np.float32 or (data.dtype == np.uint16 and _is_bf16(src))
+        if dst_type.scalar != tl.bfloat16 or keep:
+            return original(self, src, dst_type)
+        hi, lo = _exact_f64_pair(data)
+        return interp.TensorHandle(_round_to_bf16(hi, lo), tl.bfloat16)
+
+    return cast_impl
+
+
+def _bf16_dot(original: Callable[..., object]) -> Callable[..., object]:
+    def create_dot(self: object, a: object, b: object, d: object, *args: object) -> object:
+        return original(self, _as_f32_handle(a), _as_f32_handle(b), d, *args)
+
+    return create_dot
+
+
+def _bf16_min_max(original: Callable[..., object]) -> Callable[..., object]:
+    def min_max(
+        self: object,
+        input: object,
+        val_reduce_op: Callable[..., np.ndarray] | None,
+        idx_reduce_op: Callable[..., np.ndarray] | None = None,
+    ) -> object:
+        import triton.language as tl
+
+        input = input[0] if isinstance(input, tuple) else input
+        if input.dtype != tl.bfloat16:
+            return original(self, input, val_reduce_op, idx_reduce_op)
+        out = original(self, _as_f32_tensor(input), val_reduce_op, idx_reduce_op)
+        if val_reduce_op is None:
+            return out
+        if isinstance(out, tuple):
+            return _as_bf16_tensor(out[0]), out[1]
+        return _as_bf16_tensor(out)
+
+    return min_max
+
+
+def _bf16_sum(original: Callable[..., object]) -> Callable[..., object]:
+    def sum(self: object, input: object) -> object:
+        import triton.language as tl
+
+        if input.dtype != tl.bfloat16:
+            return original(self, input)
+        return _as_bf16_tensor(original(self, _as_f32_tensor(input)))
+
+    return sum
+
+
+def _bf16_scan(
+    original: Callable[..., object], op: Callable[..., np.ndarray]
+) -> Callable[..., object]:
+    def scan(self: object, input: object) -> list[object]:
+        import triton.language as tl
+        import triton.runtime.interpreter as interp
+
+        if input.dtype != tl.bfloat16:
+            return original(self, input)
+        steps = np.moveaxis(input.handle.data, self.axis, 0).copy()
+        for i in range(1, steps.shape[0]):
+            steps[i] = _f32_to_bf16(op(_bf16_to_f32(steps[i - 1]), _bf16_to_f32(steps[i])))
+        data = np.ascontiguousarray(np.moveaxis(steps, 0, self.axis))
+        handle = interp.TensorHandle(data, tl.bfloat16)
+        return [tl.core.tensor(handle, input.type)]
+
+    return scan
+
+
+def _bf16_patches() -> list[
+    tuple[type, str, Callable[[Callable[..., object]], Callable[..., object]]]
+]:
+    """(owner, attribute, wrapper) for each interpreter entry that computes on bf16 bits."""
+    import triton.runtime.interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    return [
+        (builder, "binary_op", _bf16_binary_op),  # + - * / %, min/max, compares
+        (builder, "unary_op", _bf16_unary_op),  # neg
+        (builder, "create_fma", _bf16_fma),
+        (builder, "create_clampf", _bf16_clampf),  # tl.clamp(propagate_nan=ALL): np.clip
+        (builder, "cast_impl", _bf16_cast_impl),  # int, bool, fp64 -> bf16
+        (builder, "create_dot", _bf16_dot),
+        (interp.ReduceOps, "min_max", _bf16_min_max),  # tl.max/min/argmax/argmin
+        (interp.ReduceOps, "sum", _bf16_sum),
+        (interp.ScanOps, "cumsum", lambda f: _bf16_scan(f, np.add)),
+        (interp.ScanOps, "cumprod", lambda f: _bf16_scan(f, np.multiply)),
+    ]
+
+
+def install_interpreter_bf16_fix() -> None:
+    """Make the interpreter's bf16 arithmetic decode, compute in fp32, round RNE (idempotent)."""
+    for owner, name, wrap in _bf16_patches():
+        current = owner.__dict__[name]
+        if hasattr(current, _BF16_ORIGINAL):
+            continue
+        patched = wrap(current)
+        setattr(patched, _BF16_ORIGINAL, current)
+        setattr(owner, name, patched)
+
+
+@contextlib.contextmanager
+def unpatched_bf16_arithmetic() -> Iterator[None]:
+    """Within the block, the interpreter's own bf16 arithmetic (on bit patterns), to show it wrong.
+
+    The float-cast fix stays in, so what differs inside the block is the arithmetic alone.
+    """
+    restore = []
+    for owner, name, _ in _bf16_patches():
+        current = owner.__dict__[name]
+        original = getattr(current, _BF16_ORIGINAL, None)
+        if original is not None:
+            setattr(owner, name, original)
+            restore.append((owner, name, current))
+    try:
+        yield
+    finally:
+        for owner, name, patched in restore:
+            setattr(owner, name, patched)
 
 
 @contextlib.contextmanager

@@ -1,14 +1,18 @@
 """The act_quant stage: gated activation (SwiGLU + clamp) on GEMM1's output, then FP8 requant.
 
-vLLM runs one of two fused Triton kernels here (vllm-deepgemm-path.md §5), and they round
-differently, so the golden models both exactly:
+vLLM runs one of three kernels here, and they round differently, so the golden models each
+exactly (`ActQuantRecipe`; vLLM 0.32's fp8_utils.py, and csrc activation_kernels.cu):
 - "packed" (§5.1, `silu_mul_quant_fp8_packed_triton`, UE8M0_PACKED): clamp and activation in fp32,
   ONE bf16 rounding of the product; scale exponent from amax / 448 floored at 1e-10; int32 packed.
 - "colmajor" (§5.2, `silu_mul_per_token_group_quant_fp8_colmajor`, FLOAT32 and
   FLOAT32_CEIL_UE8M0): mimics C++ silu_and_mul: bf16 after the clamp, after the activation,
   after up + beta and after the product; scale = max(amax, 1e-10) * (1/448), optionally ceiled.
-Both kernels use Triton's approximate `tl.exp`; the golden uses torch.exp (a documented 1-ulp
-source of difference before the final bf16 rounding).
+- "bf16_steps" (anchors-2026-12 §1.3, `persistent_masked_m_silu_mul_quant`, the CUDA kernel of the
+  batched low-latency path, plain silu, every format): the colmajor activation, then the scale,
+  its log2 ceiling, its reciprocal and y * (1/s) each rounded to bf16.
+The Triton kernels use the approximate `tl.exp`, the CUDA one `expf` and `__fdividef`; the golden
+uses torch.exp and an IEEE division (a documented 1-ulp source of difference before the bf16
+rounding of the activation).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe_verify.spec import FP8_MAX, Activation, ScaleFmt
+from moe_verify.spec import FP8_MAX, Activation, ActQuantRecipe, ScaleFmt
 from reference.formats import (
     SCALE_FLOOR,
     _divide,
+    _exp2_int,
     cast_to_fp8,
     ceil_ue8m0,
     pack_ue8m0,
@@ -32,7 +37,16 @@ from reference.validate import (
     require_tensor,
 )
 
-__all__ = ["ROUNDINGS", "ZERO_GROUP_PAD_BYTE", "act_quant", "swiglu"]
+__all__ = [
+    "ROUNDINGS",
+    "ZERO_GROUP_PAD_BYTE",
+    "act_quant",
+    "fused_act_quant_recipe",
+    "quantize_groups_bf16_steps",
+    "quantize_groups_colmajor",
+    "quantize_groups_packed",
+    "swiglu",
+]
 
 ROUNDINGS = ("packed", "colmajor")
 
@@ -98,48 +112,131 @@ def swiglu(mm1: Tensor, activation: Activation, rounding: str) -> Tensor:
     return _bf16(glu * _bf16(up + beta))
 
 
-def act_quant(
-    mm1: Tensor, activation: Activation, group: int, scale_fmt: ScaleFmt
-) -> tuple[Tensor, Tensor]:
-    """The act_quant stage: swiglu, then per-group FP8 quantization, as the kernel for scale_fmt.
+def fused_act_quant_recipe(scale_fmt: ScaleFmt) -> ActQuantRecipe:
+    """The fused Triton kernel vLLM's DeepGemmExperts runs for `scale_fmt` (§5): "packed" for
+    UE8M0_PACKED, "colmajor" for FLOAT32 and FLOAT32_CEIL_UE8M0."""
+    packed = require_scale_fmt(scale_fmt) is ScaleFmt.UE8M0_PACKED
+    return ActQuantRecipe.PACKED if packed else ActQuantRecipe.COLMAJOR
 
-    mm1: bf16 [M, 2I] (leading batch dims allowed), I a multiple of group.
-    UE8M0_PACKED, the packed kernel (§5.1): y = swiglu(rounding="packed"); per group
-        s_raw = max(amax / 448, 1e-10); e = ceil(log2(s_raw)) (bit arithmetic);
-        q = cast_to_fp8(y / 2^e); byte = e + 127.
+
+def _groups(y: Tensor, group: int) -> Tensor:
+    return y.reshape(*y.shape[:-1], y.shape[-1] // group, group)
+
+
+def quantize_groups_packed(y: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """The packed kernel's quantization (§5.1): y fp32 [..., I] of bf16 values, per group
+        s = ceil_ue8m0(max(amax / 448, 1e-10)) (a true division, the floor on the scale);
+        q = cast_to_fp8(y / s); byte = exponent of s, packed four per int32 with pad bytes 94.
+    Returns (q fp8 [..., I], int32 [..., P] from `pack_ue8m0`)."""
+    groups = _groups(y, group)
+    scale = ceil_ue8m0(_divide(groups.abs().amax(dim=-1), FP8_MAX).clamp(min=SCALE_FLOOR))
+    q = cast_to_fp8(groups / scale.unsqueeze(-1)).reshape(y.shape)
+    exponents = ue8m0_bytes(scale)
+    pad = exponents.new_full((*exponents.shape[:-1], -exponents.shape[-1] % 4), ZERO_GROUP_PAD_BYTE)
+    return q, pack_ue8m0(torch.cat((exponents, pad), dim=-1))
+
+
+def quantize_groups_colmajor(y: Tensor, group: int, scale_fmt: ScaleFmt) -> tuple[Tensor, Tensor]:
+    """The colmajor kernel's quantization (§5.2): y fp32 [..., I] of bf16 values, per group
+        s = max(amax, 1e-10) * fp32(1/448) (a reciprocal multiply, the floor on amax);
+        FLOAT32_CEIL_UE8M0: s = 2^ceil(log2 s), `ceil_ue8m0` (the kernel's fp32 log2 gives the
+        same bits for bf16 amax, see `ceil_pow2_via_log2`); q = cast_to_fp8(y / s).
+    Returns (q fp8 [..., I], s fp32 [..., I/group])."""
+    groups = _groups(y, group)
+    scale = groups.abs().amax(dim=-1).clamp(min=AMAX_EPS) * _f32(1.0 / FP8_MAX, y)
+    if scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0:
+        scale = ceil_ue8m0(scale)
+    return cast_to_fp8(groups / scale.unsqueeze(-1)).reshape(y.shape), scale
+
+
+def _log2_bf16(s: Tensor) -> Tensor:
+    """bf16(log2(s)) for positive bf16 s (hlog2: an fp32 log2 rounded to bf16), as fp32.
+
+    Taken in float64 and rounded through fp32 to bf16; for every positive bf16 s the result is
+    decided with margin (tests), so the GPU's approximate lg2 rounds to the same bf16."""
+    return _bf16(torch.log2(s.double()).float())
+
+
+def quantize_groups_bf16_steps(y: Tensor, group: int, scale_fmt: ScaleFmt) -> tuple[Tensor, Tensor]:
+    """The low-latency CUDA kernel's quantization, every step in bf16 (anchors-2026-12 §1.3;
+    vLLM's activation_kernels.cu `silu_mul_fp8_quant_deep_gemm_kernel`).
+
+    y: fp32 [..., I] of bf16 values. Per group, each operation rounded to bf16 (RNE):
+        amax = max(max|y|, bf16(1e-10)); s = bf16(amax * bf16(1/448));
+        ceil formats: s = 2^ceil(bf16(log2 s)), so s may come out BELOW amax / 448 (log2 of
+        s = 2^k (1 + j/128) rounds to k for small j) and the top codes clip at 448;
+        inv = bf16(1 / s); q = cast_to_fp8(bf16(y * inv)) (clip at +-448, then RNE to e4m3:
+        a second rounding after the bf16 one).
+    Returns (q fp8 [..., I], s fp32 [..., I/group] (the bf16 values) or, for UE8M0_PACKED,
+    int32 [..., P] from `pack_ue8m0` with pad bytes 0 (the kernel zero-fills its scales)).
+    """
+    groups = _groups(y, group)
+    amax = torch.maximum(groups.abs().amax(dim=-1), _bf16(_f32(AMAX_EPS, y)))
+    scale = _bf16(amax * _bf16(_f32(1.0 / FP8_MAX, y)))
+    if scale_fmt.is_ue8m0:
+        scale = _exp2_int(_log2_bf16(scale).ceil())
+    inv = _bf16(torch.ones_like(scale) / scale)
+    q = cast_to_fp8(_bf16(groups * inv.unsqueeze(-1))).reshape(y.shape)
+    if scale_fmt is ScaleFmt.UE8M0_PACKED:
+        return q, pack_ue8m0(ue8m0_bytes(scale))
+    return q, scale
+
+
+def _check_recipe(
+    recipe: ActQuantRecipe, activation: Activation, group: int, fmt: ScaleFmt
+) -> None:
+    packed = fmt is ScaleFmt.UE8M0_PACKED
+    if recipe is ActQuantRecipe.PACKED and not packed:
+        raise ValueError(f"act_quant recipe 'packed' writes packed UE8M0 scales, not {fmt}")
+    if recipe is ActQuantRecipe.COLMAJOR and packed:
+        raise ValueError("act_quant recipe 'colmajor' writes fp32 scales, not ue8m0_packed")
+    if recipe is ActQuantRecipe.BF16_STEPS and (activation.kind != "silu" or activation.limit):
+        raise ValueError(
+            f"act_quant recipe 'bf16_steps' (persistent_masked_m_silu_mul_quant) computes plain "
+            f"silu only, got activation {activation.tag}"
+        )
+    if recipe is ActQuantRecipe.BF16_STEPS and group != 128:
+        raise ValueError(f"act_quant recipe 'bf16_steps' has 128-column groups, got {group}")
+
+
+def act_quant(
+    mm1: Tensor,
+    activation: Activation,
+    group: int,
+    scale_fmt: ScaleFmt,
+    recipe: ActQuantRecipe | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The act_quant stage: swiglu, then per-group FP8 quantization, as `recipe` computes them.
+
+    mm1: bf16 [M, 2I] (leading batch dims allowed), I a multiple of group. recipe: one of
+    ActQuantRecipe, by default the fused kernel for scale_fmt (`fused_act_quant_recipe`):
+    "packed" (§5.1, UE8M0_PACKED only): y = swiglu(rounding="packed"), `quantize_groups_packed`.
         Returns (a2q fp8 [M, I], int32 [M, P] from `pack_ue8m0`, P = ceil(I/group/4), strides
         (1, round_up(M, 4))). Pad slots of the last word hold byte 94 (ZERO_GROUP_PAD_BYTE) as
         that kernel writes; the TMA pad rows in storage are 0 (the kernel leaves them unwritten).
-    FLOAT32 / FLOAT32_CEIL_UE8M0, the colmajor kernel (§5.2): y = swiglu(rounding="colmajor");
-        amax = max(max|y|, 1e-10); s = amax * fp32(1/448) (a reciprocal multiply, unlike
-        quant_input's true division); s = ceil_ue8m0(s) for the ceil format; q = cast_to_fp8(y/s).
-        Returns (a2q fp8 [M, I], fp32 [M, I/group] row-major; the kernel's column-major storage
-        holds the same logical values).
-    Zero groups: byte 94 (2^-33) packed; 1e-10/448 float32; 2^-42 (byte 85) ceil.
+    "colmajor" (§5.2, FLOAT32 / FLOAT32_CEIL_UE8M0): y = swiglu(rounding="colmajor"),
+        `quantize_groups_colmajor`. Returns (a2q fp8 [M, I], fp32 [M, I/group] row-major; the
+        kernel's column-major storage holds the same logical values).
+    "bf16_steps" (anchors-2026-12 §1.3, any format; plain silu, group 128): y = bf16(bf16(silu(g))
+        * u), which is swiglu(rounding="colmajor") for plain silu, then
+        `quantize_groups_bf16_steps`. Scales as colmajor's, or packed with pad bytes 0.
+    Zero groups: byte 94 (2^-33) packed; 1e-10/448 float32 and 2^-42 (byte 85) ceil (colmajor);
+    bf16_steps: bf16(bf16(1e-10) * bf16(1/448)), or 2^-42 for the ue8m0 formats.
     """
     _check_mm1(mm1, activation)
     group = require_positive_int("group", group)
     scale_fmt = require_scale_fmt(scale_fmt)
+    recipe = fused_act_quant_recipe(scale_fmt) if recipe is None else ActQuantRecipe(recipe)
+    _check_recipe(recipe, activation, group, scale_fmt)
     cols = mm1.shape[-1]
     if (cols // 2) % group:
         raise ValueError(
             f"mm1: I = {cols}/2 = {cols // 2} columns per half must be a multiple of "
             f"group={group} (shape {tuple(mm1.shape)})"
         )
-    packed = scale_fmt is ScaleFmt.UE8M0_PACKED
-    y = swiglu(mm1, activation, "packed" if packed else "colmajor")
-    groups = y.reshape(*y.shape[:-1], y.shape[-1] // group, group)
-    amax = groups.abs().amax(dim=-1)
-    if packed:
-        scale = ceil_ue8m0(_divide(amax, FP8_MAX).clamp(min=SCALE_FLOOR))
-    else:
-        scale = amax.clamp(min=AMAX_EPS) * _f32(1.0 / FP8_MAX, mm1)
-        if scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0:
-            scale = ceil_ue8m0(scale)
-    q = cast_to_fp8(groups / scale.unsqueeze(-1)).reshape(y.shape)
-    if not packed:
-        return q, scale
-    exponents = ue8m0_bytes(scale)
-    num_groups = exponents.shape[-1]
-    pad = exponents.new_full((*exponents.shape[:-1], -num_groups % 4), ZERO_GROUP_PAD_BYTE)
-    return q, pack_ue8m0(torch.cat((exponents, pad), dim=-1))
+    if recipe is ActQuantRecipe.PACKED:
+        return quantize_groups_packed(swiglu(mm1, activation, "packed"), group)
+    y = swiglu(mm1, activation, "colmajor")
+    if recipe is ActQuantRecipe.COLMAJOR:
+        return quantize_groups_colmajor(y, group, scale_fmt)
+    return quantize_groups_bf16_steps(y, group, scale_fmt)

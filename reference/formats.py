@@ -2,7 +2,8 @@
 
 Everything here is the golden definition of a format or quantizer, in plain PyTorch on whatever
 device the input lives on. Bit-level facts (exponent fields, ties, padding bytes) are computed with
-integer arithmetic on fp32 bit patterns, never with log2/exp2, so results are exact on CPU and GPU.
+integer arithmetic on fp32 bit patterns, never with log2/exp2, so results are exact on CPU and GPU;
+the one exception, `ceil_pow2_via_log2`, models a kernel that rounds up through an fp32 log2.
 
 Glossary: `group` = K elements sharing one scale; `G` = groups per row (K / group); `P` = int32
 words per row of packed UE8M0 (ceil(G / 4)); `tma` = MN rounded up to 4 (DeepGEMM's TMA alignment).
@@ -16,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from moe_verify.spec import E2M1_MAX, FP8_MAX, ScaleFmt
+from moe_verify.spec import E2M1_MAX, FP8_MAX, InputQuantRecipe, ScaleFmt
 from reference.validate import (
     first_index,
     require_finite,
@@ -32,6 +33,7 @@ from reference.validate import (
 __all__ = [
     "E2M1_VALUES",
     "FP8_MAX",
+    "ceil_pow2_via_log2",
     "ceil_ue8m0",
     "cast_to_fp8",
     "dequantize_fp8_blocks",
@@ -39,6 +41,8 @@ __all__ = [
     "dequantize_mxfp4",
     "dequantize_mxfp8",
     "e8m0_to_fp32",
+    "group_scales_by_division",
+    "group_scales_by_reciprocal",
     "pack_ue8m0",
     "quantize_fp8_blocks",
     "quantize_fp8_groups",
@@ -211,33 +215,99 @@ def _group_view(x: Tensor, group: int) -> Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
 
 
+def group_scales_by_division(amax: Tensor, scale_fmt: ScaleFmt) -> Tensor:
+    """Group scales as vLLM's CUDA `per_token_group_quant_fp8` computes them (§5.4; csrc
+    per_token_group_quant.cu `ComputeGroupScale` and its register and packed variants).
+
+    amax: fp32 [...], each group's max |x| already floored at eps. Returns fp32 [...]:
+        s = amax / 448, a true division;
+        ue8m0 formats: s = ceil_ue8m0(max(s, 1e-10)), the floor on the SCALE (so a zero group
+        gets 2^-33, byte 94), rounded up on the bits (exponent + (mantissa != 0)).
+    """
+    scale = _divide(amax, FP8_MAX)
+    if scale_fmt.is_ue8m0:
+        scale = ceil_ue8m0(scale.clamp(min=SCALE_FLOOR))
+    return scale
+
+
+def ceil_pow2_via_log2(s: Tensor) -> Tensor:
+    """2^ceil(log2(s)) as a Triton kernel evaluates it, `exp2(ceil(log2(s)))` in fp32 arithmetic.
+
+    s: fp32 [...], positive, finite, <= 2^127. Returns fp32 powers of two of the same shape.
+    log2 is rounded to fp32 before the ceiling, so for s a few ulps above a power of two 2^k
+    (|k| >= 2) it rounds down to k exactly and the result is 2^k < s, where `ceil_ue8m0` gives
+    2^(k+1). Everywhere else the two agree. amax * fp32(1/448) never lands in that window when
+    amax is a bf16 or fp16 number (it is a power of two exactly or >= 2^-11 away from one; the
+    tests check every bf16 amax), so on bf16 data this is `ceil_ue8m0` bit for bit.
+    log2 is taken in float64 and rounded once to fp32: that is the correctly rounded fp32 log2
+    wherever the ceiling depends on it (log2(1 + j 2^-23) in float64 is far from the fp32 half-ulp
+    thresholds). A faithful but not correctly rounded log2 (the GPU's lg2.approx) may differ in
+    that window on fp32 data (docs/tolerance.md#quant_input-recipes).
+    """
+    require_tensor("s", s, (torch.float32,), 0)
+    bad = ~torch.isfinite(s) | (s <= 0) | (s > 2.0**127)
+    if bool(bad.any()):
+        at = first_index(bad)
+        raise ValueError(f"s must be positive, finite and <= 2^127, got {s[at].item()} at {at}")
+    exponent = torch.log2(s.double()).float().ceil()
+    return _exp2_int(exponent)
+
+
+def group_scales_by_reciprocal(amax: Tensor, scale_fmt: ScaleFmt) -> Tensor:
+    """Group scales as vLLM's Triton `_per_token_group_quant_fp8` computes them (fp8_utils.py,
+    vLLM 0.32; the fallback for non-contiguous input, and what the CPU interpreter runs).
+
+    amax: fp32 [...], each group's max |x| already floored at eps. Returns fp32 [...]:
+        s = amax * fp32(1/448), a multiply by the rounded reciprocal (one fp32 ulp from the
+        division in many groups);
+        ue8m0 formats: s = ceil_pow2_via_log2(s), with NO floor on the scale (a zero group gets
+        2^ceil(log2(1e-10 * (1/448))) = 2^-42, byte 85).
+    """
+    scale = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
+    if scale_fmt.is_ue8m0:
+        scale = ceil_pow2_via_log2(scale)
+    return scale
+
+
+_GROUP_SCALES = {
+    InputQuantRecipe.CUDA_DIVISION: group_scales_by_division,
+    InputQuantRecipe.TRITON_RECIPROCAL: group_scales_by_reciprocal,
+}
+
+
 def quantize_fp8_groups(
     x: Tensor,
     group: int = 128,
     scale_fmt: ScaleFmt = ScaleFmt.FLOAT32,
     eps: float = 1e-10,
+    recipe: InputQuantRecipe = InputQuantRecipe.CUDA_DIVISION,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token-group FP8 quantization, vLLM's CUDA `per_token_group_quant_fp8` (§5.4).
+    """Per-token-group FP8 quantization, by one of vLLM's two quantizers (§5.4).
 
     x: bf16/fp16/fp32 [..., M, K], K a multiple of `group`, finite.
     Per group of `group` K elements, in fp32:
-        amax = max(eps, max|x|); s = amax / 448 (a true division, as the CUDA kernel);
-        ue8m0 formats: s = ceil_ue8m0(max(s, 1e-10)); q = cast_to_fp8(x / s).
+        amax = max(eps, max|x|); s = the recipe's scale of amax (`group_scales_by_division` for
+        "cuda_division", `group_scales_by_reciprocal` for "triton_reciprocal");
+        q = cast_to_fp8(x / s), a true division in both recipes.
     Returns (q fp8 [..., M, K], s fp32 [..., M, K/group] row-major). UE8M0_PACKED returns the
     same fp32 powers of two as FLOAT32_CEIL_UE8M0: packing is a layout step (`pack_ue8m0`).
+    The recipes differ by one fp32 ulp in many float32 scales (and so by one e4m3 code where
+    x / s is a tie), and on ue8m0 scales only in groups with amax <= 448 * 2^-34 (about 2.6e-8:
+    the floor sits on the scale in one, on amax in the other); docs/tolerance.md has the details
+    (#quant_input-recipes).
     """
     require_tensor("x", x, _FLOATS, 1)
     group = require_positive_int("group", group)
     scale_fmt = require_scale_fmt(scale_fmt)
     if not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
         raise ValueError(f"eps must be a positive finite float, got {eps!r}")
+    if recipe not in _GROUP_SCALES:
+        raise ValueError(f"recipe must be one of {[str(r) for r in _GROUP_SCALES]}, got {recipe!r}")
     require_multiple("x", x, group)
     require_finite("x", x)
     xg = _group_view(x.float(), group)
     amax = xg.abs().amax(dim=-1).clamp(min=eps)
-    scale = _divide(amax, FP8_MAX)
-    if scale_fmt.is_ue8m0:
-        scale = ceil_ue8m0(scale.clamp(min=SCALE_FLOOR))
+    scale = _GROUP_SCALES[InputQuantRecipe(recipe)](amax, scale_fmt)
     q = cast_to_fp8(xg / scale.unsqueeze(-1))
     return q.reshape(x.shape), scale
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_verify.spec import MSumRecipe
 from reference.validate import require
 
 
@@ -74,7 +75,8 @@ def aligned_m_sum_exact(counts: torch.Tensor, alignment: int) -> int:
 def aligned_m_sum_upper_bound(
     num_tokens: int, topk: int, num_local_experts: int, alignment: int
 ) -> int:
-    """round_up(M·k + min(M·k, E_l)·(A-1), A): the bound used when counts are not on the host.
+    """round_up(M·k + min(M·k, E_l)·(A-1), A): the bound used when counts are not on the host
+    (vLLM >= 0.30).
 
     Safe because Σ round_up(n_e, A) <= Σ n_e + #active·(A-1) and #active <= min(M·k, E_l).
     """
@@ -82,11 +84,39 @@ def aligned_m_sum_upper_bound(
     return round_up(slots + min(slots, num_local_experts) * (alignment - 1), alignment)
 
 
+def aligned_m_sum_all_experts_bound(
+    num_tokens: int, topk: int, num_local_experts: int, alignment: int
+) -> int:
+    """round_up(M·k + E_l·(A-1), A): older vLLM's bound, every local expert charged A-1 rows.
+
+    Never below `aligned_m_sum_upper_bound` (equal once M·k >= E_l): as safe, looser at decode.
+    """
+    return round_up(num_tokens * topk + num_local_experts * (alignment - 1), alignment)
+
+
+def aligned_m_sum_recipes(
+    num_tokens: int, topk: int, counts: torch.Tensor, alignment: int
+) -> dict[MSumRecipe, int]:
+    """Every legitimate M_sum of one rank: both upper bounds and the exact sum (E_l local
+    experts, one count each)."""
+    e_l = counts.numel()
+    return {
+        MSumRecipe.MIN_ACTIVE_BOUND: aligned_m_sum_upper_bound(num_tokens, topk, e_l, alignment),
+        MSumRecipe.ALL_EXPERTS_BOUND: aligned_m_sum_all_experts_bound(
+            num_tokens, topk, e_l, alignment
+        ),
+        MSumRecipe.EXACT_COUNTS: aligned_m_sum_exact(counts, alignment),
+    }
+
+
 @dataclass(frozen=True)
 class PermutePlan:
-    """Where each (token, k) slot lives in the expert-contiguous buffer.
+    """Where each (token, k) slot lives in the expert-contiguous buffer, and both grouped layouts
+    DeepGEMM reads it through.
 
-    m_indices     int32 [m_sum]  local expert of each row, -1 on padding
+    m_indices     int32 [m_sum]  local expert of each row, -1 on padding (the per-row layout)
+    expert_ends   int32 [E_l]    start_e + count_e, the end of each expert's live rows (the psum
+                                 layout: expert e's rows are [round_up(end_{e-1}, A), end_e))
     inv_perm      int32 [M, k]   row of each live slot, -1 for skipped slots
     expert_start  int32 [E_l]    first row of each expert's segment (multiple of alignment)
     counts        int32 [E_l]    live slots per expert
@@ -100,6 +130,7 @@ class PermutePlan:
     counts: torch.Tensor
     m_sum: int
     alignment: int
+    expert_ends: torch.Tensor
 
 
 def permute_plan(
@@ -151,7 +182,24 @@ def permute_plan(
         counts=counts.to(device),
         m_sum=m_sum,
         alignment=alignment,
+        expert_ends=(start + counts.long()).to(torch.int32).to(device),
     )
+
+
+def m_indices_from_expert_ends(
+    expert_ends: torch.Tensor, m_sum: int, alignment: int
+) -> torch.Tensor:
+    """The psum layout read back per row: int32 [m_sum], e on [round_up(end_{e-1}, A), end_e)
+    (end_{-1} = 0), -1 on every other row (each segment's gap rows and the tail).
+
+    This is how DeepGEMM's scheduler walks `use_psum_layout=True` (ref/deepgemm-api.md §1.5).
+    """
+    m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=expert_ends.device)
+    start = 0
+    for e, end in enumerate(expert_ends.tolist()):
+        m_indices[start:end] = e
+        start = round_up(end, alignment)
+    return m_indices
 
 
 def _run_start(sorted_experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

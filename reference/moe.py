@@ -14,8 +14,10 @@ from collections.abc import Callable
 import torch
 
 from moe_verify.spec import (
+    GroupedLayout,
     MoEInputs,
     MoEProblem,
+    MSumRecipe,
     Recipe,
     Routing,
     Stage,
@@ -30,14 +32,15 @@ from reference.gemm import grouped_gemm
 from reference.layout import (
     BatchedPlan,
     PermutePlan,
-    aligned_m_sum_exact,
-    aligned_m_sum_upper_bound,
+    aligned_m_sum_recipes,
     batched_plan,
     expert_counts,
     local_expert_ids,
+    m_indices_from_expert_ends,
     permute_plan,
     permute_rows,
 )
+from reference.recipes import act_quant_recipes, input_quant_recipes, recipe_outputs
 from reference.topology import (
     Shard,
     dispatched_tokens,
@@ -122,21 +125,32 @@ class ReferenceBackend:
             hidden = hidden[up["route"]["token_index"]]
         if p.recipe is Recipe.MXFP8:
             q, s = formats.quantize_mxfp8(hidden, 32)
-        else:
-            q, s = formats.quantize_fp8_groups(hidden, 128, p.scale_fmt)
-        return {"a1q": q, "a1q_scale": s}
+            return {"a1q": q, "a1q_scale": s}
+        by_recipe = {
+            r: formats.quantize_fp8_groups(hidden, 128, p.scale_fmt, recipe=r)
+            for r in input_quant_recipes(p)
+        }
+        return recipe_outputs(by_recipe, ("a1q", "a1q_scale"))
 
     def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        """M_sum by vLLM's current formula: the exact sum where DeepEP HT puts the counts on the
+        host, else the min-active bound. "M_sum_recipes" holds every legitimate M_sum (both
+        upper bounds and the exact sum), which a tested align may equal instead."""
         local = self.shard(p, x, rank)
         ids = up["route"]["topk_ids"]
         counts = expert_counts(local_expert_ids(ids, local.expert_map), local.num_local_experts)
-        if p.topology.kind is TopologyKind.EP_HT:
-            m_sum = aligned_m_sum_exact(counts, p.alignment)  # counts are known on the host
-        else:
-            m_sum = aligned_m_sum_upper_bound(
-                ids.shape[0], ids.shape[1], local.num_local_experts, p.alignment
-            )
-        return {"M_sum": m_sum, "alignment": p.alignment, "counts": counts}
+        recipes = aligned_m_sum_recipes(ids.shape[0], ids.shape[1], counts, p.alignment)
+        recipe = (
+            MSumRecipe.EXACT_COUNTS
+            if p.topology.kind is TopologyKind.EP_HT
+            else MSumRecipe.MIN_ACTIVE_BOUND
+        )
+        return {
+            "M_sum": recipes[recipe],
+            "alignment": p.alignment,
+            "counts": counts,
+            "M_sum_recipes": {r.value: m for r, m in recipes.items()},
+        }
 
     def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         local = self.shard(p, x, rank)
@@ -155,55 +169,72 @@ class ReferenceBackend:
             "a_perm": permute_rows(a1q, plan),
             "a_scale_perm": scale_perm,
             "m_indices": plan.m_indices,
+            "expert_ends": plan.expert_ends,
             "inv_perm": plan.inv_perm,
             "expert_start": plan.expert_start,
         }
+
+    def _row_experts(self, p: MoEProblem, up: Trace) -> tuple[torch.Tensor, GroupedLayout]:
+        """Each permuted row's local expert as the GEMMs read it, and the layout read: psum when
+        the problem forces it (decoded from expert_ends), else m_indices. The golden has no GPU
+        arch to choose by, and both layouts of one plan name the same expert on every live row.
+        """
+        perm = up["permute"]
+        if p.grouped_layout is not GroupedLayout.PSUM:
+            return perm["m_indices"], GroupedLayout.M_INDICES
+        rows = m_indices_from_expert_ends(
+            perm["expert_ends"], perm["m_indices"].numel(), up["align"]["alignment"]
+        )
+        return rows, GroupedLayout.PSUM
 
     def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         local = self.shard(p, x, rank)
         if "dispatch" in up:
             return self._gemm1_batched(p, up, local)
         perm = up["permute"]
+        rows, layout = self._row_experts(p, up)
         mm1 = grouped_gemm(
             perm["a_perm"],
             perm["a_scale_perm"],
             p.recipe.act_group,
             local.w13,
-            perm["m_indices"],
+            rows,
             precision=self.precision,
         )
-        return {"mm1": mm1, "engine": "torch"}
+        return {"mm1": mm1, "engine": "torch", "layout": layout.value}
 
     def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         activation = p.activation
         if p.recipe is Recipe.MXFP4_W4A8 and activation.kind != "silu":
             raise ValueError("mxfp4_w4a8: the FP4 experts support silu (with optional clamp) only")
         mm1 = up["gemm1"]["mm1"]
-        if mm1.dim() == 3:  # batched layout: quantize the flattened rows, keep the batch shape
+        by_recipe = {}
+        for r in act_quant_recipes(p):
+            # the batched layout: quantize the flattened rows, keep the batch shape
             q, s = act_quant(
-                mm1.reshape(-1, mm1.shape[-1]), activation, p.recipe.act_group, p.scale_fmt
+                mm1.reshape(-1, mm1.shape[-1]), activation, p.recipe.act_group, p.scale_fmt, r
             )
-            return {
-                "a2q": q.view(*mm1.shape[:2], q.shape[-1]),
-                "a2q_scale": s.reshape(*mm1.shape[:2], s.shape[-1]),
-            }
-        q, s = act_quant(mm1, activation, p.recipe.act_group, p.scale_fmt)
-        return {"a2q": q, "a2q_scale": s}
+            by_recipe[r] = (
+                q.view(*mm1.shape[:-1], q.shape[-1]),
+                s.reshape(*mm1.shape[:-1], s.shape[-1]),
+            )
+        return recipe_outputs(by_recipe, ("a2q", "a2q_scale"))
 
     def gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         local = self.shard(p, x, rank)
         if "dispatch" in up:
             return self._gemm2_batched(p, up, local)
         act = up["act_quant"]
+        rows, layout = self._row_experts(p, up)
         mm2 = grouped_gemm(
             act["a2q"],
             act["a2q_scale"],
             p.recipe.act_group,
             local.w2,
-            up["permute"]["m_indices"],
+            rows,
             precision=self.precision,
         )
-        return {"mm2": mm2, "engine": "torch"}
+        return {"mm2": mm2, "engine": "torch", "layout": layout.value}
 
     def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         local = self.shard(p, x, rank)
@@ -257,7 +288,15 @@ class ReferenceBackend:
         m_indices = batched_m_indices(plan.masked_m, max_tokens)
         # The batches as one contiguous buffer: expert e's batch starts at row e * max_tokens.
         starts = torch.arange(e_l, device=ids.device, dtype=torch.int32) * max_tokens
-        flat = PermutePlan(m_indices, rows, starts, plan.masked_m, e_l * max_tokens, max_tokens)
+        flat = PermutePlan(
+            m_indices,
+            rows,
+            starts,
+            plan.masked_m,
+            e_l * max_tokens,
+            max_tokens,
+            starts + plan.masked_m,
+        )
         a_b = permute_rows(a1q, flat).view(e_l, max_tokens, a1q.shape[1])
         s_b = permute_rows(a1q_scale, flat).view(e_l, max_tokens, a1q_scale.shape[1])
         return {

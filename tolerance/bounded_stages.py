@@ -25,8 +25,16 @@ from tolerance.checks import (
     shape_fail,
     ulp_checks,
 )
-from tolerance.context import Ctx, downstream_slots, rows_in_range, slot_worst
-from tolerance.layouts import scale_values
+from tolerance.context import (
+    Ctx,
+    Slots,
+    downstream_slots,
+    rows_in_range,
+    slot_name,
+    slot_worst,
+    tensor_of,
+)
+from tolerance.layouts import layout_check, row_experts, scale_values, tested_layout
 from tolerance.metrics import (
     argmax_coords,
     first_true,
@@ -34,6 +42,8 @@ from tolerance.metrics import (
     fp8_codes,
     fp8_value_distance,
 )
+from tolerance.policy import LAYOUT_REASON
+from tolerance.recipes import match_recipe
 from tolerance.results import CheckResult, ContractError, Worst
 
 _LIVE_ROWS = "live (token, k) rows"
@@ -51,7 +61,8 @@ class Keyed:
     device) is the same live (token, k) slot, or the same token for per-token outputs.
 
     locate maps row i to its coordinates; rows names a row in messages; row_map is the failed
-    check for live slots whose row lies outside the tested tensor (those slots are dropped).
+    check for live slots whose row lies outside the tested tensor, layout_map the one for live
+    slots on rows the grouped layout the stage read gives no output to (both kinds dropped).
     """
 
     other: torch.Tensor
@@ -59,19 +70,59 @@ class Keyed:
     locate: Callable[[int], Worst]
     rows: str
     row_map: CheckResult | None = None
+    layout_map: CheckResult | None = None
 
     def with_row_map(self, checks: list[CheckResult]) -> list[CheckResult]:
-        return [self.row_map, *checks] if self.row_map else checks
+        return [c for c in (self.row_map, self.layout_map) if c is not None] + checks
+
+
+def rows_in_layout(ctx: Ctx, stage: str, s: Slots, n_rows: int) -> tuple[Slots, CheckResult | None]:
+    """Keep the slots whose row the grouped layout `stage` read gives their own expert (the
+    golden's local expert of the slot); a failed check for the others. A psum GEMM leaves gap
+    rows unspecified and an m_indices GEMM computes a -1 row with no expert, so a slot sitting
+    there (a permute that misplaced it, chained) has no output to compare."""
+    experts = row_experts(ctx, tested_layout(ctx, stage), n_rows)
+    if experts is None or len(s) == 0:
+        return s, None
+    g_m = tensor_of(ctx.golden, Stage.PERMUTE, "m_indices", ctx.device).to(torch.int64)
+    want, got = g_m[s.gold_rows], experts[s.other_rows]
+    bad = got != want
+    if not bool(bad.any()):
+        return s, None
+    i = int(torch.nonzero(bad)[0, 0])
+    count, layout = int(bad.sum()), tested_layout(ctx, stage)
+    result = CheckResult(
+        "layout rows",
+        False,
+        count,
+        0,
+        LAYOUT_REASON,
+        slot_worst(ctx, s, i, golden=int(want[i]), other=int(got[i])),
+        f"{count} of {len(s)} live slots sit on rows the {layout} layout {stage} read gives "
+        f"no output of theirs; first: {slot_name(ctx, s, i)} -> row {int(s.other_rows[i])}, "
+        f"local expert {int(got[i])} there (-1: none), golden local expert {int(want[i])}",
+    )
+    return s.select(~bad), result
 
 
 def gemm_rows(ctx: Ctx, stage: str, name: str) -> Keyed | CheckResult:
-    """gemm1 / gemm2: the `name` rows of every live slot, or the failed shape check."""
+    """gemm1 / gemm2: the `name` rows of every live slot, or the failed shape check. Rows are
+    keyed through the permute the stage read, and must be rows its grouped layout computes for
+    the slot's expert (`rows_in_layout`)."""
     s = downstream_slots(ctx)
     g, o = ctx.pair(stage, name)
     if o.dim() != 2 or o.shape[1] != g.shape[1]:
         return shape_fail(ctx, name, o, g)
     s, row_map = rows_in_range(ctx, s, o.shape[0], name)
-    return Keyed(o[s.other_rows], g[s.gold_rows], partial(slot_worst, ctx, s), _LIVE_ROWS, row_map)
+    s, layout_map = rows_in_layout(ctx, stage, s, o.shape[0])
+    return Keyed(
+        o[s.other_rows],
+        g[s.gold_rows],
+        partial(slot_worst, ctx, s),
+        _LIVE_ROWS,
+        row_map,
+        layout_map,
+    )
 
 
 @dataclass(frozen=True)
@@ -167,7 +218,7 @@ def bounded_values(ctx: Ctx, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
         keyed = token_rows(ctx, stage)
     else:
         raise ValueError(f"{stage} is not a bounded stage; keyed values exist for {_BOUNDED}")
-    failed = keyed if isinstance(keyed, CheckResult) else keyed.row_map
+    failed = keyed if isinstance(keyed, CheckResult) else (keyed.row_map or keyed.layout_map)
     if failed is not None:
         raise ContractError(f"{stage} rows cannot be keyed by (token, k): {failed.detail}")
     assert isinstance(keyed, Keyed)
@@ -186,12 +237,15 @@ def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group: int) -> 
 
 
 def gemm_checks(ctx: Ctx, stage: str, name: str) -> list[CheckResult]:
+    """The layout the problem forces (if it forces one), then the live rows bounded."""
+    forced = layout_check(ctx, stage)
     keyed = gemm_rows(ctx, stage, name)
     if isinstance(keyed, CheckResult):
         return [keyed]
-    return keyed.with_row_map(
+    checks = keyed.with_row_map(
         bounded_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)
     )
+    return checks if forced is None else [forced, *checks]
 
 
 # act_quant ---------------------------------------------------------------------------------------
@@ -322,16 +376,26 @@ _ACT_QUANT_RULERS: dict[str, Callable[[Ctx, QuantRows], list[CheckResult]]] = {
 
 
 def act_quant_checks(ctx: Ctx) -> list[CheckResult]:
+    """act_quant against the legitimate kernel recipe the tested side matches (or declares):
+    packed, colmajor or bf16_steps, whichever apply to the problem."""
+    return match_recipe(ctx, Stage.ACT_QUANT, act_quant_against)
+
+
+def act_quant_against(ctx: Ctx) -> tuple[list[CheckResult], float]:
+    """act_quant's checks against the golden of `ctx` (one recipe's outputs), and how many live
+    codes and scale groups differ from it bit for bit."""
     rows = act_quant_rows(ctx)
     if isinstance(rows, CheckResult):
-        return [rows]
+        return [rows], float("inf")
     ruler = _ACT_QUANT_RULERS.get(ctx.check.kind)
     if ruler is None:
         raise ValueError(
             f"policy gives act_quant a {ctx.check.kind!r} check; it takes {list(_ACT_QUANT_RULERS)}"
         )
     checks = [act_quant_finite(ctx, rows), *ruler(ctx, rows)]
-    return [rows.row_map, *checks] if rows.row_map else checks
+    (qa, qb) = rows.codes
+    differing = int((qa != qb).sum()) + int(rows.scale_differs.sum())
+    return ([rows.row_map, *checks] if rows.row_map else checks), float(differing)
 
 
 # Per-token outputs -------------------------------------------------------------------------------

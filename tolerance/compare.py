@@ -32,6 +32,7 @@ from tolerance.context import Ctx, comparison_device
 from tolerance.exact_stages import align_checks, permute_checks, quant_input_checks, route_checks
 from tolerance.layouts import flatten_batched
 from tolerance.policy import CONTRACT_REASON, policy_for
+from tolerance.recipes import chained_copy_golden
 from tolerance.results import CheckResult, ContractError, StageResult, Worst
 
 __all__ = [  # the entry points, and the result types callers read with them
@@ -115,14 +116,16 @@ def compare_stage(
     where = torch.device(device) if device is not None else comparison_device(golden, stage)
     try:
         check = policy_for(stage, problem, mode)
-        checks = comparer(Ctx(golden, other, problem, check, Mode(mode), where))
+        ctx = Ctx(golden, other, problem, check, Mode(mode), where)
+        checks = comparer(chained_copy_golden(ctx, stage))
     except ContractError as exc:
         contract = CheckResult("contract", False, 1, 0, CONTRACT_REASON, None, str(exc))
         return StageResult(stage, Status.FAIL, [contract])
     except Exception as exc:  # a comparison bug must not take the whole report down
         return StageResult(stage, Status.ERROR, [], f"{type(exc).__name__}: {exc}")
     status = Status.PASS if all(c.passed for c in checks) else Status.FAIL
-    return StageResult(stage, status, checks)
+    recipe = next((c.recipe for c in checks if c.recipe is not None), None)
+    return StageResult(stage, status, checks, recipe=recipe)
 
 
 def keyed_values(

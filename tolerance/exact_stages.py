@@ -10,7 +10,7 @@ from functools import cached_property, partial
 
 import torch
 
-from moe_verify.spec import Stage
+from moe_verify.spec import GroupedLayout, Stage
 from tolerance.checks import (
     bound_check,
     decode_scale,
@@ -29,7 +29,15 @@ from tolerance.context import (
     slot_worst,
     tensor_of,
 )
-from tolerance.layouts import _E8M0_NAN, comparable_scale_codes, unpack_ue8m0
+from tolerance.layouts import (
+    _E8M0_NAN,
+    comparable_scale_codes,
+    consumed,
+    layout_check,
+    psum_row_experts,
+    tested_layout,
+    unpack_ue8m0,
+)
 from tolerance.metrics import (
     Mismatch,
     argmax_coords,
@@ -40,7 +48,8 @@ from tolerance.metrics import (
     mismatch_of,
     nan_inf_counts,
 )
-from tolerance.results import CheckResult, ContractError, Worst
+from tolerance.recipes import match_recipe
+from tolerance.results import CheckResult, ContractError, Worst, entry
 
 
 def _canonical_route(
@@ -132,6 +141,19 @@ def route_checks(ctx: Ctx) -> list[CheckResult]:
 
 
 def quant_input_checks(ctx: Ctx) -> list[CheckResult]:
+    """fp8 codes and scale bits, exactly, against the legitimate input quantizer the tested side
+    matches (or declares): vLLM's CUDA division or Triton reciprocal recipe."""
+    return match_recipe(ctx, Stage.QUANT_INPUT, quant_input_against)
+
+
+def quant_input_against(ctx: Ctx) -> tuple[list[CheckResult], float]:
+    """quant_input's checks against the golden of `ctx` (one recipe's outputs), and how many
+    codes and scale groups differ."""
+    checks = _quant_input_bits(ctx)
+    return checks, sum(float(c.value) for c in checks if not c.passed)
+
+
+def _quant_input_bits(ctx: Ctx) -> list[CheckResult]:
     reason = ctx.check.reason
     out = []
     g_q, o_q = ctx.pair(Stage.QUANT_INPUT, "a1q")
@@ -163,30 +185,34 @@ def quant_input_checks(ctx: Ctx) -> list[CheckResult]:
         return out
     co, cg, kind = comparable_scale_codes(o_s, g_s, hidden // group)
     mm = mismatch_of(co != cg)
-    worst = None
+    worst, note = None, ""
     if mm.first is not None:
         t, gi = mm.first
+        golden, other = decode_scale(int(cg[t, gi]), kind), decode_scale(int(co[t, gi]), kind)
         worst = Worst(
-            token=ctx.token(t),
-            rank=ctx.rank,
-            column=gi * group,
-            golden=decode_scale(int(cg[t, gi]), kind),
-            other=decode_scale(int(co[t, gi]), kind),
+            token=ctx.token(t), rank=ctx.rank, column=gi * group, golden=golden, other=other
         )
+        # fp32 scales one ulp apart print alike at 4 digits: give the bits and their distance
+        apart = f", {abs(int(co[t, gi]) - int(cg[t, gi]))} fp32 ulp apart" if kind == "fp32" else ""
+        note = f"; first: {other!r} vs golden {golden!r}{apart}"
     what = f"scale groups differ ({group} columns each; compared as {kind} bits)"
-    out.append(exact_check("a1q_scale", mm, what, reason, worst))
+    out.append(exact_check("a1q_scale", mm, what, reason, worst, note))
     return out
 
 
 def align_checks(ctx: Ctx) -> list[CheckResult]:
+    """alignment and counts exactly; M_sum need not be the golden's: any multiple of the
+    alignment that fits every segment is valid, and `m_sum_recipe_check` names the legitimate
+    formula it equals (DESIGN.md "Legitimate recipes")."""
     reason = ctx.check.reason
     out = []
-    for name in ("M_sum", "alignment"):
-        o, g = int_of(ctx.other, Stage.ALIGN, name), int_of(ctx.golden, Stage.ALIGN, name)
-        worst = None if o == g else Worst(rank=ctx.rank, golden=g, other=o)
-        out.append(
-            CheckResult(name, o == g, abs(o - g), 0, reason, worst, f"{ctx.name} {o}, golden {g}")
+    o, g = int_of(ctx.other, Stage.ALIGN, "alignment"), int_of(ctx.golden, Stage.ALIGN, "alignment")
+    worst = None if o == g else Worst(rank=ctx.rank, golden=g, other=o)
+    out.append(
+        CheckResult(
+            "alignment", o == g, abs(o - g), 0, reason, worst, f"{ctx.name} {o}, golden {g}"
         )
+    )
 
     out.append(
         exact_int_vector(
@@ -224,7 +250,50 @@ def align_checks(ctx: Ctx) -> list[CheckResult]:
             "golden counts",
         )
     )
+    out.append(m_sum_recipe_check(ctx, m_sum, valid=remainder == 0 and m_sum >= need))
     return out
+
+
+def m_sum_recipe_check(ctx: Ctx, m_sum: int, valid: bool) -> CheckResult:
+    """Which legitimate formula the tested M_sum equals (the golden's "M_sum_recipes"), named as
+    the stage's recipe. A backend that declares one (its align "recipe" entry) must equal it;
+    otherwise any valid M_sum passes here, named "another valid M_sum" when no formula gives it.
+    """
+    recipes = entry(ctx.golden, Stage.ALIGN, "M_sum_recipes")
+    if not isinstance(recipes, dict) or not recipes:
+        raise ContractError(f"golden align.M_sum_recipes must be a dict name -> M_sum: {recipes!r}")
+    own = int_of(ctx.golden, Stage.ALIGN, "M_sum")
+    names = sorted(recipes, key=lambda r: int(recipes[r]) != own)  # the golden's formula first
+    matched = [r for r in names if int(recipes[r]) == m_sum]
+    known = ", ".join(f"{r} {int(recipes[r])}" for r in names)
+    declared = ctx.other[Stage.ALIGN].get("recipe")
+    if declared is not None:
+        ok = declared in recipes and int(recipes[declared]) == m_sum
+        want = int(recipes[declared]) if declared in recipes else None
+        worst = None if ok else Worst(rank=ctx.rank, golden=want, other=m_sum)
+        what = f"= {want}" if want is not None else "is not a legitimate M_sum formula"
+        return CheckResult(
+            "M_sum recipe",
+            ok,
+            0 if ok else 1,
+            0,
+            ctx.check.reason,
+            worst,
+            f"{ctx.name} declares {declared!r} ({what}) and returns M_sum {m_sum} "
+            f"(legitimate: {known})",
+            recipe=str(declared) if ok else None,
+        )
+    name = " = ".join(matched) if matched else ("another valid M_sum" if valid else None)
+    return CheckResult(
+        "M_sum recipe",
+        True,
+        0,
+        0,
+        ctx.check.reason,
+        None,
+        f"{ctx.name} M_sum {m_sum}: {name or 'not valid (see above)'} (legitimate: {known})",
+        recipe=name,
+    )
 
 
 # permute -----------------------------------------------------------------------------------------
@@ -301,11 +370,84 @@ def permuted_scales(ctx: Ctx, layout: PermuteRows) -> PermutedScales | CheckResu
     return PermutedScales(o_s, (o_codes, g_codes), kind, groups, group)
 
 
+def _segment_ends(ctx: Ctx) -> torch.Tensor | None:
+    """int64 [E_l]: where each golden expert segment ends (start_e + round_up(count_e, A)); None
+    for a layout without segments (the batched one, seen as contiguous)."""
+    if Stage.ALIGN not in ctx.golden or "expert_start" not in ctx.golden[Stage.PERMUTE]:
+        return None
+    starts = tensor_of(ctx.golden, Stage.PERMUTE, "expert_start", ctx.device).to(torch.int64)
+    counts = tensor_of(ctx.golden, Stage.ALIGN, "counts", ctx.device).to(torch.int64)
+    align = int_of(ctx.golden, Stage.ALIGN, "alignment")
+    return starts + (counts + align - 1) // align * align
+
+
 def m_indices_check(ctx: Ctx) -> CheckResult:
-    """Each row's local expert (-1 on padding) equals the golden's, row for row."""
+    """Per expert segment: its live rows hold the expert and its padding -1, and every row past
+    the last segment holds -1. Segments sit where the counts and A put them, so a tested M_sum
+    longer or shorter than the golden's compares only the rows it has beyond the segments."""
+    g_m, o_m = (m.to(torch.int64) for m in ctx.pair(Stage.PERMUTE, "m_indices"))
+    rows = max(g_m.numel(), o_m.numel())
+    g_full = torch.nn.functional.pad(g_m, (0, rows - g_m.numel()), value=-1)
+    o_full = torch.nn.functional.pad(o_m, (0, rows - o_m.numel()), value=-1)
+    bad = g_full != o_full
+    sizes = f"{ctx.name} M_sum {o_m.numel()}, golden {g_m.numel()}"
+    ends = _segment_ends(ctx)
+    if ends is None:
+        mm = mismatch_of(bad)
+        worst, note = None, ""
+        if mm.first is not None:
+            (r,) = mm.first
+            worst = Worst(rank=ctx.rank, golden=int(g_full[r]), other=int(o_full[r]), row=r)
+            note = f"; first: row {r}: golden {int(g_full[r])}, {ctx.name} {int(o_full[r])}"
+        return exact_check(
+            "m_indices", mm, f"rows' local experts differ ({sizes})", ctx.check.reason, worst, note
+        )
+    # Segment of each row: expert e for rows [end_{e-1}, end_e) (empty ones hold no row), E_l
+    # for the tail past the last segment.
+    segment = torch.bucketize(torch.arange(rows, device=ctx.device), ends, right=True)
+    bad_segments = torch.unique(segment[bad])
+    worst, note = None, ""
+    if bad_segments.numel():
+        r = int(torch.nonzero(bad)[0, 0])
+        e = int(segment[r])
+        where = f"local expert {e}'s segment" if e < ends.numel() else "the tail past the segments"
+        worst = Worst(rank=ctx.rank, golden=int(g_full[r]), other=int(o_full[r]), row=r)
+        note = (
+            f"; first: {where}, {int((segment[bad] == e).sum())} rows differ, row {r}: golden "
+            f"{int(g_full[r])}, {ctx.name} {int(o_full[r])}"
+        )
+    mm = Mismatch(bad_segments.numel(), ends.numel() + 1, None)
+    what = f"expert segments (and the tail) hold other experts or padding ({sizes})"
+    return exact_check("m_indices", mm, what, ctx.check.reason, worst, note)
+
+
+def expert_ends_check(ctx: Ctx) -> CheckResult:
+    """The psum layout: each local expert's live rows end where the golden's do."""
     return exact_int_vector(
-        ctx, Stage.PERMUTE, "m_indices", "rows' local experts differ", ctx.check.reason
+        ctx,
+        Stage.PERMUTE,
+        "expert_ends",
+        "psum ends differ (start_e + count_e)",
+        ctx.check.reason,
+        "local expert",
     )
+
+
+def layouts_agree_check(ctx: Ctx) -> CheckResult:
+    """The tested side's two grouped layouts are one plan: the rows its expert_ends give each
+    expert (DeepGEMM's psum reading) are exactly the rows its m_indices name."""
+    o_m = tensor_of(ctx.other, Stage.PERMUTE, "m_indices", ctx.device).to(torch.int64)
+    ends = tensor_of(ctx.other, Stage.PERMUTE, "expert_ends", ctx.device)
+    align = int_of(consumed(ctx), Stage.ALIGN, "alignment")
+    from_ends = psum_row_experts(ends, o_m.numel(), align)
+    mm = mismatch_of(from_ends != o_m)
+    worst, note = None, ""
+    if mm.first is not None:
+        (r,) = mm.first
+        worst = Worst(rank=ctx.rank, golden=int(from_ends[r]), other=int(o_m[r]), row=r)
+        note = f"; first: row {r}: m_indices {int(o_m[r])}, expert_ends give {int(from_ends[r])}"
+    what = f"rows where {ctx.name}'s m_indices and expert_ends disagree"
+    return exact_check("layouts agree", mm, what, ctx.check.reason, worst, note)
 
 
 def expert_start_check(ctx: Ctx) -> CheckResult:
@@ -424,23 +566,31 @@ def padding_scales_check(ctx: Ctx, layout: PermuteRows, scales: PermutedScales) 
 
 
 def permute_checks(ctx: Ctx) -> list[CheckResult]:
-    """permute (and dispatch, seen as a contiguous layout): m_indices and segment starts exactly,
-    each live slot's row, bytes, scales and segment, and the padding contract."""
+    """permute (and dispatch, seen as a contiguous layout): m_indices per segment, segment
+    starts and psum ends exactly, both layouts one plan, each live slot's row, bytes, scales and
+    segment, and the padding contract of the layout the backend's GEMMs read: with m_indices
+    every padding scale is checked (DeepGEMM's SM100 packer reads every row); with psum the gap
+    and tail rows are skipped by every consumer, so their scales are unspecified."""
     out = [m_indices_check(ctx)]
     if "expert_start" in ctx.golden[Stage.PERMUTE]:
         out.append(expert_start_check(ctx))
+    if "expert_ends" in ctx.golden[Stage.PERMUTE]:
+        out += [expert_ends_check(ctx), layouts_agree_check(ctx)]
+    forced = layout_check(ctx, Stage.PERMUTE)
+    out += [] if forced is None else [forced]
     layout = permute_rows(ctx)
     out += [inv_perm_check(ctx, layout), a_perm_check(ctx, layout)]
     scales = permuted_scales(ctx, layout)  # or the failed shape check, reported in its place
     if isinstance(scales, CheckResult):
         return [*out, scales, expert_rows_check(ctx, layout), padding_m_indices_check(ctx, layout)]
-    return [
-        *out,
+    out += [
         a_scale_perm_check(ctx, layout, scales),
         expert_rows_check(ctx, layout),
         padding_m_indices_check(ctx, layout),
-        padding_scales_check(ctx, layout, scales),
     ]
+    if tested_layout(ctx, Stage.PERMUTE) is GroupedLayout.PSUM:
+        return out
+    return [*out, padding_scales_check(ctx, layout, scales)]
 
 
 def _slot_rows_check(

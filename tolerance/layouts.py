@@ -1,15 +1,18 @@
-"""Layout decoders for comparison: packed UE8M0 scale bytes, fp32 vs E8M0 scale codes, and the
-batched low-latency layout seen as a contiguous one. Written here, not imported from `reference`,
-so the comparison stays independent of the golden it judges.
+"""Layout decoders for comparison: packed UE8M0 scale bytes, fp32 vs E8M0 scale codes, the psum
+grouped layout read per row, and the batched low-latency layout seen as a contiguous one.
+Written here, not imported from `reference`, so the comparison stays independent of the golden
+it judges.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_verify.spec import Stage, Trace
+from moe_verify.spec import GroupedLayout, Mode, Stage, Trace
+from tolerance.context import Ctx, int_of
 from tolerance.metrics import bits
-from tolerance.results import ContractError, entry
+from tolerance.policy import CONTRACT_REASON
+from tolerance.results import CheckResult, ContractError, entry
 
 _E8M0_NAN = 0xFF
 
@@ -85,6 +88,90 @@ def scale_values(x: torch.Tensor, groups: int) -> torch.Tensor:
     """float64 [R, groups] dequantization scales from fp32, uint8 E8M0 or int32 packed storage."""
     codes, kind = scale_codes(x, groups)
     return x.to(torch.float64) if kind == "fp32" else e8m0_to_float(codes)
+
+
+def psum_row_experts(expert_ends: torch.Tensor, rows: int, alignment: int) -> torch.Tensor:
+    """The psum grouped layout read per row: int64 [rows], expert e on
+    [round_up(end_{e-1}, A), end_e) (end_{-1} = 0), -1 on the gap and tail rows, which belong to
+    no expert (DeepGEMM's scheduler, ref/deepgemm-api.md §1.5). An end below its start or past
+    `rows` simply owns fewer rows."""
+    ends = expert_ends.to(torch.int64)
+    out = torch.full((rows,), -1, dtype=torch.int64, device=ends.device)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        out[max(start, 0) : max(min(end, rows), 0)] = e
+        start = -(-end // alignment) * alignment
+    return out
+
+
+def consumed(ctx: Ctx) -> Trace:
+    """The trace whose upstream stages the tested stage read: its own when chained, the
+    golden's in isolated mode."""
+    return ctx.other if ctx.mode == Mode.CHAINED else ctx.golden
+
+
+def reported_layout(ctx: Ctx, stage: str) -> GroupedLayout | None:
+    """The grouped layout the tested side says `stage` read (its "layout" entry), if it says."""
+    value = ctx.other[stage].get("layout")
+    if value is None:
+        return None
+    try:
+        return GroupedLayout(value)
+    except ValueError:
+        raise ContractError(
+            f"{ctx.name} {stage}.layout is {value!r}; expected one of "
+            f"{[v.value for v in GroupedLayout if v is not GroupedLayout.AUTO]}"
+        ) from None
+
+
+def tested_layout(ctx: Ctx, stage: str) -> GroupedLayout:
+    """The layout to hold `stage` to: the one the tested side reports, else the one the problem
+    forces, else m_indices (whose promises are the stricter: every padding row)."""
+    layout = reported_layout(ctx, stage)
+    if layout is None or layout is GroupedLayout.AUTO:
+        forced = ctx.problem.grouped_layout
+        layout = forced if forced is not GroupedLayout.AUTO else GroupedLayout.M_INDICES
+    return layout
+
+
+def layout_check(ctx: Ctx, stage: str) -> CheckResult | None:
+    """A layout the problem forces is the one the tested stage reports it read; None when the
+    problem leaves the choice to the backend (grouped_layout auto) or the layout is batched."""
+    forced = ctx.problem.grouped_layout
+    if forced is GroupedLayout.AUTO or Stage.DISPATCH in ctx.golden:
+        return None
+    got = reported_layout(ctx, stage)
+    ok = got is forced
+    return CheckResult(
+        "layout",
+        ok,
+        0 if ok else 1,
+        0,
+        CONTRACT_REASON,
+        None,
+        f"the problem forces {forced}; {ctx.name} {stage} reports "
+        f"{got if got is not None else 'no layout entry'}",
+    )
+
+
+def row_experts(ctx: Ctx, layout: GroupedLayout, rows: int) -> torch.Tensor | None:
+    """int64 [rows]: each row's local expert in the grouped layout the tested stage read (from
+    the permute it consumed), -1 where the layout leaves the row to no expert; None where the
+    trace has no contiguous layout (the batched one)."""
+    trace = consumed(ctx)
+    if Stage.ALIGN not in trace or Stage.PERMUTE not in trace:
+        return None
+    perm = trace[Stage.PERMUTE]
+    if layout is GroupedLayout.PSUM:
+        ends = perm.get("expert_ends")
+        if not isinstance(ends, torch.Tensor):
+            raise ContractError(f"{trace.backend} permute has no expert_ends for the psum layout")
+        return psum_row_experts(ends.to(ctx.device), rows, int_of(trace, Stage.ALIGN, "alignment"))
+    m = entry(trace, Stage.PERMUTE, "m_indices")
+    out = torch.full((rows,), -1, dtype=torch.int64, device=ctx.device)
+    n = min(rows, m.numel())
+    out[:n] = m[:n].to(ctx.device, torch.int64)
+    return out
 
 
 def flatten_batched(trace: Trace) -> Trace:

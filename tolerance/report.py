@@ -99,6 +99,15 @@ class Report:
                 return r.engine
         return None
 
+    def recipes(self, mode: str | None = None) -> dict[str, str]:
+        """stage -> the legitimate recipe(s) it matched or declared (DESIGN.md "Legitimate
+        recipes"), ranks folded ("a / b" where ranks differ), for stages that name one."""
+        out: dict[str, list[str]] = {}
+        for r in getattr(self, mode or self.mode) or []:
+            if r.recipe is not None and r.recipe not in out.setdefault(r.stage, []):
+                out[r.stage].append(r.recipe)
+        return {stage: " / ".join(names) for stage, names in out.items() if names}
+
     def counts(self, mode: str | None = None) -> dict[str, int]:
         results = getattr(self, mode or self.mode) or []
         out = {s.value: 0 for s in Status}
@@ -114,7 +123,9 @@ class Report:
         for mode, results in self.modes():
             for r in results:
                 if r.status is Status.ERROR:
-                    lines.append(f"{self.case_id} [{mode}] stage {r.label}: ERROR {r.reason}")
+                    lines.append(
+                        f"{self.case_id} [{mode}] stage {stage_label(r)}: ERROR {r.reason}"
+                    )
                 for c in r.failed_checks:
                     lines.append(failure_message(self.case_id, mode, r, c))
         return lines
@@ -124,11 +135,13 @@ class Report:
         c = self.counts()
         tally = ", ".join(f"{n} {s}" for s, n in c.items() if n)
         head = f"{'PASS' if self.passed else 'FAIL'} {self.case_id} [{self.backend}, {self.mode}]"
+        recipes = self.recipes()
+        named = "; recipes: " + ", ".join(f"{s} {r}" for s, r in recipes.items()) if recipes else ""
         if self.passed:
-            return f"{head} {tally or 'no stages'}"
+            return f"{head} {tally or 'no stages'}{named}"
         result = self.first_failing_result
         assert result is not None
-        stage = result.label
+        stage = stage_label(result)
         first = result.failed_checks[0] if result.failed_checks else None
         what = (
             f"{first.name}: {_fmt(first.value)} > {_fmt(first.limit)}"
@@ -136,7 +149,7 @@ class Report:
             else f"error: {result.reason}"
         )
         where = f" at {first.worst.coords()}" if first and first.worst else ""
-        return f"{head} first failure: {stage} ({what}){where}; {tally}"
+        return f"{head} first failure: {stage} ({what}){where}; {tally}{named}"
 
     # Serialization ---------------------------------------------------------------------------
 
@@ -210,7 +223,7 @@ class Report:
             iso = by_mode.get(Mode.ISOLATED, {}).get(key)
             ch = by_mode.get(Mode.CHAINED, {}).get(key)
             shown = [r for r in (iso, ch) if r is not None]
-            label = next((r.label for r in shown if r.engine), shown[0].label)
+            label = next((stage_label(r) for r in shown if r.engine), stage_label(shown[0]))
             check = _tightest(shown[0])
             rows.append(
                 (
@@ -297,7 +310,7 @@ def failure_message(case_id: str, mode: str, stage: StageResult, check: CheckRes
     """Case, stage, check, value vs limit and its reason, worst coordinates, both values, and the
     stage's NaN/Inf counts."""
     parts = [
-        f"{case_id} [{mode}] stage {stage.label}, check {check.name}: "
+        f"{case_id} [{mode}] stage {stage_label(stage)}, check {check.name}: "
         f"{_fmt(check.value)} > limit {_fmt(check.limit)} ({check.reason})"
     ]
     if check.worst is not None:
@@ -314,9 +327,15 @@ def failure_message(case_id: str, mode: str, stage: StageResult, check: CheckRes
     return "; ".join(parts)
 
 
+def stage_label(r: StageResult) -> str:
+    """'quant_input (triton_reciprocal)', 'gemm1@r1 [deepgemm]': the stage's label and the
+    legitimate recipe it matched or declared, where it names one."""
+    return r.label if r.recipe is None else f"{r.label} ({r.recipe})"
+
+
 def _stage_rows(r: StageResult, reason_width: int | None) -> list[tuple[str, ...]]:
     if not r.checks:
-        return [(r.label, r.status, "-", "", "", "", _clip(r.reason, reason_width))]
+        return [(stage_label(r), r.status, "-", "", "", "", _clip(r.reason, reason_width))]
     rows = []
     for n, c in enumerate(r.checks):
         worst = ""
@@ -328,7 +347,7 @@ def _stage_rows(r: StageResult, reason_width: int | None) -> list[tuple[str, ...
             )
         rows.append(
             (
-                r.label if n == 0 else "",
+                stage_label(r) if n == 0 else "",
                 (r.status if n == 0 else "") if c.passed else "FAIL",
                 c.name,
                 _fmt(c.value),
@@ -365,6 +384,7 @@ def _results_from_list(items: list[dict[str, Any]] | None) -> list[StageResult] 
                     if worst is None
                     else Worst(**{k: _from_json_number(v) for k, v in worst.items()}),
                     detail=c["detail"],
+                    recipe=c.get("recipe"),
                 )
             )
         out.append(

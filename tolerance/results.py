@@ -59,6 +59,9 @@ class CheckResult:
     reason: str
     worst: Worst | None = None
     detail: str = ""
+    # The legitimate recipe this check found the tested side implements (or declared); the
+    # stage's StageResult.recipe is the first one its checks name.
+    recipe: str | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,10 @@ Two rounding recipes, chosen by the scale format exactly as vLLM's DeepGemmExper
   ceil format; fp32 scales column-major, strides (1, M). Unlike vLLM, M need not be a multiple of
   128.
 
+With the psum grouped layout (`expert_ends`), rows no expert owns (each segment's gap rows and
+the tail) are neither read nor written, as vLLM 0.32's `_act_mul_quant(expert_ends=...)` skips
+them: their codes and scales are unspecified.
+
 Exact arithmetic everywhere except the activation itself: `tl.exp` and the gate division g / (1 +
 exp) are the GPU's approximate instructions natively (div.full.f32, as in vLLM's kernels; an IEEE
 division there made the kernel 1.6x slower on the H200), correctly rounded under the interpreter.
@@ -31,10 +35,12 @@ from optimized.kernels._validate import (
     check_group,
     check_inner_contiguous,
     check_multiple,
+    check_same_device,
     check_tensor,
     fail,
     output_buffer,
 )
+from optimized.kernels.psum import block_experts, check_expert_ends, psum_row_experts
 from optimized.kernels.quant import (
     block_rows,
     div_rn,
@@ -88,16 +94,26 @@ def _silu_mul_quant_kernel(
     alpha,
     beta,
     limit,
+    ends_ptr,
+    num_experts,
+    alignment,
     GROUP: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     PACKED: tl.constexpr,
     CEIL_UE8M0: tl.constexpr,
+    PSUM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     """One program: BLOCK_M rows x GROUPS_PER_PROGRAM groups (one int32 word of 4 when PACKED)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     groups, cols, group_ok, mask = group_tile(rows, M, INTER, GROUP, GROUPS_PER_PROGRAM)
+    row_ok = rows < M
+    if PSUM:  # gap and tail rows: nothing loaded, nothing stored
+        row_ok = psum_row_experts(ends_ptr, rows, row_ok, num_experts, alignment, BLOCK_E) >= 0
+        group_ok = group_ok & row_ok[:, None]
+        mask = mask & row_ok[:, None, None]
     rows = rows.to(tl.int64)
     gate_ptrs = mm1_ptr + rows[:, None, None] * stride_mm + cols[None, :, :]
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -109,7 +125,7 @@ def _silu_mul_quant_kernel(
         byte = tl.minimum(ue8m0_ceil_byte(s_raw), 255)
         s = pow2_from_byte(byte)
         s_ptrs = s_ptr + rows * stride_sm + tl.program_id(1).to(tl.int64) * stride_sg
-        tl.store(s_ptrs, pack_word(byte, GROUPS_PER_PROGRAM), mask=rows < M)
+        tl.store(s_ptrs, pack_word(byte, GROUPS_PER_PROGRAM), mask=row_ok)
     else:
         y = _glu_bf16_steps(gate, up, alpha, beta, limit, HAS_LIMIT)
         s = tl.maximum(tl.max(tl.abs(y), axis=2), 1e-10) * (1.0 / 448.0)
@@ -127,11 +143,18 @@ def silu_mul_quant(
     group: int,
     scale_fmt: ScaleFmt,
     out_q: torch.Tensor | None = None,
+    *,
+    expert_ends: torch.Tensor | None = None,
+    expert_alignment: int = 0,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """mm1 bf16 [M, 2I] -> (a2q fp8 e4m3 [M, I], a2q_scale).
 
     a2q_scale: int32 [M, ceil(I/group/4)] strides (1, round_up(M, 4)) for UE8M0_PACKED; else fp32
     [M, I/group] strides (1, M) (powers of two for FLOAT32_CEIL_UE8M0). M may be 0.
+    expert_ends, expert_alignment: the psum grouped layout (int32 [E], A), as vLLM 0.32 passes
+    them: only rows some expert owns are computed; the others are left unwritten. validate: check
+    the ends on the host (a device sync; False under CUDA-graph capture).
     """
     fn = "silu_mul_quant"
     check_tensor(fn, "mm1", mm1, (torch.bfloat16,), 2)
@@ -149,6 +172,18 @@ def silu_mul_quant(
     num_groups = inter // group
     packed = scale_fmt is ScaleFmt.UE8M0_PACKED
 
+    psum = expert_ends is not None
+    if expert_ends is not None:
+        check_tensor(fn, "expert_ends", expert_ends, (torch.int32,), 1)
+        if not expert_ends.is_contiguous():
+            fail(fn, "expert_ends must be contiguous")
+        check_same_device(fn, "mm1", mm1, expert_ends=expert_ends)
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            fail(fn, f"expert_alignment must be an int >= 1 with expert_ends: {expert_alignment!r}")
+        if validate:
+            check_expert_ends(fn, expert_ends, m, expert_alignment)
+    elif expert_alignment:
+        fail(fn, f"expert_alignment={expert_alignment} without expert_ends (the psum layout)")
     q = output_buffer(fn, "out_q", out_q, (m, inter), torch.float8_e4m3fn, mm1.device)
     if packed:
         scale = packed_ue8m0_empty(m, num_groups, mm1.device)
@@ -166,7 +201,10 @@ def silu_mul_quant(
     _silu_mul_quant_kernel[grid](
         mm1, q, scale, m, inter, mm1.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
         activation.alpha, activation.beta, 0.0 if limit is None else limit,
+        expert_ends if psum else mm1, 0 if expert_ends is None else expert_ends.numel(),
+        max(expert_alignment, 1),
         GROUP=group, GROUPS_PER_PROGRAM=per_program, BLOCK_M=bm, HAS_LIMIT=limit is not None,
-        PACKED=packed, CEIL_UE8M0=scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0, num_warps=4,
+        PACKED=packed, CEIL_UE8M0=scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0, PSUM=psum,
+        BLOCK_E=block_experts(0 if expert_ends is None else expert_ends.numel()), num_warps=4,
     )  # fmt: skip
     return q, scale

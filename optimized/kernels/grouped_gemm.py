@@ -1,9 +1,15 @@
 """Triton m-grouped contiguous GEMM over DeepGEMM's layout and scales (the TritonOrDeepGemm engine).
 
     d[r, n] = bf16_RNE( sum_kb ( sum_{k in kb} a[r, k] * b[e, n, k] ) * SA(r, kb) * SB(e, n, kb) )
-    with e = m_indices[r], fp32 accumulation, and the scales applied per K group after each
-    partial dot (as DeepGEMM promotes per 128-K block). Rows with m_indices == -1 are written as
-    exact zeros (DeepGEMM leaves them unspecified; zeros keep padding deterministic).
+    with e the expert of row r, fp32 accumulation, and the scales applied per K group after each
+    partial dot (as DeepGEMM promotes per 128-K block).
+
+Grouped layouts (DeepGEMM's two, ref/deepgemm-api.md §1.5):
+  m_indices  int32 [M_sum]: e = m_indices[r], -1 on padding. Rows with -1 are written as exact
+             zeros (DeepGEMM leaves them unspecified; zeros keep padding deterministic).
+  psum       int32 [E] expert_ends (`use_psum_layout=True`): expert e owns rows
+             [round_up(end_{e-1}, A), end_e), end_{-1} = 0. Gap rows [end_e, round_up(end_e, A))
+             and the tail are neither read nor written: unspecified, as DeepGEMM leaves them.
 
 Formats (K-major everywhere):
   a        fp8 e4m3 [M_sum, K]; a_scale fp32 [M_sum, K/a_group] with any strides (row-major,
@@ -53,6 +59,7 @@ from optimized.kernels._validate import (
     fail,
     output_buffer,
 )
+from optimized.kernels.psum import block_experts, check_expert_ends, psum_row_experts
 from optimized.triton_compat import interpreter_mode
 
 # Weight formats (constexpr B_FMT).
@@ -206,13 +213,14 @@ def _grouped_gemm_kernel(
     stride_sbe,
     stride_sbn,
     stride_sbk,
-    m_indices_ptr,
+    layout_ptr,
     d_ptr,
     stride_dm,
     M,
     N,
     K,
     num_experts,
+    alignment,
     A_GROUP: tl.constexpr,
     A_PACKED: tl.constexpr,
     B_FMT: tl.constexpr,
@@ -220,6 +228,8 @@ def _grouped_gemm_kernel(
     A_PRESCALE: tl.constexpr,
     MMA_DTYPE: tl.constexpr,
     ONE_EXPERT_PER_BLOCK: tl.constexpr,
+    PSUM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -239,14 +249,23 @@ def _grouped_gemm_kernel(
     rows64 = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    row_expert = tl.load(m_indices_ptr + rows, mask=row_mask, other=-1)
-    row_expert = tl.where((row_expert >= 0) & (row_expert < num_experts), row_expert, -1)
+    if PSUM:
+        row_expert = psum_row_experts(layout_ptr, rows, row_mask, num_experts, alignment, BLOCK_E)
+        # Gap rows are not even read: their A rows and scales may hold anything.
+        row_mask = row_expert >= 0
+    else:
+        row_expert = tl.load(layout_ptr + rows, mask=row_mask, other=-1)
+        row_expert = tl.where((row_expert >= 0) & (row_expert < num_experts), row_expert, -1)
     out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
     if ONE_EXPERT_PER_BLOCK:
         # The block lies inside one aligned segment: its expert is the first row's (a -1 first
-        # row means the whole block is padding and nothing is computed).
-        expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)
+        # row means the whole block is padding and nothing is computed). Under psum the live
+        # rows are a prefix of the block, all of one expert.
+        if PSUM:
+            expert = tl.max(row_expert, 0)
+        else:
+            expert = tl.load(layout_ptr + pid_m * BLOCK_M)
         if (expert >= 0) & (expert < num_experts):
             tile = _expert_tile(
                 expert, a_ptr, stride_am, sa_ptr, stride_sam, stride_sak, b_ptr, stride_be,
@@ -364,8 +383,9 @@ def _check_inputs(
     b: torch.Tensor,
     b_scale: torch.Tensor,
     b_block: tuple[int, int],
-    m_indices: torch.Tensor,
+    grouped_layout: torch.Tensor,
     alignment: int,
+    use_psum_layout: bool,
 ) -> int:
     """Shapes, dtypes, strides and groups (no device sync); returns the weight format code."""
     check_tensor(fn, "a", a, (torch.float8_e4m3fn,), 2)
@@ -412,13 +432,17 @@ def _check_inputs(
         check_tensor(fn, "b_scale", b_scale, (torch.uint8, torch.float8_e8m0fnu), 3)
         check_shape(fn, "b_scale", b_scale, (e, n, k // _MX_GROUP), "E8M0 bytes [E, N, K/32]")
 
-    check_tensor(fn, "m_indices", m_indices, (torch.int32,), 1)
-    check_shape(fn, "m_indices", m_indices, (m_sum,), "[M_sum] (one expert per row of a)")
-    if not m_indices.is_contiguous():
-        fail(fn, "m_indices must be contiguous")
+    name = "expert_ends" if use_psum_layout else "m_indices"
+    check_tensor(fn, name, grouped_layout, (torch.int32,), 1)
+    if use_psum_layout:
+        check_shape(fn, name, grouped_layout, (e,), "[E] (one cumulative end per expert)")
+    else:
+        check_shape(fn, name, grouped_layout, (m_sum,), "[M_sum] (one expert per row of a)")
+    if not grouped_layout.is_contiguous():
+        fail(fn, f"{name} must be contiguous")
     if not isinstance(alignment, int) or alignment < 1 or m_sum % alignment != 0:
         fail(fn, f"M_sum={m_sum} must be a multiple of alignment={alignment!r} (an int >= 1)")
-    check_same_device(fn, "a", a, a_scale=a_scale, b=b, b_scale=b_scale, m_indices=m_indices)
+    check_same_device(fn, "a", a, a_scale=a_scale, b=b, b_scale=b_scale, **{name: grouped_layout})
     return fmt
 
 
@@ -429,14 +453,15 @@ def grouped_gemm(
     b: torch.Tensor,
     b_scale: torch.Tensor,
     b_block: tuple[int, int],
-    m_indices: torch.Tensor,
+    grouped_layout: torch.Tensor,
     alignment: int,
     *,
+    use_psum_layout: bool = False,
     block_m: int | None = None,
     validate: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """m-grouped contiguous GEMM: d[r] = dequant(a[r]) @ dequant(b[m_indices[r]])^T, bf16.
+    """m-grouped contiguous GEMM: d[r] = dequant(a[r]) @ dequant(b[e(r)])^T, bf16.
 
     a          fp8 e4m3 [M_sum, K], K-major.
     a_scale    fp32 [M_sum, K/a_group] (any strides) or int32 packed UE8M0
@@ -445,19 +470,26 @@ def grouped_gemm(
     b, b_scale see the module docstring; b_block (128, 128) or (1, 32).
     alignment  rows per aligned segment block (DeepGEMM's BLOCK_M / mk alignment): validates the
                layout and picks the tile height.
-    m_indices  int32 [M_sum]: expert of each row, -1 on padding; segments aligned to `alignment`.
-    returns    bf16 [M_sum, N]; rows with m_indices == -1 are exact zeros.
+    grouped_layout  as DeepGEMM's: int32 m_indices [M_sum], the expert of each row, -1 on
+               padding, segments aligned to `alignment`; or, with `use_psum_layout`, int32
+               expert_ends [E], expert e on rows [round_up(end_{e-1}, A), end_e).
+    returns    bf16 [M_sum, N]; rows with m_indices == -1 are exact zeros; under psum, gap and
+               tail rows are left as they were (unspecified).
     block_m    tile height (power of two >= 16); default: the largest power of two dividing
                `alignment`, capped at 128. One that does not divide `alignment` takes the
                per-row expert path (correct, slower).
-    validate   scan m_indices on the host (range and segment rule; a device sync): pass False
-               under CUDA-graph capture, where the kernel still treats an out-of-range expert as
-               a -1 row. Shape, dtype and stride checks always run.
+    validate   scan the layout on the host (range and segment rule, or the psum rule; a device
+               sync): pass False under CUDA-graph capture, where the kernel still treats an
+               out-of-range expert as a -1 row. Shape, dtype and stride checks always run.
     """
     fn = "grouped_gemm"
-    fmt = _check_inputs(fn, a, a_scale, a_group, b, b_scale, b_block, m_indices, alignment)
-    if validate:
-        _check_m_indices(fn, m_indices, b.shape[0], alignment)
+    fmt = _check_inputs(
+        fn, a, a_scale, a_group, b, b_scale, b_block, grouped_layout, alignment, use_psum_layout
+    )
+    if validate and use_psum_layout:
+        check_expert_ends(fn, grouped_layout, a.shape[0], alignment)
+    elif validate:
+        _check_m_indices(fn, grouped_layout, b.shape[0], alignment)
     if block_m is None:
         block_m = _default_block_m(alignment)
     if not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
@@ -469,7 +501,7 @@ def grouped_gemm(
     if m_sum == 0:
         return d
     if num_experts == 0:
-        # A rank that hosts no expert: validation proved every row is padding (-1), whose
+        # A rank that hosts no expert: every row is padding (-1 or no psum segment), whose
         # output this kernel defines as zero.
         return d.zero_()
 
@@ -493,13 +525,14 @@ def grouped_gemm(
         b_scale_view.stride(0),
         b_scale_view.stride(1),
         b_scale_view.stride(2),
-        m_indices,
+        grouped_layout,
         d,
         d.stride(0),
         m_sum,
         n,
         k,
         num_experts,
+        alignment,
         A_GROUP=a_group,
         A_PACKED=a_scale.dtype == torch.int32,
         B_FMT=fmt,
@@ -509,6 +542,8 @@ def grouped_gemm(
         # same exact values (fp8 activations, scaled E2M1 weights), so it is used there instead.
         MMA_DTYPE=tl.float32 if interpreter_mode() else tl.bfloat16,
         ONE_EXPERT_PER_BLOCK=alignment % block_m == 0,
+        PSUM=use_psum_layout,
+        BLOCK_E=block_experts(num_experts),
         BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         GROUP_M=tiles.group_m,

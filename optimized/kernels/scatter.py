@@ -5,6 +5,9 @@ Layout produced (one rank, `E_l` local experts, alignment `A`):
     expert e owns rows [start_e, start_e + round_up(count_e, A)) of the permuted buffer, with
     start_e = sum_{i<e} round_up(count_i, A); its live rows are [start_e, start_e + count_e) and
     the rest of the segment, plus every row past the last segment up to m_sum, is padding.
+    Both of DeepGEMM's grouped layouts of it come out of the same kernel: m_indices (the expert
+    of each row, -1 on padding) and the psum expert_ends (start_e + count_e per expert, as vLLM
+    0.32's ep_scatter writes them with use_psum_layout=True).
 
 Slot semantics (shared by both kernels): a slot (t, k) is live when its id, mapped through
 `expert_map` if one is given (an id of exactly -1 stays -1), is in [0, E_l). The host validation
@@ -151,6 +154,7 @@ def _zero_rows(out_ptr, stride_om, row_lo, row_hi, H, BLOCK_R: tl.constexpr, BLO
 def _segments_kernel(
     counts_ptr,
     start_ptr,
+    ends_ptr,
     cursor_ptr,
     m_indices_ptr,
     out_ptr,
@@ -163,7 +167,8 @@ def _segments_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # Program e < E_l lays out expert e's segment; program E_l + j zeroes the j-th BLOCK_R rows
+    # Program e < E_l lays out expert e's segment (its start, its psum end start + count, and its
+    # m_indices rows); program E_l + j zeroes the j-th BLOCK_R rows
     # of the buffer where they lie past the last segment (the tail can be E_l * (A - 1) rows:
     # too much for one program). Every program recomputes the whole prefix sum from the counts
     # and keeps only its own entry: no program reads what another one writes.
@@ -180,6 +185,7 @@ def _segments_kernel(
         live_end = tl.minimum(start + count, m_sum)
         seg_end = tl.minimum(start + tl.sum(tl.where(mine, padded, 0), 0), m_sum)
         tl.store(start_ptr + e, start)
+        tl.store(ends_ptr + e, live_end)
         tl.store(cursor_ptr + e, start)
         fill = tl.full([BLOCK_R], 0, tl.int32) + e
         for r0 in range(start, live_end, BLOCK_R):
@@ -500,6 +506,8 @@ class Scattered:
     m_indices     int32 [m_sum], local expert of each row, -1 on padding.
     inv_perm      int32 [M, k], row of slot (t, k), -1 where the slot is skipped.
     expert_start  int32 [E_l], first row of each expert's segment (a multiple of alignment).
+    expert_ends   int32 [E_l], expert_start + counts: the psum grouped layout (DeepGEMM's
+                  use_psum_layout=True), the same plan as m_indices.
     Row order inside a segment depends on atomic order: compare through inv_perm, never by row.
     """
 
@@ -508,6 +516,7 @@ class Scattered:
     m_indices: torch.Tensor
     inv_perm: torch.Tensor
     expert_start: torch.Tensor
+    expert_ends: torch.Tensor
 
 
 def ep_scatter(
@@ -530,8 +539,8 @@ def ep_scatter(
     topk_ids:   signed int32/int64 [M, k] (any strides); global ids when `expert_map` is given.
     counts:     int32 [E_l], live slots per local expert (`count_expert_tokens`).
     m_sum:      rows of the permuted buffer, a multiple of `alignment` and >= the exact sum.
-    returns     a `Scattered` (the permuted rows, their scales, m_indices, inv_perm and
-                expert_start; layouts in its docstring).
+    returns     a `Scattered` (the permuted rows, their scales, m_indices, inv_perm,
+                expert_start and expert_ends; layouts in its docstring).
     validate: run the host value checks: id range, counts against topk_ids, m_sum against the
               counts (device syncs and one extra count kernel; pass False under CUDA-graph
               capture). Shape, dtype and stride checks always run.
@@ -558,10 +567,11 @@ def ep_scatter(
     m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=device)
     inv_perm = torch.full((m, topk), -1, dtype=torch.int32, device=device)
     expert_start = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
+    expert_ends = torch.zeros_like(expert_start)
     if m_sum == 0 or num_local_experts == 0:
         # No rows, or only padding rows (a rank that hosts no expert): every slot is skipped.
         a_perm.view(torch.uint8).zero_()
-        return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start)
+        return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start, expert_ends)
 
     a_bytes = a1q.view(torch.uint8)
     out_bytes = a_perm.view(torch.uint8)
@@ -573,6 +583,7 @@ def ep_scatter(
     _segments_kernel[(num_local_experts + triton.cdiv(m_sum, block_r),)](
         counts,
         expert_start,
+        expert_ends,
         cursor,
         m_indices,
         out_bytes,
@@ -587,7 +598,7 @@ def ep_scatter(
         num_warps=4,
     )
     if m == 0 or h == 0:
-        return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start)
+        return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start, expert_ends)
 
     if pack:
         scale_src = a1q_scale.view(torch.uint8)
@@ -630,4 +641,4 @@ def ep_scatter(
         BLOCK_S=block_s,
         num_warps=launch.num_warps,
     )
-    return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start)
+    return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start, expert_ends)

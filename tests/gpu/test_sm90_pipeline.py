@@ -201,3 +201,121 @@ def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> N
     torch.cuda.synchronize()
     assert bool(before.isfinite().all()) and bool(before.abs().amax() > 0)
     assert torch.equal(after, before), "the same GEMM gave other bits after the refused calls"
+
+
+# -- the two grouped layouts through DeepGEMM ------------------------------------------------------
+
+# DeepGEMM-sized (I_p > 512, T >= A); each row names the edge it exercises.
+LAYOUT_CASES = [
+    MoEProblem(tokens=300, hidden=2048, intermediate=1024, num_experts=16, topk=4),  # fp32
+    MoEProblem(
+        tokens=300,
+        hidden=2048,
+        intermediate=1024,
+        num_experts=16,
+        topk=4,
+        scale_fmt="float32_ceil_ue8m0",
+        routing="empty_middle",
+    ),  # vLLM's SM90 E8M0 format; an empty expert: its psum end is its start
+    MoEProblem(
+        tokens=200,
+        hidden=2048,
+        intermediate=2048,
+        num_experts=16,
+        topk=4,
+        topology="ep:2",
+        routing="invalid_slots",
+    ),  # remote experts and -1 slots: a long tail past the last segment
+]
+
+
+@pytest.mark.parametrize("layout", ["m_indices", "psum"])
+@pytest.mark.parametrize("problem", LAYOUT_CASES, ids=lambda p: p.id)
+def test_both_grouped_layouts_pass_through_deepgemm(
+    problem: MoEProblem, layout: str, record_report
+) -> None:
+    """m_indices and psum (DeepGEMM's use_psum_layout=True, what vLLM 0.32 runs on SM90) both
+    pass isolated and chained, with DeepGEMM running both GEMMs in the layout forced."""
+    from moe_verify.inputs import make_inputs
+    from optimized.backend import OptimizedBackend
+
+    forced = problem.replace(grouped_layout=layout)
+    report = record_report(verify(forced, backend=OptimizedBackend(engine="deepgemm"), mode="both"))
+    assert report.passed_strict, report.summary_line()
+    for mode in ("isolated", "chained"):
+        assert report.engine("gemm1", mode) == report.engine("gemm2", mode) == "deepgemm"
+    trace = OptimizedBackend(engine="deepgemm").run(forced, make_inputs(forced, "cuda"))
+    assert trace["gemm1"]["layout"] == trace["gemm2"]["layout"] == layout
+    assert trace["act_quant"]["layout"] == layout
+
+
+def test_auto_layout_is_psum_on_sm90() -> None:
+    from optimized.deepgemm import choose_grouped_layout
+
+    assert choose_grouped_layout(LAYOUT_CASES[0]).layout == "psum"
+
+
+def test_deepgemm_psum_rows_equal_m_indices_rows_and_skip_nan_gaps() -> None:
+    """One GEMM in both layouts on the same operands: the live rows are bit for bit equal, though
+    the gap rows of A hold NaN bytes and their scales garbage (psum never reads them as live)."""
+    from moe_verify.spec import QuantizedWeight
+    from optimized import deepgemm
+
+    g, n, k, a_ = 3, 256, 512, 128
+    counts = (100, 0, 130)  # expert 1 empty, expert 2 over one block
+    ends, m_indices, start = [], [], 0
+    for e, c in enumerate(counts):
+        ends.append(start + c)
+        m_indices += [e] * c + [-1] * (-c % a_)
+        start += -(-c // a_) * a_
+    m_indices += [-1] * a_  # a tail block past the last segment
+    m_sum = len(m_indices)
+    layout = torch.tensor(m_indices, dtype=torch.int32, device="cuda")
+    live = layout >= 0
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = (torch.randn(m_sum, k, device="cuda", generator=gen) * 8).to(torch.float8_e4m3fn)
+    sa = torch.rand(m_sum, k // 128, device="cuda", generator=gen) + 0.5
+    w = QuantizedWeight(
+        (torch.randn(g, n, k, device="cuda", generator=gen) * 8).to(torch.float8_e4m3fn),
+        torch.rand(g, n // 128, k // 128, device="cuda", generator=gen) * 1e-2,
+        (128, 128),
+    )
+    a_psum, sa_psum = a.clone(), sa.clone()
+    a_psum.view(torch.uint8)[~live] = 0x7F  # NaN bytes
+    sa_psum[~live] = float("nan")
+    by_rows = deepgemm.m_grouped_gemm(a, sa, 128, w, w.scale, layout, a_, use_ue8m0=False)
+    by_ends = deepgemm.m_grouped_gemm(
+        a_psum,
+        sa_psum,
+        128,
+        w,
+        w.scale,
+        torch.tensor(ends, dtype=torch.int32, device="cuda"),
+        a_,
+        use_ue8m0=False,
+        use_psum_layout=True,
+    )
+    torch.cuda.synchronize()
+    assert bool(by_rows[live].isfinite().all()) and bool(by_rows[live].abs().amax() > 0)
+    assert torch.equal(by_ends[live].view(torch.int16), by_rows[live].view(torch.int16))
+
+
+def test_bad_psum_layout_is_refused_before_deepgemm() -> None:
+    from moe_verify.spec import QuantizedWeight
+    from optimized import deepgemm
+    from optimized.kernels._validate import InvalidKernelInput
+
+    g, m, n, k = 2, 256, 256, 256
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(m, k // 128, device="cuda")
+    w = QuantizedWeight(
+        torch.randn(g, n, k, device="cuda").to(torch.float8_e4m3fn),
+        torch.ones(g, n // 128, k // 128, device="cuda"),
+        (128, 128),
+    )
+    for ends, words in (([100, 120], "below the start"), ([100, 300], "past the buffer")):
+        layout = torch.tensor(ends, dtype=torch.int32, device="cuda")
+        with pytest.raises(InvalidKernelInput, match=words):
+            deepgemm.m_grouped_gemm(
+                a, sa, 128, w, w.scale, layout, 128, use_ue8m0=False, use_psum_layout=True
+            )

@@ -156,6 +156,52 @@ def test_silu_mul_quant_matches_golden(
         assert torch.equal(got, want), f"fp32 scales differ at {(got != want).nonzero()[:4]}"
 
 
+# The psum layout over 128 rows, A = 32: expert 0 on rows 0..9, expert 1 empty (its end is its
+# start, 32), expert 2 on rows 32..69; rows 10..31 and 70..95 are gaps, 96..127 the tail.
+PSUM_ENDS, PSUM_ALIGN, PSUM_ROWS = (10, 32, 70), 32, 128
+
+
+@pytest.mark.parametrize("fmt", list(ScaleFmt), ids=str)
+def test_psum_layout_quantizes_live_rows_only(fmt: ScaleFmt) -> None:
+    """With expert_ends (vLLM 0.32's `_act_mul_quant(expert_ends, expert_alignment)`) every live
+    row comes out as the dense launch computes it, and no gap or tail row is written."""
+    act, inter, group = ACTIVATIONS[2], 256, 128
+    mm1 = mm1_input(f"psum-{fmt}", PSUM_ROWS, inter).to(default_device())
+    ends = torch.tensor(PSUM_ENDS, dtype=torch.int32, device=mm1.device)
+    live = torch.zeros(PSUM_ROWS, dtype=torch.bool)
+    live[0:10] = live[32:70] = True
+    sentinel = torch.full((PSUM_ROWS, inter), 0x5A, dtype=torch.uint8, device=mm1.device)
+    with same_exp_as_golden():
+        q_dense, s_dense = silu_mul_quant(mm1, act, group, fmt)
+        q, s = silu_mul_quant(
+            mm1, act, group, fmt, sentinel.clone().view(FP8),
+            expert_ends=ends, expert_alignment=PSUM_ALIGN,
+        )  # fmt: skip
+    q, q_dense = q.cpu().view(torch.uint8), q_dense.cpu().view(torch.uint8)
+    assert torch.equal(q[live], q_dense[live])
+    assert torch.equal(q[~live], sentinel.cpu()[~live]), "a gap or tail row was written"
+    groups = inter // group
+    got, want = scale_values(s, fmt, groups), scale_values(s_dense, fmt, groups)
+    assert torch.equal(got[live].view(torch.int32), want[live].view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("ends", "kwargs", "message"),
+    [
+        ((10, 5, 70), {"expert_alignment": 32}, "below the start"),  # expert 1 starts at 32
+        ((10, 32, 129), {"expert_alignment": 32}, "past the buffer"),
+        ((10, 32, 70), {"expert_alignment": 0}, "expert_alignment must be an int >= 1"),
+        (None, {"expert_alignment": 32}, "without expert_ends"),
+    ],
+    ids=["end-below-start", "end-past-M", "no-alignment", "alignment-without-ends"],
+)
+def test_psum_layout_is_validated(ends, kwargs: dict, message: str) -> None:
+    mm1 = torch.zeros(PSUM_ROWS, 256, dtype=torch.bfloat16, device=default_device())
+    layout = None if ends is None else torch.tensor(ends, dtype=torch.int32, device=mm1.device)
+    with pytest.raises(ValueError, match=message):
+        silu_mul_quant(mm1, Activation(), 128, ScaleFmt.FLOAT32, expert_ends=layout, **kwargs)
+
+
 def test_zero_group_scales() -> None:
     """Row 0, group 0 is all zeros: byte 94 packed; 1e-10 * fp32(1/448) float32; 2^-42 ceil."""
     mm1 = mm1_input("zero-group", 4, 256)

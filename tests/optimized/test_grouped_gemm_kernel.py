@@ -237,6 +237,39 @@ def test_padding_rows_are_zero(case: Case) -> None:
     assert not bool(pad.any()), f"{case.id}: padding rows must be exact +0.0 (their A rows are NaN)"
 
 
+def _expert_ends(case: Case) -> torch.Tensor:
+    """The psum layout of `_m_indices(case)`: start_e + count_e, starts aligned."""
+    ends, start = [], 0
+    for c in case.counts:
+        ends.append(start + c)
+        start += -(-c // case.alignment) * case.alignment
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+# A mix of weight formats, scale storages, empty experts and the per-row path.
+PSUM_CASES = [CASES[i] for i in (0, 4, 5, 8, 12)]
+
+
+@pytest.mark.parametrize("case", PSUM_CASES, ids=lambda c: c.id)
+def test_psum_layout_matches_m_indices_on_live_rows_and_skips_the_rest(case: Case) -> None:
+    """The psum layout (expert_ends) computes every live row bit for bit as the m_indices layout
+    does, and leaves gap and tail rows as they were (DeepGEMM: unspecified); their A rows are
+    NaN bytes, so reading one would show in a live row's neighbours only if rows mixed."""
+    d, _, _, m_indices = _prepare(case, exact=False)
+    g = torch.Generator().manual_seed(case.seed)  # the operands _prepare built
+    w = _weights(case, len(case.counts), g, False)
+    q, fp32_scale = _activations(case, m_indices, g, False)
+    sentinel = torch.full(d.shape, 12345.0).to(torch.bfloat16)
+    out = grouped_gemm(
+        q, _layout_a_scale(case, fp32_scale), case.a_group, w.q, w.scale, w.block,
+        _expert_ends(case), case.alignment, use_psum_layout=True, block_m=case.block_m,
+        out=sentinel.clone(),
+    )  # fmt: skip
+    live = m_indices >= 0
+    assert torch.equal(out[live].view(torch.int16), d[live].view(torch.int16)), case.id
+    assert torch.equal(out[~live].view(torch.int16), sentinel[~live].view(torch.int16)), case.id
+
+
 def test_empty_m_sum_returns_empty() -> None:
     w = torch.zeros(2, 32, 128).to(FP8)
     out = grouped_gemm(
@@ -289,9 +322,14 @@ def _good() -> dict:
         b=torch.zeros(2, 32, 256).to(FP8),
         b_scale=torch.ones(2, 1, 2),
         b_block=(128, 128),
-        m_indices=torch.tensor([0] * 20 + [-1] * 12 + [1] * 32, dtype=torch.int32),
+        grouped_layout=torch.tensor([0] * 20 + [-1] * 12 + [1] * 32, dtype=torch.int32),
         alignment=32,
     )
+
+
+def _psum(ends: list[int], dtype: torch.dtype = torch.int32) -> dict:
+    """The same call in the psum layout (expert 0: rows 0..19, expert 1: rows 32..63)."""
+    return dict(grouped_layout=torch.tensor(ends, dtype=dtype), use_psum_layout=True)
 
 
 def _mixed_block() -> torch.Tensor:
@@ -303,11 +341,11 @@ def _late_row() -> torch.Tensor:
 
 
 BAD = [
-    ("expert-out-of-range", dict(m_indices=torch.full((64,), 2, dtype=torch.int32)), "m_indices"),
-    ("minus-two", dict(m_indices=torch.full((64,), -2, dtype=torch.int32)), "m_indices"),
-    ("two-experts-in-a-block", dict(m_indices=_mixed_block()), "aligned block"),
-    ("live-row-after-padding", dict(m_indices=_late_row()), "aligned block"),
-    ("m_indices-int64", dict(m_indices=torch.zeros(64, dtype=torch.int64)), "m_indices"),
+    ("expert-out-of-range", dict(grouped_layout=torch.full((64,), 2, dtype=torch.int32)), "E=2"),
+    ("minus-two", dict(grouped_layout=torch.full((64,), -2, dtype=torch.int32)), "m_indices"),
+    ("two-experts-in-a-block", dict(grouped_layout=_mixed_block()), "aligned block"),
+    ("live-row-after-padding", dict(grouped_layout=_late_row()), "aligned block"),
+    ("m_indices-int64", dict(grouped_layout=torch.zeros(64, dtype=torch.int64)), "m_indices"),
     ("M_sum-not-aligned", dict(alignment=48), "alignment"),
     ("K-not-multiple-of-group", dict(a=torch.zeros(64, 160).to(FP8)), "K"),
     ("a_group-unsupported", dict(a_group=16, a_scale=torch.ones(64, 16)), "group"),
@@ -318,6 +356,10 @@ BAD = [
     ("b_scale-wrong-shape", dict(b_scale=torch.ones(2, 2, 2)), "b_scale"),
     ("fp4-with-128-blocks", dict(b=torch.zeros(2, 32, 128, dtype=torch.uint8)), "b_block"),
     ("b_block-unknown", dict(b_block=(1, 128)), "b_block"),
+    ("psum-end-below-start", _psum([20, 31]), "below the start"),  # expert 1 starts at 32
+    ("psum-end-past-M_sum", _psum([20, 65]), "past the buffer"),
+    ("psum-per-row-shape", _psum([0] * 64), r"expert_ends must have shape \[E\]"),
+    ("psum-int64", _psum([20, 64], torch.int64), "expert_ends"),
 ]
 
 

@@ -21,7 +21,7 @@ def test_scatter_with_no_local_experts_skips_every_slot() -> None:
     a1q = torch.randn(3, 128).to(torch.float8_e4m3fn)
     scale = torch.rand(3, 1)
     out = ep_scatter(a1q, scale, ids, counts, 0, 32, m_sum, emap)
-    assert m_sum == 32 and out.expert_start.shape == (0,)
+    assert m_sum == 32 and out.expert_start.shape == out.expert_ends.shape == (0,)
     assert bool((out.m_indices == -1).all()) and bool((out.inv_perm == -1).all())
     assert not out.a_perm.view(torch.uint8).any() and not out.a_scale_perm.any()
 
@@ -40,6 +40,11 @@ def test_grouped_gemm_with_no_experts_writes_zero_padding_rows() -> None:
         32,
     )
     assert out.shape == (32, 128) and not out.any()
+    psum = grouped_gemm(
+        a, torch.ones(32, 1), 128, b, torch.ones(0, 1, 1), (128, 128),
+        torch.zeros(0, dtype=torch.int32), 32, use_psum_layout=True,
+    )  # fmt: skip
+    assert psum.shape == (32, 128) and not psum.any()  # no expert: no psum segment either
 
 
 def test_no_experts_still_rejects_a_live_id() -> None:

@@ -22,7 +22,7 @@ from optimized.kernels.scatter import (
     ep_scatter,
 )
 from reference import formats
-from reference.layout import permute_plan
+from reference.layout import m_indices_from_expert_ends, permute_plan
 
 pytestmark = pytest.mark.cpu
 
@@ -207,6 +207,17 @@ def test_m_indices_and_starts_exact(case: Case) -> None:
         f"{case.id}: m_indices differs at {bad.numel()} rows, first row {int(bad[0])}: kernel "
         f"{int(m_indices[bad[0]])}, golden {int(run.plan.m_indices[bad[0]])}"
     )
+
+
+@ids
+def test_expert_ends_exact_and_one_plan_with_m_indices(case: Case) -> None:
+    """The psum layout: start_e + count_e per expert, the rows m_indices gives each expert."""
+    run = _run(case)
+    ends = run.out.expert_ends
+    assert ends.dtype == torch.int32 and ends.shape == (case.experts,)
+    assert torch.equal(ends, run.plan.expert_ends), (ends, run.plan.expert_ends)
+    from_ends = m_indices_from_expert_ends(ends, run.m_sum, case.alignment)
+    assert torch.equal(from_ends, run.out.m_indices)
 
 
 @ids

@@ -6,12 +6,15 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import MoEProblem, Routing, Trace
+from moe_verify.spec import MoEProblem, MSumRecipe, Routing, Trace
 from reference.layout import (
+    aligned_m_sum_all_experts_bound,
     aligned_m_sum_exact,
+    aligned_m_sum_recipes,
     aligned_m_sum_upper_bound,
     batched_plan,
     local_expert_ids,
+    m_indices_from_expert_ends,
     permute_plan,
     permute_rows,
 )
@@ -88,10 +91,50 @@ def test_exact_m_sum_never_exceeds_the_upper_bound(case: Case) -> None:
     assert torch.equal(exact.inv_perm, plan.inv_perm)
 
 
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_every_m_sum_recipe_is_valid_and_bounds_are_ordered(case: Case) -> None:
+    ids = _ids(case)
+    t, e, k, a, _ = case
+    counts = permute_plan(ids, e, a).counts
+    recipes = aligned_m_sum_recipes(t, k, counts, a)
+    exact = recipes[MSumRecipe.EXACT_COUNTS]
+    assert set(recipes) == set(MSumRecipe)
+    assert all(m % a == 0 and m >= exact for m in recipes.values()), recipes
+    assert recipes[MSumRecipe.MIN_ACTIVE_BOUND] <= recipes[MSumRecipe.ALL_EXPERTS_BOUND]
+    for m_sum in recipes.values():  # each one is a buffer the plan fits, same rows for slots
+        assert torch.equal(
+            permute_plan(ids, e, a, m_sum=m_sum).inv_perm, permute_plan(ids, e, a).inv_perm
+        )
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_expert_ends_are_the_psum_reading_of_m_indices(case: Case) -> None:
+    """One plan, two layouts: rows [round_up(end_{e-1}, A), end_e) are expert e's, exactly the
+    rows m_indices names; gap and tail rows belong to no expert in either."""
+    ids = _ids(case)
+    _, e, _, a, _ = case
+    plan = permute_plan(ids, e, a)
+    assert plan.expert_ends.dtype == torch.int32 and plan.expert_ends.shape == (e,)
+    assert torch.equal(plan.expert_ends, plan.expert_start + plan.counts)
+    assert torch.equal(m_indices_from_expert_ends(plan.expert_ends, plan.m_sum, a), plan.m_indices)
+
+
+def test_psum_reading_by_hand() -> None:
+    # counts [3, 0, 5] at A = 4: expert 0 rows 0..2, expert 1 empty (end 4 = its start), expert 2
+    # rows 4..8; rows 3, 9..11 are gaps, 12..15 the tail.
+    rows = m_indices_from_expert_ends(torch.tensor([3, 4, 9], dtype=torch.int32), 16, 4)
+    assert rows.tolist() == [0, 0, 0, -1, 2, 2, 2, 2, 2, -1, -1, -1, -1, -1, -1, -1]
+
+
 def test_upper_bound_formula_by_hand() -> None:
     # M*k = 6 slots, min(6, E=4) = 4 active at most: round_up(6 + 4*127, 128) = 514 -> 640
     assert aligned_m_sum_upper_bound(3, 2, 4, 128) == 640
     assert aligned_m_sum_upper_bound(0, 2, 4, 128) == 0
+    # The older bound charges all E = 4 experts: round_up(6 + 4*127, 128) = 640 too; with E = 8
+    # it is round_up(6 + 8*127, 128) = 1024 against round_up(6 + 6*127, 128) = 768.
+    assert aligned_m_sum_all_experts_bound(3, 2, 4, 128) == 640
+    assert aligned_m_sum_all_experts_bound(3, 2, 8, 128) == 1024
+    assert aligned_m_sum_upper_bound(3, 2, 8, 128) == 768
     assert aligned_m_sum_exact(torch.tensor([130, 0, 5]), 64) == 192 + 0 + 64
 
 
@@ -146,3 +189,19 @@ def test_m_sum_below_the_exact_sum_is_rejected() -> None:
     ids = torch.tensor([[0], [0], [1]], dtype=torch.int32)
     with pytest.raises(ValueError, match="m_sum"):
         permute_plan(ids, 2, 2, m_sum=2)
+
+
+def test_golden_gemms_read_either_layout_to_the_same_rows() -> None:
+    p = MoEProblem(
+        tokens=12, num_experts=4, topk=2, alignment=32, hidden=128, intermediate=128,
+        routing=Routing.EMPTY_MIDDLE,
+    )  # fmt: skip
+    inputs = make_inputs(p, "cpu")
+    traces = {
+        layout: ReferenceBackend().run(p.replace(grouped_layout=layout), inputs)
+        for layout in ("m_indices", "psum")
+    }
+    for stage, name in (("gemm1", "mm1"), ("gemm2", "mm2")):
+        assert {t[stage]["layout"] for t in traces.values()} == {"m_indices", "psum"}
+        a, b = (t[stage][name].view(torch.int16) for t in traces.values())
+        assert torch.equal(a, b), stage

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from moe_verify.spec import STAGES, MoEProblem, Recipe, Routing, ScaleFmt, Topology
+from moe_verify.spec import STAGES, GroupedLayout, MoEProblem, Recipe, Routing, ScaleFmt, Topology
 from moe_verify.verification import verify
 from optimized.backend import OptimizedBackend
 from tests.tester import wrong_backends as wrong
@@ -21,6 +21,7 @@ from tolerance.compare import StageResult
 pytestmark = pytest.mark.cpu
 
 CEIL, PACKED = ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED
+M_INDICES, PSUM = GroupedLayout.M_INDICES, GroupedLayout.PSUM
 # Four experts, top-2, A = 32 (SM100's smallest DeepGEMM alignment, half the interpreter time of
 # 128): every expert has live rows and padding rows; one 128-column scale group per row.
 BASE = MoEProblem(tokens=16, hidden=128, intermediate=128, num_experts=4, topk=2, alignment=32)
@@ -59,7 +60,8 @@ CASES: list[Expect] = [
     ),  # DeepSeek grouped routing with a scaling factor != 1
     Expect(wrong.FloorInputScales, BASE.replace(scale_fmt=CEIL), "quant_input", "quant_input"),
     # ^ ceil-UE8M0 input scales
-    Expect(wrong.MSumOneBlockShort, BASE, "align", "align"),
+    Expect(wrong.MSumOneBlockShort, BASE, "align", "align"),  # one block below the exact sum
+    Expect(wrong.MSumNotAligned, BASE, "align", "align"),
     Expect(wrong.HalfAlignment, BASE, "align", "align"),  # A = 32 halves to 16
     Expect(
         wrong.ExpertMapIgnoredOnRank1,
@@ -73,9 +75,18 @@ CASES: list[Expect] = [
     # ^ counts far below A leave a free row in every segment
     Expect(wrong.PaddingMIndicesZero, BASE, "permute", "permute"),  # ~8 live rows per 32
     Expect(wrong.UnalignedSegments, BASE, "permute", "permute"),
+    Expect(wrong.SegmentMIndicesWrong, BASE, "permute", "permute"),
+    Expect(
+        wrong.ExpertEndsOffByOne, BASE.replace(grouped_layout=PSUM), "permute", "permute"
+    ),  # the psum layout the GEMMs then read; every count of ~8 is far from A = 32
     Expect(wrong.InvPermOffByOne, BASE, "permute", "permute"),
-    Expect(wrong.GarbagePaddingScales, BASE.replace(scale_fmt=CEIL), "permute", "permute"),
-    # ^ fp32 UE8M0 scales: the format where DeepGEMM asserts powers of two (anchors #6)
+    Expect(
+        wrong.GarbagePaddingScales,
+        BASE.replace(scale_fmt=CEIL, grouped_layout=M_INDICES),
+        "permute",
+        "permute",
+    ),  # fp32 UE8M0 scales: the format where DeepGEMM asserts powers of two (anchors #6), in
+    # the m_indices layout, whose GEMM reads every row (psum skips gap rows: auto on SM90)
     Expect(wrong.NanPaddingPackedScales, MXFP8, "permute", "permute"),  # packed padding words
     Expect(wrong.PermutedScaleBytesReversed, MXFP8, "permute", "permute"),
     # ^ MXFP8 packs the permuted scales: 4 bytes a word, H = 128

@@ -112,17 +112,36 @@ class FloorInputScales(OptimizedBackend):
 
 
 class MSumOneBlockShort(OptimizedBackend):
-    """align: M_sum one alignment block short (an off-by-one in the upper bound).
+    """align: M_sum one alignment block short of what the segments need (an off-by-one in the
+    exact sum: sum_e round_up(count_e, A) - A).
 
-    M_sum sizes the permuted workspace; one block short, the last expert's segment can run past it
-    (ref §2.3, §14.3; the out-of-bounds class of anchors #4 and #28).
+    M_sum sizes the permuted workspace; one block short, the last expert's segment runs past it
+    (ref §2.3, §14.3; the out-of-bounds class of anchors #4 and #28). A larger M_sum than the
+    golden's, even one no formula gives, is legitimate; only one below the segments is a bug.
     """
 
     name = "m_sum_one_block_short"
 
     def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         out = super().align(p, x, up, rank)
+        out["M_sum"] = scatter.aligned_m_sum_exact(out["counts"], out["alignment"])
         out["M_sum"] -= out["alignment"]
+        return out
+
+
+class MSumNotAligned(OptimizedBackend):
+    """align: M_sum one row past a multiple of the alignment (the bound computed without its
+    final round_up).
+
+    DeepGEMM tiles M_sum in BLOCK_M = A blocks: a ragged last block reads past every buffer of
+    M_sum rows (ref §2.3: M_sum % A == 0 is asserted by ep_scatter's host wrapper).
+    """
+
+    name = "m_sum_not_aligned"
+
+    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().align(p, x, up, rank)
+        out["M_sum"] += 1
         return out
 
 
@@ -240,6 +259,45 @@ class UnalignedSegments(OptimizedBackend):
 
     def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         return super().permute(p, x, _with(up, "align", alignment=1), rank)
+
+
+class SegmentMIndicesWrong(OptimizedBackend):
+    """permute: the live rows of one expert's segment (the first one with live rows) carry the
+    next local expert's id in m_indices; the rows themselves and expert_ends stay right.
+
+    The m_indices fill of ep_scatter's first kernel writing another program's expert (ref §3.4:
+    one program per expert fills its own segment), class (e): DeepGEMM then multiplies that
+    segment by the wrong expert's weights.
+    """
+
+    name = "segment_m_indices_wrong"
+
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().permute(p, x, up, rank)
+        counts = up["align"]["counts"].tolist()
+        e = next(i for i, c in enumerate(counts) if c)
+        start = int(out["expert_start"][e])
+        out["m_indices"][start : start + counts[e]] = (e + 1) % len(counts)
+        return out
+
+
+class ExpertEndsOffByOne(OptimizedBackend):
+    """permute (psum layout): one expert's cumulative end one row too far, so the first gap row
+    of its segment counts as live.
+
+    vLLM 0.32's psum ends are aligned_start + count (ref §3.7 `build_psum_group_end`); ending at
+    start + count + 1 (an inclusive end) makes DeepGEMM and act_quant compute a padding row as
+    that expert's, and a - 1 would drop its last live row.
+    """
+
+    name = "expert_ends_off_by_one"
+
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().permute(p, x, up, rank)
+        align = up["align"]["alignment"]
+        e = next(i for i, c in enumerate(up["align"]["counts"].tolist()) if c % align)
+        out["expert_ends"][e] += 1
+        return out
 
 
 class InvPermOffByOne(OptimizedBackend):
@@ -520,12 +578,15 @@ WRONG_BACKENDS: tuple[type[OptimizedBackend], ...] = (
     RoutedScalingTwice,
     FloorInputScales,
     MSumOneBlockShort,
+    MSumNotAligned,
     HalfAlignment,
     ExpertMapIgnoredOnRank1,
     SwappedExpertRows,
     SlotInWrongSegment,
     PaddingMIndicesZero,
     UnalignedSegments,
+    SegmentMIndicesWrong,
+    ExpertEndsOffByOne,
     InvPermOffByOne,
     GarbagePaddingScales,
     NanPaddingPackedScales,

@@ -97,7 +97,18 @@ def build_golden(
     padded = (counts.long() + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
     m_sum = int(padded.sum())
     starts = torch.cumsum(padded, 0) - padded
-    trace.add("align", {"M_sum": m_sum, "alignment": ALIGNMENT, "counts": counts})
+    slots = t * k  # both upper bounds of M_sum, by hand: min(8, E=4) = E, so they coincide
+    bound = -(-(slots + min(slots, e) * (ALIGNMENT - 1)) // ALIGNMENT) * ALIGNMENT
+    recipes = {"exact_counts": m_sum, "min_active_bound": bound, "all_experts_bound": bound}
+    trace.add(
+        "align",
+        {
+            "M_sum": m_sum,
+            "alignment": ALIGNMENT,
+            "counts": counts,
+            "M_sum_recipes": recipes,
+        },
+    )
 
     m_indices = torch.full((m_sum,), -1, dtype=torch.int32)
     inv_perm = torch.full((t, k), -1, dtype=torch.int32)
@@ -122,6 +133,7 @@ def build_golden(
             "a_perm": a_perm,
             "a_scale_perm": pack_ue8m0(scale_perm) if mx else scale_perm,
             "m_indices": m_indices,
+            "expert_ends": (starts + counts).to(torch.int32),
             "inv_perm": inv_perm,
             "expert_start": starts.to(torch.int32),
         },

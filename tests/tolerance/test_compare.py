@@ -111,8 +111,9 @@ def test_policy_covers_every_stage_recipe_format_and_mode(
 def test_policy_chained_row_outranks_recipe_row() -> None:
     mx = tiny_problem("mxfp8", "ue8m0_packed")
     assert policy_for("gemm2", mx, Mode.CHAINED) != policy_for("gemm2", mx, Mode.ISOLATED)
+    # fp8_block with ceil scales: no recipe row (the quantizers agree there), the generic row
     assert policy_for("gemm2", mx, Mode.CHAINED) == policy_for(
-        "gemm2", tiny_problem(), Mode.CHAINED
+        "gemm2", tiny_problem(scale_fmt="float32_ceil_ue8m0"), Mode.CHAINED
     )
 
 
@@ -253,10 +254,13 @@ def test_quant_input_scale_bit_fails(golden: Trace, other: Trace, problem: MoEPr
 # -- align ----------------------------------------------------------------------------------------
 
 
-def test_align_m_sum_mismatch_fails(golden: Trace, other: Trace, problem: MoEProblem) -> None:
+def test_align_longer_valid_m_sum_passes_as_another_valid_m_sum(
+    golden: Trace, other: Trace, problem: MoEProblem
+) -> None:
+    # A multiple of A above every segment is a valid M_sum, even one no formula gives.
     other["align"]["M_sum"] = golden["align"]["M_sum"] + golden["align"]["alignment"]
-    failed = _failed(_stage(golden, other, problem, "align"))
-    assert set(failed) == {"M_sum"}
+    result = _stage(golden, other, problem, "align")
+    assert result.status == Status.PASS and result.recipe == "another valid M_sum"
 
 
 def test_align_unaligned_m_sum_fails(golden: Trace, other: Trace, problem: MoEProblem) -> None:

@@ -170,3 +170,60 @@ def test_worst_holds_plain_numbers_only() -> None:
     assert Worst(golden=1, other=2.5).other == 2.5
     with pytest.raises(TypeError, match="Worst.golden must be a number, got Tensor"):
         Worst(golden=torch.tensor(119))
+
+
+def _recipe_report(problem: MoEProblem) -> Report:
+    """quant_input passed as the Triton recipe on rank 0 and the CUDA one on rank 1; act_quant
+    failed against its declared recipe; gemm1 names none."""
+
+    def stage(name: str, status: Status, rank: int, recipe: str | None) -> StageResult:
+        check = CheckResult("codes", status is Status.PASS, 0, 0, "why", None, "d", recipe)
+        return StageResult(name, status, [check], rank=rank, recipe=recipe)
+
+    results = [
+        stage("quant_input", Status.PASS, 0, "triton_reciprocal"),
+        stage("quant_input", Status.PASS, 1, "cuda_division"),
+        stage("gemm1", Status.PASS, 0, None),
+        stage("act_quant", Status.FAIL, 0, "colmajor"),
+    ]
+    return Report(problem, "candidate", Mode.ISOLATED, isolated=results)
+
+
+def test_report_names_the_recipe_of_each_stage(problem: MoEProblem) -> None:
+    report = _recipe_report(problem)
+    assert report.recipes() == {
+        "quant_input": "triton_reciprocal / cuda_division",
+        "act_quant": "colmajor",
+    }
+    line = report.summary_line()
+    assert line.startswith(f"FAIL {problem.id} [candidate, isolated] first failure: act_quant@r0 ")
+    assert "(colmajor)" in line
+    assert line.endswith(
+        "recipes: quant_input triton_reciprocal / cuda_division, act_quant colmajor"
+    )
+    table = report.to_table()
+    assert "quant_input@r0 (triton_reciprocal)" in table
+    assert "quant_input@r1 (cuda_division)" in table
+    assert "gemm1@r0  " in table  # no recipe, no parentheses
+    assert "| act_quant@r0 (colmajor) |" in report.to_markdown()
+    assert "act_quant@r0 (colmajor)" in report.to_summary()
+    assert "stage act_quant@r0 (colmajor), check codes" in report.failure_messages()[0]
+
+
+def test_report_recipes_round_trip_through_json(problem: MoEProblem) -> None:
+    report = _recipe_report(problem)
+    back = Report.from_dict(json.loads(report.to_json()))
+    assert back.recipes() == report.recipes()
+    assert [c.recipe for r in back.results for c in r.checks] == [
+        "triton_reciprocal",
+        "cuda_division",
+        None,
+        "colmajor",
+    ]
+
+
+def test_passing_report_names_recipes_in_its_summary_line(problem: MoEProblem) -> None:
+    check = CheckResult("codes", True, 0, 0, "why", None, "d", "triton_reciprocal")
+    passing = [StageResult("quant_input", Status.PASS, [check], recipe="triton_reciprocal")]
+    report = Report(problem, "candidate", Mode.ISOLATED, isolated=passing)
+    assert report.summary_line().endswith("1 pass; recipes: quant_input triton_reciprocal")

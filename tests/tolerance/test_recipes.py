@@ -1,0 +1,221 @@
+"""Stages with several legitimate recipes: quant_input and act_quant match one of the golden's
+recipes (or the declared one), the result names it, a wrong one still fails, and a chained
+permute after another legitimate quantization is compared against the same bytes it copied.
+
+The golden here is the real one (`reference`) on tiny problems: its traces carry every recipe's
+outputs. A tested trace is a copy of it with one stage's outputs replaced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from moe_verify.inputs import make_inputs
+from moe_verify.spec import ActQuantRecipe, InputQuantRecipe, Mode, MoEProblem, Stage, Status
+from reference.moe import ReferenceBackend
+from tests.tolerance.synthetic import clone_trace, replace_stage
+from tolerance.compare import compare_stage
+from tolerance.recipes import RECIPE_REASON, golden_as
+
+pytestmark = pytest.mark.cpu
+
+CUDA, TRITON = InputQuantRecipe.CUDA_DIVISION.value, InputQuantRecipe.TRITON_RECIPROCAL.value
+COLMAJOR, BF16_STEPS = ActQuantRecipe.COLMAJOR.value, ActQuantRecipe.BF16_STEPS.value
+# Two 128-column groups per token; fp32 scales: the two quantizers differ in most groups.
+P = MoEProblem(tokens=16, hidden=256, intermediate=256, num_experts=4, topk=2, alignment=32)
+LL = P.replace(topology="ep:2+ll")  # act_quant: colmajor and the low-latency bf16_steps
+
+
+@functools.cache
+def golden(problem: MoEProblem) -> object:
+    """The golden trace of rank 0 (shared: comparisons never write to it, tests copy it)."""
+    return ReferenceBackend().run(problem, make_inputs(problem), rank=0)
+
+
+def as_recipe(trace: object, stage: str, recipe: str, declare: str | None = None) -> object:
+    """A copy of the golden trace whose `stage` returns `recipe`'s outputs under the contract's
+    names (and, with `declare`, declares that recipe), as a backend implementing it would."""
+    out = clone_trace(trace)
+    keys = out[stage]["recipe_outputs"][recipe]
+    outputs = {name: out[stage][key].clone() for name, key in keys.items()}
+    if declare is not None:
+        outputs["recipe"] = declare
+    return replace_stage(out, stage, outputs)
+
+
+def with_outputs(trace: object, stage: str, **changes: object) -> object:
+    outs = {k: v for k, v in trace[stage].items() if k not in ("recipe", "recipe_outputs")}
+    return replace_stage(trace, stage, {**outs, **changes})
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8) if x.dtype.itemsize == 1 else x.view(torch.int32)
+
+
+# -- quant_input -------------------------------------------------------------------------------
+
+
+def test_the_quantizers_differ_on_this_case() -> None:
+    g = golden(P)[Stage.QUANT_INPUT]
+    assert not torch.equal(bits(g["a1q_scale"]), bits(g["a1q_scale@triton_reciprocal"]))
+    assert not torch.equal(bits(g["a1q"]), bits(g["a1q@triton_reciprocal"]))
+
+
+@pytest.mark.parametrize("recipe", [CUDA, TRITON])
+@pytest.mark.parametrize("declared", [False, True])
+def test_quant_input_matching_a_recipe_passes_and_names_it(recipe: str, declared: bool) -> None:
+    g = golden(P)
+    other = as_recipe(g, Stage.QUANT_INPUT, recipe, recipe if declared else None)
+    result = compare_stage(Stage.QUANT_INPUT, g, other, P)
+    assert result.status is Status.PASS, result.checks
+    assert result.recipe == recipe
+    assert recipe in result.checks[0].detail
+
+
+def test_quant_input_declared_recipe_is_the_only_one_tried() -> None:
+    # Declares the CUDA recipe, computes the Triton one: fails, against the declared recipe.
+    g = golden(P)
+    other = as_recipe(g, Stage.QUANT_INPUT, TRITON, declare=CUDA)
+    result = compare_stage(Stage.QUANT_INPUT, g, other, P)
+    assert result.status is Status.FAIL
+    assert result.recipe == CUDA
+    failed = {c.name for c in result.failed_checks}
+    assert failed == {"a1q codes", "a1q_scale"}
+    held = "against the declared recipe cuda_division"
+    assert all(held in c.detail for c in result.failed_checks)
+    assert all(c.worst is not None for c in result.failed_checks)
+    scales = next(c for c in result.failed_checks if c.name == "a1q_scale")
+    assert "1 fp32 ulp apart" in scales.detail  # 4 printed digits would show equal values
+
+
+def test_quant_input_declaring_an_unknown_recipe_fails() -> None:
+    g = golden(P)
+    other = as_recipe(g, Stage.QUANT_INPUT, CUDA, declare="torch_native")
+    result = compare_stage(Stage.QUANT_INPUT, g, other, P)
+    assert result.status is Status.FAIL
+    (check,) = result.checks
+    assert check.name == "recipe" and check.reason == RECIPE_REASON
+    assert "cuda_division, triton_reciprocal" in check.detail
+
+
+def test_quant_input_wrong_quantizer_fails_against_the_closest_recipe() -> None:
+    # Scales one fp32 ulp above the Triton recipe's in every group, the Triton codes: no recipe
+    # explains the scales; the closest (Triton, whose codes match) is the one reported against.
+    g = golden(P)
+    other = as_recipe(g, Stage.QUANT_INPUT, TRITON)
+    scale = other[Stage.QUANT_INPUT]["a1q_scale"]
+    wrong = (bits(scale) + 1).view(torch.float32)
+    other = with_outputs(other, Stage.QUANT_INPUT, a1q_scale=wrong)
+    result = compare_stage(Stage.QUANT_INPUT, g, other, P)
+    assert result.status is Status.FAIL and result.recipe is None
+    assert [c.name for c in result.failed_checks] == ["a1q_scale"]
+    scales = result.failed_checks[0]
+    assert "no legitimate recipe matches; against the closest, triton_reciprocal" in scales.detail
+    assert scales.worst is not None and scales.worst.column == 0
+
+
+@pytest.mark.parametrize("fmt", ["float32_ceil_ue8m0", "ue8m0_packed"])
+def test_quant_input_ue8m0_recipes_agree_and_both_are_named(fmt: str) -> None:
+    p = P.replace(scale_fmt=fmt)
+    g = golden(p)
+    other = as_recipe(g, Stage.QUANT_INPUT, TRITON)
+    result = compare_stage(Stage.QUANT_INPUT, g, other, p)
+    assert result.status is Status.PASS and result.recipe == CUDA  # the golden's order
+    assert "triton_reciprocal gives the same bits here" in result.checks[0].detail
+
+
+def test_quant_input_mxfp8_has_one_quantizer() -> None:
+    p = P.replace(recipe="mxfp8", scale_fmt="ue8m0_packed")
+    g = golden(p)
+    plain = compare_stage(Stage.QUANT_INPUT, g, clone_trace(g), p)
+    assert plain.status is Status.PASS and plain.recipe is None
+    declared = with_outputs(clone_trace(g), Stage.QUANT_INPUT, recipe=TRITON)
+    result = compare_stage(Stage.QUANT_INPUT, g, declared, p)
+    assert result.status is Status.FAIL
+    assert "has one implementation here" in result.checks[0].detail
+
+
+def test_quant_input_recipe_entry_must_be_a_string() -> None:
+    g = golden(P)
+    other = with_outputs(clone_trace(g), Stage.QUANT_INPUT, recipe=3)
+    result = compare_stage(Stage.QUANT_INPUT, g, other, P)
+    assert result.status is Status.FAIL and result.checks[0].name == "contract"
+
+
+# -- act_quant -----------------------------------------------------------------------------------
+
+
+def test_act_quant_low_latency_recipe_passes_on_ll_and_is_named() -> None:
+    g = golden(LL)
+    for declare in (None, BF16_STEPS):
+        other = as_recipe(g, Stage.ACT_QUANT, BF16_STEPS, declare)
+        result = compare_stage(Stage.ACT_QUANT, g, other, LL)
+        assert result.status is Status.PASS, result.checks
+        assert result.recipe == BF16_STEPS
+
+
+def test_act_quant_declared_colmajor_computing_bf16_steps_fails() -> None:
+    g = golden(LL)
+    other = as_recipe(g, Stage.ACT_QUANT, BF16_STEPS, declare=COLMAJOR)
+    result = compare_stage(Stage.ACT_QUANT, g, other, LL)
+    assert result.status is Status.FAIL and result.recipe == COLMAJOR
+    flips = next(c for c in result.checks if c.name == "scale flips")
+    assert not flips.passed and flips.worst is not None and flips.worst.token is not None
+
+
+def test_act_quant_bf16_steps_does_not_apply_off_the_low_latency_path() -> None:
+    # The contiguous layout's golden has colmajor only: bf16_steps outputs there are a bug.
+    g_ll = golden(LL)
+    g = golden(P)
+    assert list(g[Stage.ACT_QUANT]["recipe_outputs"]) == [COLMAJOR]
+    other = as_recipe(g_ll, Stage.ACT_QUANT, BF16_STEPS, declare=BF16_STEPS)
+    assert compare_stage(Stage.ACT_QUANT, g_ll, other, LL).status is Status.PASS
+    declared = with_outputs(clone_trace(g), Stage.ACT_QUANT, recipe=BF16_STEPS)
+    result = compare_stage(Stage.ACT_QUANT, g, declared, P)
+    assert result.status is Status.FAIL and result.checks[0].name == "recipe"
+
+
+def test_act_quant_wrong_scales_fail_against_the_closest_recipe() -> None:
+    g = golden(LL)
+    other = as_recipe(g, Stage.ACT_QUANT, BF16_STEPS)
+    scale = other[Stage.ACT_QUANT]["a2q_scale"]
+    other = with_outputs(other, Stage.ACT_QUANT, a2q_scale=scale * 1.5)
+    result = compare_stage(Stage.ACT_QUANT, g, other, LL)
+    assert result.status is Status.FAIL and result.recipe is None
+    assert any("closest, bf16_steps" in c.detail for c in result.failed_checks)
+
+
+def test_act_quant_chained_names_the_recipe_too() -> None:
+    g = golden(LL)
+    other = as_recipe(g, Stage.ACT_QUANT, BF16_STEPS)
+    result = compare_stage(Stage.ACT_QUANT, g, other, LL, mode=Mode.CHAINED)
+    assert result.status is Status.PASS and result.recipe == BF16_STEPS
+
+
+# -- a chained permute after another legitimate quantization -------------------------------------
+
+
+@pytest.mark.parametrize("problem", [P, LL], ids=["permute", "dispatch"])
+def test_chained_copy_stage_follows_the_matched_quantizer(problem: MoEProblem) -> None:
+    """The tested side quantized with the Triton recipe and its permute copied those bytes:
+    chained, the copy is compared against the golden permute of the Triton recipe's rows."""
+    g = golden(problem)
+    stage = Stage.DISPATCH if problem.topology.kind.value == "ep+ll" else Stage.PERMUTE
+    triton = g[Stage.QUANT_INPUT]["recipe_outputs"][TRITON]
+    rebound = golden_as(g, Stage.QUANT_INPUT, triton)
+    # the tested side's own chain: the golden's permute / dispatch run on the Triton quantization
+    backend = ReferenceBackend()
+    inputs = make_inputs(problem)
+    copied = backend.run_stage(stage, problem, inputs, rebound.upto(stage), 0)
+    other = replace_stage(as_recipe(g, Stage.QUANT_INPUT, TRITON), stage, copied)
+    assert compare_stage(stage, g, other, problem, mode=Mode.CHAINED).status is Status.PASS
+    # Isolated, that permute fed the golden's (CUDA) rows and must copy those: it fails.
+    assert compare_stage(stage, g, other, problem, mode=Mode.ISOLATED).status is Status.FAIL
+    # A chained permute that copied the golden's CUDA bytes after a Triton quant_input fails.
+    stale = replace_stage(as_recipe(g, Stage.QUANT_INPUT, TRITON), stage, dict(g[stage]))
+    result = compare_stage(stage, g, stale, problem, mode=Mode.CHAINED)
+    assert result.status is Status.FAIL
+    assert {c.name for c in result.failed_checks} >= {"a_perm rows", "a_scale_perm rows"}
