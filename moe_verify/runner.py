@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import json
 import os
+import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,10 @@ def resolve_backend(spec: str | Backend, engine: Engine | str = Engine.AUTO) -> 
         raise ValueError(
             f"backend: expected 'optimized', 'golden', 'vllm' or 'module:Class', got {spec!r}"
         )
+    if (
+        os.getcwd() not in sys.path
+    ):  # a user's module in the current directory, as `python -m` finds it
+        sys.path.insert(0, os.getcwd())
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:

@@ -170,3 +170,18 @@ def test_python_api_runs_on_a_cpu_without_setup() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("True None")
+
+
+def test_a_backend_module_in_the_current_directory_loads_without_pythonpath(tmp_path: Path) -> None:
+    """The README's `--backend module:Class` examples run from the directory holding the module."""
+    (tmp_path / "my_kernels.py").write_text(
+        "import optimized\n\n\nclass MyKernels(optimized.OptimizedBackend):\n    name = 'mine'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)  # the project itself, as an installed package would be found
+    # -P: no current directory on sys.path, as for the `moe-verify` console script
+    cmd = [sys.executable, "-P", "-m", "moe_verify.cli", "run", "--backend", "my_kernels:MyKernels"]
+    cmd += ["-T", "8", "-H", "128", "-I", "128", "-E", "4", "--alignment", "32"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "backend mine" in proc.stdout
