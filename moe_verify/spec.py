@@ -663,17 +663,20 @@ class MoEInputs:
 # The keys a trace stores for a stage that did not run (kept as data so dumps round-trip).
 _SKIPPED = "skipped"
 _ERROR = "error"
+_VIOLATION = "violation"
 
 
 @dataclass(frozen=True)
 class StageFailure:
-    """Why a stage of a trace has no outputs: skipped (with the reason) or raised (the error)."""
+    """Why a stage of a trace has no usable outputs: skipped (with the reason), raised (the
+    error), or returned outputs that break the stage contract (the violation)."""
 
-    status: Status  # Status.SKIP or Status.ERROR
+    status: Status  # Status.SKIP, Status.ERROR, or Status.FAIL for a contract violation
     reason: str
 
     def __str__(self) -> str:
-        return f"{'skipped' if self.status is Status.SKIP else 'error'}: {self.reason}"
+        word = {Status.SKIP: "skipped", Status.ERROR: "error", Status.FAIL: "contract violation"}
+        return f"{word[self.status]}: {self.reason}"
 
 
 class Trace:
@@ -708,6 +711,12 @@ class Trace:
         """`stage` raised `message`: reported as an error at that stage."""
         self.add(stage, {_ERROR: message})
 
+    def add_violation(self, stage: str, message: str) -> None:
+        """`stage` ran but broke the stage contract (a wrong dtype, shape or stride, an in-place
+        write into its upstream or inputs): a failed check at that stage, and what it returned
+        is not used downstream."""
+        self.add(stage, {_VIOLATION: message})
+
     def failure(self, stage: str) -> StageFailure | None:
         """Why `stage` has no outputs (absent, skipped or raised), or None when it ran."""
         outs = self._stages.get(stage)
@@ -715,6 +724,8 @@ class Trace:
             return StageFailure(Status.SKIP, f"{self.backend} has no {stage} stage (not run)")
         if _ERROR in outs:
             return StageFailure(Status.ERROR, str(outs[_ERROR]))
+        if _VIOLATION in outs:
+            return StageFailure(Status.FAIL, str(outs[_VIOLATION]))
         if _SKIPPED in outs:
             return StageFailure(Status.SKIP, str(outs[_SKIPPED]))
         return None

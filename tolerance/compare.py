@@ -74,8 +74,9 @@ def default_stages(problem: MoEProblem, golden: Trace, other: Trace) -> list[str
 
 
 def not_compared(stage: str, golden: Trace, other: Trace) -> StageResult | None:
-    """A skip (stage missing or skipped on either side) or error (a side raised in the stage)
-    result when `stage` cannot be compared; None when it can. The other side is checked first."""
+    """A skip (stage missing or skipped on either side), error (a side raised in the stage) or
+    fail (a side broke the stage contract) result when `stage` cannot be compared; None when it
+    can. The other side is checked first."""
     for trace, who in ((other, other.backend), (golden, f"golden ({golden.backend})")):
         failure = trace.failure(stage)
         if failure is None:
@@ -84,6 +85,8 @@ def not_compared(stage: str, golden: Trace, other: Trace) -> StageResult | None:
             reason = f"{who} trace has no '{stage}' stage (not run)"
         elif failure.status is Status.ERROR:
             reason = f"{who} raised in {stage}: {failure.reason}"
+        elif failure.status is Status.FAIL:
+            reason = f"{who} broke the {stage} contract: {failure.reason}"
         else:
             reason = f"{who} skipped {stage}: {failure.reason}"
         return StageResult(stage, failure.status, [], reason)

@@ -1,0 +1,86 @@
+"""Progress on stderr, per case, rank and stage (tqdm): a long CPU case is never silent.
+
+`case_bar` wraps one case: the runner calls `stage_started` as each stage of each side begins,
+and the bar shows where the case is. `SweepBar` counts a sweep's cases and keeps one log line per
+finished case. On a terminal the bars redraw in place; in a CI log (stderr not a TTY) they redraw
+at most every `LOG_INTERVAL_S`, so a log gets a line now and then rather than thousands.
+`MOE_VERIFY_PROGRESS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+from tqdm import tqdm
+
+LOG_INTERVAL_S = 15.0
+
+_case: tqdm | None = None
+
+
+def _enabled() -> bool:
+    return os.environ.get("MOE_VERIFY_PROGRESS", "1") != "0"
+
+
+def _interval() -> float:
+    return 0.2 if sys.stderr.isatty() else LOG_INTERVAL_S
+
+
+@contextlib.contextmanager
+def case_bar(case_id: str, total_stages: int) -> Iterator[None]:
+    """A bar over one case's `total_stages` stage runs (every side, mode and rank)."""
+    global _case
+    outer = _case
+    bar = tqdm(
+        total=total_stages,
+        desc=case_id,
+        unit="stage",
+        file=sys.stderr,
+        leave=False,
+        mininterval=_interval(),
+        disable=not _enabled(),
+        dynamic_ncols=True,
+    )
+    _case = bar
+    try:
+        yield
+    finally:
+        bar.close()
+        _case = outer
+
+
+def stage_started(rank: int, side: str, stage: str) -> None:
+    """`side` (golden, or the tested backend's mode) begins `stage` of `rank`."""
+    if _case is None:
+        return
+    _case.set_postfix_str(f"rank {rank} {side} {stage}", refresh=False)
+    _case.update(1)
+
+
+class SweepBar:
+    """A bar over a sweep's cases; each finished case also leaves its summary line."""
+
+    def __init__(self, total: int, name: str) -> None:
+        self._bar = tqdm(
+            total=total,
+            desc=f"sweep {name}",
+            unit="case",
+            file=sys.stderr,
+            mininterval=_interval(),
+            disable=not _enabled(),
+            dynamic_ncols=True,
+        )
+        self._enabled = _enabled()
+
+    def advance(self, line: str) -> None:
+        if self._enabled:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
