@@ -783,6 +783,12 @@ class StageSkipped(Exception):
     """
 
 
+class StageViolation(Exception):
+    """Raised by a backend (or the harness) when a stage ran but broke the stage contract, e.g. a
+    write past the end of its workspace that did not fault: a failed check at that stage
+    (`Trace.add_violation`), not an error."""
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What every MoE implementation under test provides (DESIGN.md "Public surface")."""

@@ -22,6 +22,7 @@ from moe_verify.spec import (
     Recipe,
     Stage,
     StageSkipped,
+    StageViolation,
     TopologyKind,
     Trace,
     run_stages,
@@ -90,11 +91,11 @@ class OptimizedBackend:
         except Exception as exc:
             hits = self.workspaces.guard_hits()
             if hits:  # the stage failed and wrote out of bounds: report both
-                raise RuntimeError(f"{type(exc).__name__}: {exc}; and {stage} {hits}") from exc
+                raise StageViolation(f"{type(exc).__name__}: {exc}; and {stage} {hits}") from exc
             raise
         hits = self.workspaces.guard_hits()
         if hits:
-            raise RuntimeError(f"{stage} {hits}")
+            raise StageViolation(f"{stage} {hits}")
         return outputs
 
     def stage_hook(self, stage: str) -> StageHook:
