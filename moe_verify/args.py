@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from pathlib import Path
 
+from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S
 from moe_verify.spec import (
     MODE_CHOICES,
     Engine,
@@ -15,10 +18,39 @@ from moe_verify.spec import (
     Recipe,
     Routing,
     ScaleFmt,
+    Status,
 )
+from tolerance.report import EXIT_CODES
 
-# 0 every check passed, 1 a check failed, 2 an error (bad arguments, crash, missing dependency).
-EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+# 0 every check passed, 1 a check failed, 2 an error (bad arguments, crash, missing dependency, a
+# timeout, or nothing verified); 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM), as shells
+# report those signals.
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR = (EXIT_CODES[s] for s in (Status.PASS, Status.FAIL, Status.ERROR))
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+
+
+def seconds(text: str) -> float:
+    """--case-timeout: a finite number of seconds >= 0 (0: no limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of seconds >= 0 (0: no limit), got {text!r}"
+        )
+    return value
+
+
+def byte(text: str) -> int:
+    """--poison: one byte, decimal or 0x-hex (255, 0xFF, 0)."""
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 0xFF:
+        raise argparse.ArgumentTypeError(f"expected a byte 0..255 or 0x00..0xFF, got {text!r}")
+    return value
 
 
 def add_problem_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +119,25 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     add_backend_args(run)
     run.add_argument("--json", help="write the report as JSON here")
     run.add_argument("--markdown", help="write the report as markdown here")
-    run.add_argument("--dump-dir", help="on failure, dump inputs and both traces here")
+    run.add_argument(
+        "--dump-dir", help="on failure, dump inputs and every trace here (for `replay`)"
+    )
+    add_case_timeout_arg(run)
+    add_plot_arg(run)
+    run.add_argument(
+        "--workspace",
+        action="store_true",
+        help="the optimized backend reuses its output buffers across calls, as vLLM's "
+        "workspaces are, with canary guard bands checked after every stage",
+    )
+    run.add_argument(
+        "--poison",
+        type=byte,
+        action="append",
+        metavar="BYTE",
+        help="fill the optimized backend's buffers with this byte before each use (0xFF, 255, "
+        "0); twice for a two-poison run, whose two runs must also agree bit for bit",
+    )
     run.add_argument(
         "--strict", action="store_true", help="a skipped stage fails the run too (exit 1)"
     )
@@ -118,10 +168,66 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     )
 
 
+def add_case_timeout_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--case-timeout",
+        type=seconds,
+        default=DEFAULT_CASE_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"a case still running after this long is an error naming the stage in flight "
+        f"(default {DEFAULT_CASE_TIMEOUT_S:g}; 0: no limit)",
+    )
+
+
+def add_plot_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--plot", metavar="DIR", help="write a heatmap of each failing stage's error here"
+    )
+
+
+def check_output_file(flag: str, value: str | os.PathLike[str] | None) -> None:
+    """Before any work: `value` can be written as a file (its directory exists and is writable,
+    and it is not a directory); ValueError naming the flag and the path otherwise."""
+    if value is None:
+        return
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; expected a file path")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
+def check_output_dir(flag: str, value: str | os.PathLike[str] | None) -> None:
+    """Before any work: `value` can be used as a directory (it is one, or it can be made under
+    its nearest existing ancestor); ValueError naming the flag and the path otherwise."""
+    if value is None:
+        return
+    path = Path(value)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"{existing} is a file"
+        raise ValueError(f"{flag} {path}: {what}; expected a directory")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"{flag} {path}: {existing} is not writable")
+
+
 def problem_from_args(args: argparse.Namespace) -> MoEProblem:
     """The problem the flags describe, or the one --problem-json holds."""
     if getattr(args, "problem_json", None):
-        return MoEProblem.from_dict(json.loads(Path(args.problem_json).read_text()))
+        path = Path(args.problem_json)
+        data = json.loads(path.read_text())
+        try:
+            return MoEProblem.from_dict(data)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"--problem-json {path}: expected MoEProblem.to_dict()'s fields, got "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
     recipe = Recipe(args.recipe)
     return MoEProblem(
         tokens=args.tokens,

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from moe_verify import progress
+from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S, CaseTimeout, deadline
 from moe_verify.inputs import make_inputs
 from moe_verify.runner import resolve_backend, run_golden
 from moe_verify.spec import (
@@ -207,11 +209,13 @@ def calibrate(
     cases: list[MoEProblem] | None = None,
     backend: str | Backend = "optimized",
     engine: str = "auto",
+    case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S,
 ) -> CalibrationResult:
     """Measure every case (default CALIBRATION) on seeds case.seed .. case.seed + seeds - 1.
 
     With `out`, the markdown goes there and the JSON beside it (out.with_suffix(".json")).
-    A case that cannot run is recorded in `notes`, never dropped silently.
+    A case that cannot run is recorded in `notes`, never dropped silently; so is one still
+    running after `case_timeout_s` (per case and seed; None or 0: no limit).
     """
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
@@ -229,12 +233,16 @@ def calibrate(
         for i in range(seeds):
             problem = case.replace(seed=case.seed + i)
             try:
-                for source, stage, check, value, limit in _measure(problem, tested, notes, seen):
-                    key = (case.id, source, stage, check)
-                    m = table.setdefault(key, Measurement(case.id, source, stage, check, limit))
-                    m.values[problem.seed] = max(value, m.values.get(problem.seed, -math.inf))
-                _e8m0_costs(case, problem.seed, costs)
-            except Exception as exc:  # noqa: BLE001 - one broken case must not end the run
+                with deadline(case_timeout_s, progress.where):
+                    for source, stage, check, value, limit in _measure(
+                        problem, tested, notes, seen
+                    ):
+                        key = (case.id, source, stage, check)
+                        new = Measurement(case.id, source, stage, check, limit)
+                        m = table.setdefault(key, new)
+                        m.values[problem.seed] = max(value, m.values.get(problem.seed, -math.inf))
+                    _e8m0_costs(case, problem.seed, costs)
+            except (Exception, CaseTimeout) as exc:  # noqa: BLE001 - one case never ends the run
                 notes.append(f"{problem.id}: not measured: {type(exc).__name__}: {exc}")
         seconds[case.id] = round(time.perf_counter() - t0, 2)
         engines[case.id] = sorted(seen)

@@ -192,6 +192,6 @@ PRESETS = {
 
 
 def preset(name: str) -> list[MoEProblem]:
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
     return PRESETS[name]()

@@ -1,30 +1,82 @@
-"""`moe-verify`: run one case, sweep a preset, calibrate tolerances, replay a dump, check DeepGEMM.
+"""`moe-verify`: verify fused-MoE kernels stage by stage against an independent golden.
 
-Exit codes: 0 every check passed, 1 a check failed, 2 an error (bad arguments, crash, missing
-dependency).
+`moe-verify` alone runs `run` on the small default case (a CPU does it in seconds).
+
+Exit codes: 0 every check passed; 1 a check failed; 2 an error (bad arguments or output paths, a
+crash, a timeout, a missing dependency, or nothing verified: every stage skipped); 130
+interrupted (Ctrl-C); 143 terminated (SIGTERM). An error is one line on stderr; -v or
+MOE_VERIFY_DEBUG=1 adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from moe_verify.args import (
     EXIT_ERROR,
     EXIT_FAIL,
+    EXIT_INTERRUPTED,
     EXIT_PASS,
+    EXIT_TERMINATED,
     add_backend_args,
+    add_case_timeout_arg,
+    add_plot_arg,
     add_problem_args,
     add_run_args,
+    check_output_dir,
+    check_output_file,
     problem_from_args,
 )
-from moe_verify.spec import Engine
+from moe_verify.contain import terminate_as_exit, terminated, user_interrupted, watch_interrupts
+from moe_verify.spec import MODE_CHOICES, Engine
+from tolerance.report import Report
+
+
+def require_engine(engine: str | None) -> None:
+    """An engine asked for by name must be able to run here (`auto` picks one that can)."""
+    if engine is None or Engine(engine) is not Engine.DEEPGEMM:
+        return
+    from optimized import deepgemm
+
+    status = deepgemm.probe()
+    if not status.usable:
+        raise RuntimeError(
+            f"--engine deepgemm cannot run here: {status.reason} "
+            "(--engine auto runs the GEMMs on the Triton grouped GEMM instead)"
+        )
+
+
+def print_files(report: Report, args: argparse.Namespace) -> None:
+    """Say where the run's dump and plots went, or why there are none."""
+    if args.dump_dir:
+        dumps = report.files.get("dump", [])
+        for where in dumps:
+            print(f"dumped to {where} (moe-verify replay {where} re-runs it)")
+        if not dumps:
+            print("nothing dumped: every check passed")
+    if args.plot:
+        plots = report.files.get("plots", [])
+        print(
+            f"plots in {args.plot} ({len(plots)} files)" if plots else "no plots: no stage failed"
+        )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    check_output_file("--json", args.json)
+    check_output_file("--markdown", args.markdown)
+    check_output_dir("--dump-dir", args.dump_dir)
+    check_output_dir("--plot", args.plot)
+    require_engine(args.engine)
     if args.launcher == "torchrun":
+        given = {"--workspace": args.workspace, "--poison": args.poison, "--plot": args.plot}
+        unsupported = [flag for flag, value in given.items() if value]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not supported with --launcher torchrun")
         from moe_verify.distributed.launch import launch_from_args
 
         return launch_from_args(args)
@@ -40,40 +92,56 @@ def cmd_run(args: argparse.Namespace) -> int:
         engine=args.engine,
         dump_dir=Path(args.dump_dir) if args.dump_dir else None,
         compare_device="cpu" if args.compare_on == "cpu" else None,
+        case_timeout_s=args.case_timeout or None,
+        plot_dir=Path(args.plot) if args.plot else None,
+        workspace=args.workspace,
+        poison=args.poison,
     )
     print(report.to_table() if args.verbose else report.to_summary())
+    print_files(report, args)
     if args.json:
         Path(args.json).write_text(report.to_json())
     if args.markdown:
         Path(args.markdown).write_text(report.to_markdown())
-    ok = report.passed_strict if args.strict else report.passed
-    return EXIT_PASS if ok else EXIT_FAIL
+    if args.strict and report.exit_code == EXIT_PASS and not report.passed_strict:
+        return EXIT_FAIL
+    return report.exit_code
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    check_output_dir("--out", args.out)
+    check_output_dir("--plot", args.plot)
+    require_engine(args.engine)
     from moe_verify.sweep import sweep
 
+    # plot_dir only when asked for: the sweep's plots are optional, its cases are not.
+    plots = {"plot_dir": Path(args.plot)} if args.plot else {}
     summary = sweep(
         args.preset,
         backend=args.backend,
         mode=args.mode,
         engine=args.engine,
         out_dir=Path(args.out),
-        isolate=args.isolate,
+        isolate=not args.in_process,
         filter_text=args.filter,
+        case_timeout_s=args.case_timeout or None,
+        **plots,
     )
-    return EXIT_PASS if summary.passed else EXIT_FAIL
+    return summary.exit_code
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    require_engine(args.engine)
     from moe_verify.verification import replay
 
     report = replay(Path(args.dump), backend=args.backend, engine=args.engine, mode=args.mode)
-    print(report.to_summary())
-    return EXIT_PASS if report.passed else EXIT_FAIL
+    print(report.to_table() if args.verbose else report.to_summary())
+    return report.exit_code
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    check_output_file("--out", args.out)
+    require_engine(args.engine)
     from moe_verify.calibrate import calibrate
 
     cases = None
@@ -87,12 +155,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cases=cases,
         backend=args.backend,
         engine=args.engine,
+        case_timeout_s=args.case_timeout or None,
     )
     print(result.to_markdown())
     return EXIT_PASS
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    check_output_file("--out", args.out)
     from moe_verify.bench import bench, compare_cost, to_markdown
 
     problem = problem_from_args(args)
@@ -108,6 +178,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_audit_e8m0(args: argparse.Namespace) -> int:
+    check_output_dir("--out", args.out)
     from moe_verify.audit import DEFAULT_MAX_RATIO, audit, write_report
 
     report = audit(
@@ -154,29 +225,70 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+class _CommandHelp(argparse.RawDescriptionHelpFormatter):
+    """argparse measures the subcommands one indent short of where it prints them, so a name
+    longer than eight characters pushes its help to a line of its own; this counts the indent."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):
+            names = [len(choice.dest) for choice in action._get_subactions()]
+            width = max(names, default=0) + self._current_indent + 2 * self._indent_increment
+            self._action_max_length = max(self._action_max_length, width)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-verify", description=__doc__)
-    sub = parser.add_subparsers(dest="command")
+    parser = argparse.ArgumentParser(
+        prog="moe-verify",
+        description=__doc__,
+        formatter_class=_CommandHelp,
+        epilog="`moe-verify COMMAND --help` lists a command's flags.",
+    )
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
 
     run = sub.add_parser("run", help="verify one case stage by stage (the default command)")
     add_run_args(run)
     run.set_defaults(func=cmd_run)
 
-    sw = sub.add_parser("sweep", help="run a preset case list; junit XML, JSON, markdown")
-    sw.add_argument("--preset", default="smoke", help="smoke | nightly")
+    sw = sub.add_parser("sweep", help="run a preset's cases; junit XML, JSON, markdown")
+    sw.add_argument("--preset", default="smoke", help="smoke | topology | nightly | dsv3-ep8")
     sw.add_argument("--out", default="moe-verify-out", help="directory for the summaries")
-    sw.add_argument(
+    containment = sw.add_mutually_exclusive_group()
+    containment.add_argument(
         "--isolate",
         action="store_true",
-        help="run each case in a subprocess (a crash/IMA takes down one case only)",
+        help="each case in its own subprocess, so a crash or hang ends that case only "
+        "(the default)",
+    )
+    containment.add_argument(
+        "--in-process",
+        action="store_true",
+        help="every case in this process: faster to start, but a segfault or an illegal memory "
+        "access ends the whole sweep",
     )
     sw.add_argument("--filter", default=None, help="only cases whose id contains this text")
+    add_case_timeout_arg(sw)
+    add_plot_arg(sw)
     add_backend_args(sw)
     sw.set_defaults(func=cmd_sweep)
 
-    rp = sub.add_parser("replay", help="re-run a dumped failing case")
-    rp.add_argument("dump")
-    add_backend_args(rp)
+    rp = sub.add_parser("replay", help="re-run a dumped failing case on its dumped inputs")
+    rp.add_argument("dump", help="the dump directory (--dump-dir) or one case directory in it")
+    rp.add_argument(
+        "--backend",
+        default=None,
+        help="default: the backend the dump recorded (with its workspace and poison options)",
+    )
+    rp.add_argument(
+        "--engine",
+        default=None,
+        choices=[e.value for e in Engine],
+        help="default: the engine the dump recorded",
+    )
+    rp.add_argument(
+        "--mode", default=None, choices=MODE_CHOICES, help="default: the mode the dump recorded"
+    )
+    rp.add_argument("--verbose", "-v", action="store_true", help="every check of every stage")
     rp.set_defaults(func=cmd_replay)
 
     cal = sub.add_parser("calibrate", help="measure the noise floor per stage and recipe")
@@ -188,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="calibrate on a preset's cases (e.g. nightly on the GPU) instead of the "
         "built-in CPU-sized calibration list",
     )
+    add_case_timeout_arg(cal)
     add_backend_args(cal, modes=False)
     cal.set_defaults(func=cmd_calibrate)
 
@@ -205,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     au = sub.add_parser(
         "audit-e8m0",
-        help="what E8M0 (power-of-two) scales cost a checkpoint's FP8 block-scaled weights",
+        help="what E8M0 scales cost an FP8 block-scaled checkpoint",
     )
     au.add_argument("checkpoint", help="a directory of *.safetensors (with config.json) or a file")
     au.add_argument("--out", default="audit-e8m0-out", help="directory for report.md/.json, plots")
@@ -227,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     au.set_defaults(func=cmd_audit_e8m0)
 
-    doc = sub.add_parser("doctor", help="what this machine can run")
+    doc = sub.add_parser("doctor", help="what this machine can run (torch, GPU, DeepGEMM)")
     doc.add_argument(
         "--first-call", action="store_true", help="also run one DeepGEMM GEMM in a subprocess"
     )
@@ -236,16 +349,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The exit code of `moe-verify argv`. Every exception becomes one line on stderr (with the
+    traceback under -v or MOE_VERIFY_DEBUG=1) and exit 2, never 1, which only a failed check
+    earns: a backend's sys.exit() or KeyboardInterrupt included. The user's Ctrl-C exits 130 and
+    SIGTERM 143, as shells report those signals; argparse's own errors exit 2."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-"):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["run", *argv]  # `moe-verify` alone runs the small default case
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except (ValueError, RuntimeError) as exc:  # bad input, or the golden itself failing
-        print(f"moe-verify: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    debug = getattr(args, "verbose", False) or os.environ.get("MOE_VERIFY_DEBUG") == "1"
+    # Inside the watchers: whose interrupt or exit it was is known only while they are active.
+    with watch_interrupts(), terminate_as_exit():
+        try:
+            return int(args.func(args))
+        except KeyboardInterrupt as exc:
+            if user_interrupted():
+                print("moe-verify: interrupted", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            return _error(exc, debug)
+        except SystemExit as exc:
+            if terminated():
+                print("moe-verify: terminated", file=sys.stderr)
+                return EXIT_TERMINATED
+            return _error(exc, debug)
+        except BaseException as exc:  # noqa: BLE001 - a crash of any kind is an error, exit 2
+            return _error(exc, debug)
+
+
+def _error(exc: BaseException, debug: bool) -> int:
+    """One stderr line for `exc` (after its traceback when debugging); EXIT_ERROR."""
+    if debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, SystemExit):
+        text = f"sys.exit({exc.code!r}) during the run (a backend must not exit the process)"
+    elif isinstance(exc, KeyboardInterrupt):
+        text = "KeyboardInterrupt raised during the run, not by Ctrl-C (a backend raised it)"
+    elif type(exc) is ValueError:  # bad input: its message names the argument and the value
+        text = str(exc)
+    else:  # 'KeyError: 3' means nothing without its type
+        text = f"{type(exc).__name__}: {exc}"
+        if not debug:
+            text += " (-v or MOE_VERIFY_DEBUG=1 shows the traceback)"
+    print(f"moe-verify: error: {text}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

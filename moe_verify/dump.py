@@ -1,26 +1,57 @@
 """Dumps of a failing case (safetensors, never pickle) and `replay` from a dump.
 
-A dump directory holds:
+A dump directory holds one directory per failing case, named by the case id:
   problem.json            the MoEProblem (MoEProblem.from_dict reads it back)
+  run.json                how it was run: the backend spec as verify() got it ("optimized",
+                          "module:Class", the module:Class of a Backend instance), engine, mode,
+                          workspace and poison options (absent in older dumps, and when the
+                          dumping caller did not say)
   report.json             the report that failed
   inputs.safetensors      every MoEInputs tensor, keyed by field (QuantizedWeight as field.q/.scale)
   <side>_r<rank>.safetensors  each trace (golden, isolated, chained), keyed "stage/name"; host
                           values (M_sum, engine, skip reasons) in the file's metadata
+
+A dump is read as untrusted input (it may come from anyone's bug report): every file through
+moe_verify.safe_io, so a bad one is a ValueError naming it, never a hang or a traceback.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from moe_verify.runner import RankRun
+from moe_verify.safe_io import UntrustedFileError, load_safetensors, read_json, safe_file
 from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Trace
 from tolerance.report import Report
+
+# A case directory is one holding this file.
+PROBLEM_FILE = "problem.json"
+RUN_FILE = "run.json"
+INPUTS_FILE = "inputs.safetensors"
+
+
+@dataclass(frozen=True)
+class DumpedCase:
+    """A dumped case read back: what `replay` needs to re-run it bit for bit."""
+
+    problem: MoEProblem
+    inputs: MoEInputs
+    backend: str | None  # the spec verify() got; None: an older dump that did not record it
+    engine: str | None
+    mode: str | None
+    workspace: bool
+    poison: tuple[int, ...]  # the poison bytes the run used (two: the run was checked under both)
+    path: Path  # the case directory
 
 
 def _inputs_to_tensors(inputs: MoEInputs) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -37,21 +68,59 @@ def _inputs_to_tensors(inputs: MoEInputs) -> tuple[dict[str, torch.Tensor], dict
     return tensors, meta
 
 
+# MoEInputs fields a dump must hold (the others may be None).
+_REQUIRED = frozenset(
+    name
+    for name, hint in typing.get_type_hints(MoEInputs).items()
+    if type(None) not in typing.get_args(hint)
+)
+
+
 def _inputs_from_tensors(
-    tensors: dict[str, torch.Tensor], meta: dict[str, str], device: torch.device | str
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str],
+    device: torch.device | str,
 ) -> MoEInputs:
     values: dict[str, Any] = {}
     for f in dataclasses.fields(MoEInputs):
         if f.name in tensors:
             values[f.name] = tensors[f.name].to(device)
         elif f"{f.name}.q" in tensors:
-            block = tuple(json.loads(meta[f"{f.name}.block"]))
             values[f.name] = QuantizedWeight(
-                tensors[f"{f.name}.q"].to(device), tensors[f"{f.name}.scale"].to(device), block
+                tensors[f"{f.name}.q"].to(device),
+                _tensor(path, tensors, f"{f.name}.scale").to(device),
+                _block(path, meta, f"{f.name}.block"),
             )
+        elif f.name in _REQUIRED:
+            raise UntrustedFileError(f"{path}: holds no tensor {f.name!r} (a MoEInputs field)")
         else:
             values[f.name] = None
     return MoEInputs(**values)
+
+
+def _tensor(path: Path, tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in tensors:
+        raise UntrustedFileError(f"{path}: holds no tensor {key!r}")
+    return tensors[key]
+
+
+def _block(path: Path, meta: dict[str, str], key: str) -> tuple[int, int]:
+    """A QuantizedWeight's scale block from the file's metadata: [rows, K elements]."""
+    try:
+        block = json.loads(meta[key])
+    except (KeyError, json.JSONDecodeError, RecursionError):
+        block = meta.get(key)
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise UntrustedFileError(
+            f"{path}: metadata {key!r} must be a JSON [rows, columns] of positive ints, "
+            f"got {block!r:.80}"
+        )
+    return block[0], block[1]
 
 
 def save_trace(trace: Trace, path: Path) -> None:
@@ -74,41 +143,95 @@ def save_trace(trace: Trace, path: Path) -> None:
 
 
 def load_trace(path: Path) -> Trace:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    tensors = load_file(str(path))
-    host = json.loads(meta.get("host", "{}"))
+    """A trace save_trace wrote, read as untrusted input (only files beside it are followed)."""
+    path = Path(path)
+    tensors, meta = load_safetensors(path.parent, path.name)
+    try:
+        host = json.loads(meta.get("host", "{}"))
+        order = json.loads(meta.get("order", "[]"))
+        rank = int(meta.get("rank", "0"))
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise UntrustedFileError(f"{path}: metadata host/order/rank unreadable: {exc}") from None
+    if not isinstance(host, dict) or not isinstance(order, list):
+        raise UntrustedFileError(
+            f"{path}: metadata 'host' must be a JSON object and 'order' a list of stages"
+        )
     stages: dict[str, dict[str, object]] = {}
     for key, value in [*tensors.items(), *host.items()]:
         stage, _, name = key.partition("/")
         stages.setdefault(stage, {})[name] = value
-    trace = Trace(meta.get("backend", "?"), int(meta.get("rank", "0")))
-    order = json.loads(meta.get("order", "[]")) or list(stages)
-    for stage in order:
+    unknown = [s for s in order if s not in stages]
+    if unknown:
+        raise UntrustedFileError(
+            f"{path}: metadata 'order' names stages it holds none of: {unknown}"
+        )
+    trace = Trace(meta.get("backend", "?"), rank)
+    for stage in order or list(stages):
         trace.add(stage, stages[stage])
     return trace
 
 
 def dump_case(
-    directory: Path, problem: MoEProblem, inputs: MoEInputs, runs: list[RankRun], report: Report
+    directory: Path,
+    problem: MoEProblem,
+    inputs: MoEInputs,
+    runs: list[RankRun],
+    report: Report,
+    *,
+    backend: str | None = None,
+    engine: str | None = None,
+    mode: str | None = None,
+    workspace: bool = False,
+    poison: Sequence[int] = (),
 ) -> Path:
-    """Write everything needed to reproduce and inspect a failing case."""
-    out = dump_header(directory, problem, inputs, report)
+    """Write everything needed to reproduce and inspect a failing case, with how it was run
+    (`backend` as verify() got it, or the module:Class of the instance it got); the case
+    directory."""
+    out = dump_header(
+        directory,
+        problem,
+        inputs,
+        report,
+        backend=backend,
+        engine=engine,
+        mode=mode,
+        workspace=workspace,
+        poison=poison,
+    )
     for run in runs:
         dump_rank_traces(out, run.rank, {"golden": run.golden, **run.tested})
     return out
 
 
-def dump_header(directory: Path, problem: MoEProblem, inputs: MoEInputs, report: Report) -> Path:
-    """The case directory with problem.json, report.json and inputs.safetensors; its path."""
+def dump_header(
+    directory: Path,
+    problem: MoEProblem,
+    inputs: MoEInputs,
+    report: Report,
+    *,
+    backend: str | None = None,
+    engine: str | None = None,
+    mode: str | None = None,
+    workspace: bool = False,
+    poison: Sequence[int] = (),
+) -> Path:
+    """The case directory with problem.json, report.json, inputs.safetensors and, given the
+    `backend`, run.json (how to run it again: see the module docstring); its path."""
     out = Path(directory) / problem.id
     out.mkdir(parents=True, exist_ok=True)
-    (out / "problem.json").write_text(json.dumps(problem.to_dict(), indent=2))
+    (out / PROBLEM_FILE).write_text(json.dumps(problem.to_dict(), indent=2))
+    if backend is not None:  # without it a replay needs --backend, as for an older dump
+        run = {
+            "backend": backend,
+            "engine": engine,
+            "mode": mode,
+            "workspace": bool(workspace),
+            "poison": [int(b) for b in poison],
+        }
+        (out / RUN_FILE).write_text(json.dumps(run, indent=2))
     (out / "report.json").write_text(report.to_json())
     tensors, meta = _inputs_to_tensors(inputs)
-    save_file(tensors, str(out / "inputs.safetensors"), metadata=meta)
+    save_file(tensors, str(out / INPUTS_FILE), metadata=meta)
     return out
 
 
@@ -120,19 +243,93 @@ def dump_rank_traces(out: Path, rank: int, sides: dict[str, Trace | None]) -> No
             save_trace(trace, out / f"{side}_r{rank}.safetensors")
 
 
-def load_case(
-    directory: Path, device: torch.device | str | None = None
-) -> tuple[MoEProblem, MoEInputs]:
-    from safetensors import safe_open
+def case_directory(directory: Path) -> tuple[Path, str]:
+    """(the directory files are read under, the case's path relative to it): `directory` itself
+    when it is a case, else its one case subdirectory. A directory of several cases (a sweep's)
+    is refused with their names, so the user picks one."""
+    root = Path(directory).resolve()  # the path the user named is trusted; what it holds is not
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise ValueError(f"dump: {directory} {what} (expected a moe-verify dump directory)")
+    if os.path.lexists(root / PROBLEM_FILE):
+        return root, "."
+    cases = sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_dir() and not p.is_symlink() and os.path.lexists(p / PROBLEM_FILE)
+    )
+    if not cases:
+        raise ValueError(
+            f"dump: {directory} has no {PROBLEM_FILE} and no case directory holding one "
+            "(is it a moe-verify dump?)"
+        )
+    if len(cases) > 1:
+        raise ValueError(
+            f"dump directory {directory} holds {len(cases)} cases: {', '.join(cases)}; "
+            "pass one of them"
+        )
+    return root, cases[0]
 
+
+def load_case(directory: Path, device: torch.device | str | None = None) -> DumpedCase:
+    """The case dumped in `directory` (the case directory, or a dump directory holding exactly
+    one case), its inputs on `device`, every file read as untrusted input."""
     from moe_verify.device import default_device
 
-    directory = Path(directory)
-    if not (directory / "problem.json").exists():
-        raise ValueError(f"dump: {directory} has no problem.json (is it a moe-verify dump?)")
-    problem = MoEProblem.from_dict(json.loads((directory / "problem.json").read_text()))
-    path = directory / "inputs.safetensors"
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    inputs = _inputs_from_tensors(load_file(str(path)), meta, device or default_device())
-    return problem, inputs
+    root, case = case_directory(directory)
+    problem_path = safe_file(root, f"{case}/{PROBLEM_FILE}")
+    data = read_json(root, f"{case}/{PROBLEM_FILE}")
+    if not isinstance(data, dict):
+        raise UntrustedFileError(f"{problem_path}: expected a JSON object (a MoEProblem)")
+    try:
+        problem = MoEProblem.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise UntrustedFileError(f"{problem_path}: not a valid MoEProblem ({why})") from None
+    run = _read_run(root, case)
+    inputs_path = safe_file(root, f"{case}/{INPUTS_FILE}")
+    tensors, meta = load_safetensors(root, inputs_path)
+    inputs = _inputs_from_tensors(inputs_path, tensors, meta, device or default_device())
+    return DumpedCase(
+        problem,
+        inputs,
+        run["backend"],
+        run["engine"],
+        run["mode"],
+        run["workspace"],
+        tuple(run["poison"]),
+        root / case,
+    )
+
+
+def _read_run(root: Path, case: str) -> dict[str, Any]:
+    """run.json checked field by field; an older dump without one records nothing (None)."""
+    unknown: dict[str, Any] = {
+        "backend": None,
+        "engine": None,
+        "mode": None,
+        "workspace": False,
+        "poison": [],
+    }
+    name = f"{case}/{RUN_FILE}"
+    if not os.path.lexists(root / name):
+        return unknown
+    run = read_json(root, name)
+    path = safe_file(root, name)
+    if not isinstance(run, dict):
+        raise UntrustedFileError(f"{path}: expected a JSON object, got {type(run).__name__}")
+    for key in ("backend", "engine", "mode"):
+        if run.get(key) is not None and not isinstance(run[key], str):
+            raise UntrustedFileError(f"{path}: {key!r} must be a string, got {run[key]!r:.80}")
+    if not isinstance(run.get("workspace", False), bool):
+        raise UntrustedFileError(f"{path}: 'workspace' must be true or false")
+    poison = run.get("poison", [])
+    if not (
+        isinstance(poison, list)
+        and len(poison) <= 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in poison)
+    ):
+        raise UntrustedFileError(
+            f"{path}: 'poison' must be a list of at most two bytes (0..255), got {poison!r:.80}"
+        )
+    return {**unknown, **{k: run[k] for k in unknown if k in run}}

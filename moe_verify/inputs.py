@@ -26,7 +26,11 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
     hidden_states ~ N(0, 1) in bf16; weights ~ N(0, 1/fan_in), so GEMM1 outputs are O(1) and a
     gate/up swap or a wrong activation is visible (small-magnitude inputs hide both, §12 obs. 3).
     """
-    device = torch.device(device) if device is not None else default_device()
+    if not isinstance(problem, MoEProblem):
+        raise TypeError(
+            f"make_inputs: problem: expected a MoEProblem, got {type(problem).__name__}"
+        )
+    device = _device(device) if device is not None else default_device()
     gen = torch.Generator(device=device).manual_seed(problem.seed)
     p = problem
     e, h, i, t = p.num_experts, p.hidden, p.intermediate, p.tokens
@@ -75,6 +79,21 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
         shared_w13=shared_w13,
         shared_w2=shared_w2,
     )
+
+
+def _device(device: object) -> torch.device:
+    """torch.device(device), with torch's RuntimeError for a bad string made a clear ValueError."""
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(
+            f"make_inputs: device: expected a torch.device or a string such as 'cpu' or "
+            f"'cuda:0', got {device!r} ({type(device).__name__})"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(
+            f"make_inputs: device: expected a device such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from None
 
 
 # Experts are quantized in chunks of about this many elements, so the fp32 temporaries stay near
@@ -133,8 +152,7 @@ def _routing(
     device = logits.device
     mode = p.routing
     if mode in (Routing.EMPTY_FIRST, Routing.EMPTY_MIDDLE, Routing.EMPTY_LAST):
-        if k >= e:
-            raise ValueError(f"routing {mode}: needs topk < num_experts to leave an expert empty")
+        # MoEProblem refuses topk >= num_experts here: an expert can always be left empty.
         empty = {Routing.EMPTY_FIRST: 0, Routing.EMPTY_MIDDLE: e // 2, Routing.EMPTY_LAST: e - 1}
         logits = logits.clone()
         logits[:, empty[mode]] = _NEVER
@@ -170,3 +188,134 @@ def _routing(
     else:
         raise ValueError(f"routing mode {mode} is not handled")
     return logits, ids.to(torch.int32), weights.float()
+
+
+def check_inputs(problem: MoEProblem, inputs: MoEInputs) -> None:
+    """Raise ValueError unless every tensor of `inputs` has the shape and dtype `problem` implies.
+
+    Inputs built for another problem (E=4 weights for an E=8 problem, T=16 tokens for T=32) would
+    otherwise run, compare golden against tested on the same wrong data and pass under the
+    problem's case id. Shapes, dtypes and devices only, plus the range of given topk_ids (a
+    tensor read, once per case).
+    """
+    if not isinstance(problem, MoEProblem):
+        raise TypeError(
+            f"check_inputs: problem: expected a MoEProblem, got {type(problem).__name__}"
+        )
+    if not isinstance(inputs, MoEInputs):
+        raise TypeError(f"check_inputs: inputs: expected a MoEInputs, got {type(inputs).__name__}")
+    p = problem
+    t, h, i, e, k = p.tokens, p.hidden, p.intermediate, p.num_experts, p.topk
+    check = _InputChecker(p, inputs.hidden_states)
+    check.tensor("hidden_states", inputs.hidden_states, (t, h), (torch.bfloat16,))
+    check.tensor("router_logits", inputs.router_logits, (t, e), (torch.float32,))
+    if p.routing is Routing.GROUPED:
+        if inputs.score_bias is not None:
+            check.tensor("score_bias", inputs.score_bias, (e,), (torch.float32,))
+    else:
+        check.absent("score_bias", inputs.score_bias, f"routing {p.routing.value!r} has no bias")
+    if (inputs.topk_ids is None) != (inputs.topk_weights is None):
+        raise ValueError(
+            f"inputs.topk_ids and inputs.topk_weights: expected both or neither for {p.id}, got "
+            f"topk_ids {_describe(inputs.topk_ids)} and topk_weights "
+            f"{_describe(inputs.topk_weights)}"
+        )
+    if inputs.topk_ids is not None:
+        check.tensor("topk_ids", inputs.topk_ids, (t, k), (torch.int32, torch.int64))
+        check.tensor("topk_weights", inputs.topk_weights, (t, k), (torch.float32,))
+        ids = inputs.topk_ids
+        if ids.numel() and not bool(((ids >= -1) & (ids < e)).all()):
+            raise ValueError(
+                f"inputs.topk_ids: expected expert ids in [-1, {e}) for {p.id}, got values in "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
+    elif p.routing in (
+        Routing.UNIFORM,
+        Routing.ONE_EXPERT,
+        Routing.INVALID_SLOTS,
+        Routing.DUPLICATES,
+    ):
+        raise ValueError(
+            f"inputs.topk_ids: expected int32 {[t, k]} for {p.id} (routing {p.routing.value!r} "
+            "fixes ids directly), got None"
+        )
+    check.tensor("w13", inputs.w13, (e, 2 * i, h), (torch.bfloat16,))
+    check.tensor("w2", inputs.w2, (e, h, i), (torch.bfloat16,))
+    check.weight("w13_q", inputs.w13_q, e, 2 * i, h)
+    check.weight("w2_q", inputs.w2_q, e, h, i)
+    for name, ckpt, n, kk in (
+        ("w13_ckpt", inputs.w13_ckpt, 2 * i, h),
+        ("w2_ckpt", inputs.w2_ckpt, h, i),
+    ):
+        if ckpt is None:
+            continue
+        if p.recipe is not Recipe.FP8_BLOCK or not p.scale_fmt.is_ue8m0:
+            check.absent(name, ckpt, "only fp8_block weights requantized to UE8M0 keep one")
+        check.weight(name, ckpt, e, n, kk)
+    i_s = i * p.shared_experts
+    for name, w, n, kk in (
+        ("shared_w13", inputs.shared_w13, 2 * i_s, h),
+        ("shared_w2", inputs.shared_w2, h, i_s),
+    ):
+        if p.shared_experts:
+            check.weight(name, w, 1, n, kk)
+        else:
+            check.absent(name, w, "the problem has shared_experts=0")
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a tensor {list(t.shape)} {t.dtype} on {t.device}"
+    if isinstance(t, QuantizedWeight):
+        return f"QuantizedWeight q {_describe(t.q)}, scale {_describe(t.scale)}, block {t.block}"
+    return repr(t) if t is None else type(t).__name__
+
+
+class _InputChecker:
+    """Checks of one MoEInputs against one problem; every tensor must sit on hidden_states'
+    device."""
+
+    def __init__(self, problem: MoEProblem, anchor: object) -> None:
+        self.p = problem
+        self.device = anchor.device if isinstance(anchor, torch.Tensor) else None
+
+    def _fail(self, name: str, expected: str, got: object) -> None:
+        raise ValueError(
+            f"inputs.{name}: expected {expected} for MoEProblem {self.p.id}, got {got}"
+        )
+
+    def tensor(
+        self, name: str, t: object, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+    ) -> None:
+        want = f"{list(shape)} {' or '.join(str(d) for d in dtypes)}"
+        if not isinstance(t, torch.Tensor):
+            self._fail(name, f"a tensor {want}", _describe(t))
+            return
+        if tuple(t.shape) != shape or t.dtype not in dtypes:
+            self._fail(name, want, f"{list(t.shape)} {t.dtype}")
+        if self.device is not None and t.device != self.device:
+            self._fail(name, f"a tensor on {self.device} (hidden_states' device)", t.device)
+
+    def absent(self, name: str, value: object, why: str) -> None:
+        if value is not None:
+            self._fail(name, f"None ({why})", _describe(value))
+
+    def weight(self, name: str, w: object, e: int, n: int, k: int) -> None:
+        """A QuantizedWeight [e, n, k] as `quantize_weight` makes it for the recipe."""
+        if not isinstance(w, QuantizedWeight):
+            self._fail(name, f"a QuantizedWeight [{e}, {n}, {k}]", _describe(w))
+            return
+        recipe = self.p.recipe
+        if recipe is Recipe.FP8_BLOCK:
+            q = ((e, n, k), torch.float8_e4m3fn)
+            scale = ((e, -(-n // 128), -(-k // 128)), torch.float32)
+            block = (128, 128)
+        else:
+            fp4 = recipe is Recipe.MXFP4_W4A8
+            q = ((e, n, k // 2), torch.uint8) if fp4 else ((e, n, k), torch.float8_e4m3fn)
+            scale = ((e, n, k // 32), torch.uint8)
+            block = (1, 32)
+        if tuple(w.block) != block:
+            self._fail(f"{name}.block", f"{block} ({recipe})", w.block)
+        self.tensor(f"{name}.q", w.q, q[0], (q[1],))
+        self.tensor(f"{name}.scale", w.scale, scale[0], (scale[1],))

@@ -19,6 +19,7 @@ from tqdm import tqdm
 LOG_INTERVAL_S = 15.0
 
 _case: tqdm | None = None
+_where = "before the first stage"
 
 
 def _enabled() -> bool:
@@ -45,6 +46,8 @@ def case_bar(case_id: str, total_stages: int) -> Iterator[None]:
         dynamic_ncols=True,
     )
     _case = bar
+    global _where
+    _where = "before the first stage"
     try:
         yield
     finally:
@@ -54,10 +57,17 @@ def case_bar(case_id: str, total_stages: int) -> Iterator[None]:
 
 def stage_started(rank: int, side: str, stage: str) -> None:
     """`side` (golden, or the tested backend's mode) begins `stage` of `rank`."""
+    global _where
+    _where = f"rank {rank} {side} {stage}"
     if _case is None:
         return
     _case.set_postfix_str(f"rank {rank} {side} {stage}", refresh=False)
     _case.update(1)
+
+
+def where() -> str:
+    """The stage that began last ('rank 0 isolated gemm1'): what a timeout reports."""
+    return _where
 
 
 class SweepBar:

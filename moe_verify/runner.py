@@ -1,10 +1,13 @@
 """Run a backend against the golden on one rank, in chained and isolated mode, crash-safe.
 
-A stage that raises `StageSkipped` is recorded as skipped (`Trace.add_skipped`); any other
-exception as an error (`Trace.add_error`), so one bad stage never takes the run down. In chained
-mode the stages after a stage that did not run are skipped with that reason. Each stage
-synchronizes the GPU and leaves a breadcrumb (the case and stage in flight) so an illegal memory
-access still says where it was.
+Whatever a backend's stage does, it becomes that stage's result, never the end of the run: a
+`StageSkipped` is a skip; a `StageViolation`, an in-place write into what the stage was handed, or
+outputs that break the stage contract (tolerance/contract.py) are a failed check; anything else it
+raises, including SystemExit (even exit(0)), a KeyboardInterrupt that is not the user's Ctrl-C, or
+the case timeout running out (moe_verify/contain.py), is an error. Once the case timeout ran out,
+every later stage skips. In chained mode the stages after a stage that did not pass skip with its
+reason. Each stage synchronizes the GPU, reports its start (moe_verify.progress) and leaves a
+breadcrumb (the case and stage in flight), so an illegal memory access still says where it was.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from pathlib import Path
 
 import torch
 
+from moe_verify import progress
+from moe_verify.contain import CaseTimeout, expired, terminated, user_interrupted
 from moe_verify.poison import poisoned_allocations
+from moe_verify.protect import Guarded
 from moe_verify.spec import (
     Backend,
     Engine,
@@ -29,32 +35,58 @@ from moe_verify.spec import (
     MoEProblem,
     Stage,
     StageSkipped,
+    StageViolation,
     Trace,
 )
 from reference.topology import REDUCE_INPUTS
+from tolerance.contract import contract_violations
 
 # Stages whose permuted scales have a padding contract (+0.0 fp32, no 0xFF byte): they run with
 # uninitialised allocations poisoned, so a padding row left as torch.empty garbage fails every
 # time instead of passing on zeroed pages (moe_verify/poison.py).
 POISONED_STAGES = frozenset({Stage.PERMUTE, Stage.DISPATCH})
 
+# The side of a golden's run, where progress and breadcrumbs name the tested side's mode.
+GOLDEN_SIDE = "golden"
+# How much of a failed stage's reason the skips after it repeat.
+SHORT_REASON = 120
 
-def resolve_backend(spec: str | Backend, engine: Engine | str = Engine.AUTO) -> Backend:
+
+def resolve_backend(
+    spec: str | Backend,
+    engine: Engine | str = Engine.AUTO,
+    workspace: bool = False,
+    poison: int | None = None,
+) -> Backend:
     """'optimized', 'golden', 'vllm' (vLLM's installed kernels, docs/vllm.md), or
-    'package.module:Class' (any class with the Backend protocol)."""
+    'package.module:Class' (any class with the Backend protocol). `workspace` and `poison`
+    (optimized/workspace.py) go to the optimized backend and to module:Class subclasses of it."""
     if not isinstance(spec, str):
         return spec
+    workspaces = (
+        {"workspace": workspace, "poison": poison} if workspace or poison is not None else {}
+    )
+
+    def refuse() -> None:
+        if workspaces:
+            raise ValueError(
+                f"backend {spec!r}: workspace={workspace}, poison={poison} apply to the optimized "
+                "backend and module:Class subclasses of optimized.OptimizedBackend only"
+            )
+
     if spec == "optimized":
         from optimized import OptimizedBackend
 
-        return OptimizedBackend(engine=engine)
+        return OptimizedBackend(engine=engine, **workspaces)
     if spec == "golden":
         from reference import ReferenceBackend
 
+        refuse()
         return ReferenceBackend()
     if spec == "vllm":
         from moe_verify.adapters.vllm import VllmBackend, VllmUnavailable
 
+        refuse()
         try:
             return VllmBackend(engine=engine)
         except VllmUnavailable as exc:
@@ -72,7 +104,24 @@ def resolve_backend(spec: str | Backend, engine: Engine | str = Engine.AUTO) -> 
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"backend {spec!r}: cannot load it ({exc})") from exc
-    backend = cls()
+    from optimized import OptimizedBackend
+
+    options: dict[str, object] = dict(workspaces)
+    if isinstance(cls, type) and issubclass(cls, OptimizedBackend):
+        options["engine"] = engine  # --engine holds for the optimized path's subclasses too
+    else:
+        refuse()
+        if Engine(engine) is not Engine.AUTO:
+            raise ValueError(
+                f"backend {spec!r}: --engine {engine} applies to the optimized backend and "
+                "module:Class subclasses of optimized.OptimizedBackend only"
+            )
+    try:
+        backend = cls(**options)
+    except TypeError as exc:  # a subclass whose constructor takes other arguments
+        if not workspaces:
+            raise
+        raise ValueError(f"backend {spec!r} cannot take {workspaces} ({exc})") from exc
     missing = [m for m in ("name", "run_stage") if not hasattr(backend, m)]
     if missing:
         raise ValueError(f"backend {spec!r} lacks {missing} of the Backend protocol")
@@ -98,17 +147,23 @@ class RankRun:
         )
 
 
-def _breadcrumb(problem: MoEProblem, rank: int, stage: str, mode: Mode) -> None:
+def _breadcrumb(problem: MoEProblem, rank: int, stage: str, side: str) -> None:
     path = os.environ.get("MOE_VERIFY_BREADCRUMB")
     if path:
         Path(path).write_text(
-            json.dumps({"case": problem.id, "rank": rank, "stage": stage, "mode": mode}) + "\n"
+            json.dumps({"case": problem.id, "rank": rank, "stage": stage, "mode": side}) + "\n"
         )
 
 
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def _at(exc: BaseException) -> str:
+    """' (at file.py:line)' of the innermost frame that raised, or '' without a traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
 
 
 def run_stage_into(
@@ -119,34 +174,81 @@ def run_stage_into(
     inputs: MoEInputs,
     upstream: Trace,
     mode: Mode,
+    golden: bool = False,
 ) -> None:
-    """Run one stage of `backend` on `upstream` and record its outputs, skip or error in `trace`."""
-    _breadcrumb(problem, trace.rank, stage, mode)
+    """Run one stage of `backend` on `upstream` and record in `trace` its outputs, or why there
+    are none (see the module docstring). The tested side (`golden` False) is handed protected
+    copies of `upstream` and `inputs`, and a write into them is that stage's failure. The
+    golden's timeout, the user's Ctrl-C and a SIGTERM propagate: none is a verdict on a stage."""
+    timeout = expired()
+    if timeout is not None:
+        if golden:  # no golden, no verdict: the case ends with its timeout
+            raise CaseTimeout(timeout.seconds, timeout.where)
+        trace.add_skipped(stage, f"the case timeout ran out during {timeout.where}")
+        return
+    side = GOLDEN_SIDE if golden else str(Mode(mode))
+    progress.stage_started(trace.rank, side, stage)
+    _breadcrumb(problem, trace.rank, stage, side)
     poison = poisoned_allocations() if stage in POISONED_STAGES else contextlib.nullcontext()
+    guard = None if golden else Guarded(upstream, inputs)
+    handed_upstream = upstream if guard is None else guard.upstream
+    handed_inputs = inputs if guard is None else guard.inputs
     try:
         with poison:
-            outputs = backend.run_stage(stage, problem, inputs, upstream, trace.rank)
+            outputs = backend.run_stage(stage, problem, handed_inputs, handed_upstream, trace.rank)
         _sync()  # an asynchronous kernel fault surfaces here, attributed to this stage
     except StageSkipped as exc:
         trace.add_skipped(stage, str(exc))
         return
-    except Exception as exc:  # noqa: BLE001 - reported per stage, never fatal to the run
-        tb = traceback.extract_tb(exc.__traceback__)[-1]
-        where = f"{Path(tb.filename).name}:{tb.lineno}"
-        trace.add_error(stage, f"{type(exc).__name__}: {exc} (at {where})")
+    except StageViolation as exc:
+        trace.add_violation(stage, str(exc))
+        return
+    except CaseTimeout as exc:
+        if golden:
+            raise
+        trace.add_error(stage, f"timed out after {exc.seconds:g} s{_at(exc)}")
+        return
+    except KeyboardInterrupt as exc:
+        if user_interrupted():
+            raise
+        trace.add_error(stage, f"raised KeyboardInterrupt{_at(exc)}")
+        return
+    except SystemExit as exc:
+        if terminated():
+            raise
+        trace.add_error(stage, f"called exit({exc.code!r}){_at(exc)}")
+        return
+    except BaseException as exc:  # noqa: BLE001 - reported per stage, never fatal to the run
+        trace.add_error(stage, f"{type(exc).__name__}: {exc}{_at(exc)}")
+        return
+    writes = [] if guard is None else guard.writes()
+    if writes:
+        trace.add_violation(stage, "wrote in place into " + "; ".join(writes))
+        return
+    violations = contract_violations(stage, problem, upstream, outputs, trace.rank)
+    if violations:
+        trace.add_violation(stage, "; ".join(violations))
         return
     trace.add(stage, outputs)
 
 
-def run_chained(backend: Backend, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Trace:
-    """Every stage on the backend's own upstream; after a stage that did not run, the rest skip."""
+def _short(text: str) -> str:
+    return text if len(text) <= SHORT_REASON else text[: SHORT_REASON - 3] + "..."
+
+
+def run_chained(
+    backend: Backend, problem: MoEProblem, inputs: MoEInputs, rank: int, golden: bool = False
+) -> Trace:
+    """Every stage on the backend's own upstream; after a stage that did not pass (skipped,
+    raised, broke the contract), the rest skip."""
     trace = Trace(backend.name, rank)
     blocked: str | None = None
     for stage in problem.stages:
         if blocked is not None:
-            trace.add_skipped(stage, f"upstream stage {blocked} did not run")
+            why = _short(str(trace.failure(blocked)))
+            trace.add_skipped(stage, f"upstream stage {blocked} did not run: {why}")
             continue
-        run_stage_into(trace, backend, stage, problem, inputs, trace, Mode.CHAINED)
+        run_stage_into(trace, backend, stage, problem, inputs, trace, Mode.CHAINED, golden)
         if trace.failure(stage):
             blocked = stage
     return trace
@@ -166,8 +268,9 @@ def run_isolated(
 
 
 def run_golden(golden: Backend, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Trace:
-    """The golden's trace of `rank`; a golden that cannot run a stage is an error, not a verdict."""
-    trace = run_chained(golden, problem, inputs, rank)
+    """The golden's trace of `rank`; a golden that cannot run a stage (or breaks its contract) is
+    an error, not a verdict."""
+    trace = run_chained(golden, problem, inputs, rank, golden=True)
     failed = [s for s in trace if trace.failure(s)]
     if failed:
         raise RuntimeError(

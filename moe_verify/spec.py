@@ -9,12 +9,80 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
+
+# Bounds of a problem (documented maxima, deliberately above every model vLLM serves: DeepSeek-V3
+# has H=7168, E=256; Llama-405B H=16384; Kimi-K2 E=384). They keep a typo (an extra zero, a size in
+# bytes) from allocating or spawning without bound: `ep:100000` used to hang building 100000 ranks.
+MAX_RANKS = 64
+MAX_TOKENS = 1 << 20
+MAX_HIDDEN = 1 << 16
+MAX_INTERMEDIATE = 1 << 16
+MAX_EXPERTS = 4096
+MAX_SHARED_EXPERTS = 64
+# Every row padding real stacks use (vLLM's Triton BLOCK_SIZE_M 16..256, DeepGEMM's mk alignment
+# 32..256 by arch and M) is a multiple of 8; the suite also takes 8 itself (its tiny problems) and
+# paddings that are not powers of two (96), which the golden and both engines handle.
+ALIGNMENT_STEP = 8
+MAX_ALIGNMENT = 1024
+# torch.Generator.manual_seed takes [-2^63, 2^64); non-negative seeds keep ids readable, and the
+# headroom keeps `seed + i` (calibration draws) legal.
+MAX_SEED = (1 << 63) - 1
+
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+def _got(value: object) -> str:
+    """`value` as an error message shows it: repr and type."""
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_int(arg: str, value: object, low: int, high: int) -> int:
+    """`value` as an int in [low, high]: TypeError for a non-int (bools and floats included, so
+    64.5 or True never become sizes), ValueError out of range."""
+    want = f"an int in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{arg}: expected {want}, got {_got(value)}")
+    if not low <= value <= high:
+        raise ValueError(f"{arg}: expected {want}, got {value}")
+    return int(value)
+
+
+def check_bool(arg: str, value: object) -> bool:
+    """A real bool: a string such as 'no' is truthy and would silently mean True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg}: expected True or False, got {_got(value)}")
+    return value
+
+
+def check_float(arg: str, value: object, *, positive: bool = False) -> float:
+    """A finite real number (int or float, not bool), > 0 when `positive`."""
+    want = "a finite number" + (" > 0" if positive else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{arg}: expected {want}, got {_got(value)}")
+    if not math.isfinite(value) or (positive and not value > 0):
+        raise ValueError(f"{arg}: expected {want}, got {value!r}")
+    return float(value)
+
+
+def check_enum(arg: str, value: object, typ: type[_E]) -> _E:
+    """A member of `typ`, or exactly one of its values as a string (CLI, JSON round trips)."""
+    if isinstance(value, typ):
+        return value
+    allowed = ", ".join(repr(v.value) for v in typ)
+    if not isinstance(value, str):
+        raise TypeError(f"{arg}: expected a {typ.__name__} or one of {allowed}, got {_got(value)}")
+    try:
+        return typ(value)
+    except ValueError:
+        raise ValueError(f"{arg} must be one of {allowed}; got {value!r}") from None
 
 
 class Stage(enum.StrEnum):
@@ -79,6 +147,8 @@ class Mode(enum.StrEnum):
     @staticmethod
     def select(text: str | Mode) -> tuple[Mode, ...]:
         """'isolated', 'chained' or 'both' (isolated first: it names the culprit)."""
+        if not isinstance(text, str):
+            raise TypeError(f"mode: expected 'isolated', 'chained' or 'both', got {_got(text)}")
         if text == "both":
             return (Mode.ISOLATED, Mode.CHAINED)
         try:
@@ -218,15 +288,22 @@ class Activation:
     limit: float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, str):
+            raise TypeError(
+                f"Activation.kind: expected 'silu' or 'swigluoai', got {_got(self.kind)}"
+            )
         if self.kind not in ("silu", "swigluoai"):
-            raise ValueError(f"activation kind must be 'silu' or 'swigluoai', got {self.kind!r}")
+            raise ValueError(f"Activation.kind: expected 'silu' or 'swigluoai', got {self.kind!r}")
+        object.__setattr__(self, "alpha", check_float("Activation.alpha", self.alpha))
+        object.__setattr__(self, "beta", check_float("Activation.beta", self.beta))
+        if self.limit is not None:
+            limit = check_float("Activation.limit (the clamp)", self.limit, positive=True)
+            object.__setattr__(self, "limit", limit)
         if self.kind == "silu" and (self.alpha != 1.0 or self.beta != 0.0):
             raise ValueError(
-                f"silu has alpha=1, beta=0; got alpha={self.alpha}, beta={self.beta} "
+                f"Activation: silu has alpha=1, beta=0; got alpha={self.alpha}, beta={self.beta} "
                 "(use kind='swigluoai')"
             )
-        if self.limit is not None and not self.limit > 0:
-            raise ValueError(f"activation clamp limit must be > 0, got {self.limit}")
 
     @property
     def tag(self) -> str:
@@ -242,17 +319,35 @@ class Activation:
     @staticmethod
     def parse(text: str) -> Activation:
         """'silu', 'silu:L7', 'swigluoai', 'swigluoai:1.702:1.0:7.0' (alpha:beta:limit)."""
+        syntax = "'silu[:L<limit>]' or 'swigluoai[:alpha[:beta[:limit]]]'"
+        if not isinstance(text, str):
+            raise TypeError(f"activation: expected a string {syntax}, got {_got(text)}")
         kind, _, rest = text.partition(":")
         args = [a for a in rest.split(":") if a] if rest else []
         if kind == "silu":
             if len(args) > 1 or (args and not args[0].startswith("L")):
                 raise ValueError(f"activation {text!r}: silu takes only a limit, as 'silu:L7'")
-            return Activation("silu", limit=float(args[0][1:]) if args else None)
+            return Activation(
+                "silu", limit=_parse_number(text, "limit", args[0][1:]) if args else None
+            )
         if kind == "swigluoai":
-            vals = [float(a) for a in args]
+            if len(args) > 3:
+                raise ValueError(
+                    f"activation {text!r}: swigluoai takes at most alpha:beta:limit, got "
+                    f"{len(args)} values"
+                )
+            names = ("alpha", "beta", "limit")
+            vals = [_parse_number(text, n, a) for n, a in zip(names, args, strict=False)]
             alpha, beta, limit = (vals + [1.702, 1.0, 7.0][len(vals) :])[:3]
             return Activation("swigluoai", alpha, beta, limit)
-        raise ValueError(f"activation {text!r}: expected 'silu[:L<limit>]' or 'swigluoai[:a:b:L]'")
+        raise ValueError(f"activation {text!r}: expected {syntax}")
+
+
+def _parse_number(text: str, name: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"activation {text!r}: {name}: expected a number, got {value!r}") from None
 
 
 class Routing(enum.StrEnum):
@@ -286,6 +381,27 @@ class Placement(enum.StrEnum):
 _TOPOLOGY_RE = re.compile(r"^(tp|ep):(\d+)(?::(linear|round_robin))?(\+ht|\+ll)?$")
 
 
+def _explicit_lists(ranks: object) -> tuple[tuple[int, ...], ...]:
+    """Per-rank expert lists as tuples of ints >= 0 (whether they cover 0..E-1 is the problem's
+    check: a topology does not know E)."""
+    want = "a list of per-rank lists of expert ids"
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+        raise TypeError(f"Topology.explicit: expected {want}, got {_got(ranks)}")
+    out = []
+    for r, experts in enumerate(ranks):
+        if isinstance(experts, (str, bytes)) or not isinstance(experts, Sequence):
+            raise TypeError(
+                f"Topology.explicit[{r}]: expected a list of expert ids, got {_got(experts)}"
+            )
+        out.append(
+            tuple(
+                check_int(f"Topology.explicit[{r}][{j}]", e, 0, MAX_EXPERTS - 1)
+                for j, e in enumerate(experts)
+            )
+        )
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Topology:
     """Parallel layout of one MoE layer, emulated in one process or run for real.
@@ -300,41 +416,69 @@ class Topology:
     explicit: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"topology size must be >= 1, got {self.size}")
+        # A kind given as the string "tp" must mean TP: compared by identity, it used to fall
+        # through to the EP branches.
+        object.__setattr__(self, "kind", check_enum("Topology.kind", self.kind, TopologyKind))
+        object.__setattr__(
+            self, "placement", check_enum("Topology.placement", self.placement, Placement)
+        )
+        check_int("Topology.size (ranks)", self.size, 1, MAX_RANKS)
+        if self.explicit is not None:
+            object.__setattr__(self, "explicit", _explicit_lists(self.explicit))
         if self.kind is TopologyKind.TP and self.placement is not Placement.LINEAR:
-            raise ValueError("tp topologies have no expert placement")
+            raise ValueError(
+                f"Topology.placement: tp topologies have no expert placement, got "
+                f"{self.placement.value!r}"
+            )
         if (self.placement is Placement.EXPLICIT) != (self.explicit is not None):
-            raise ValueError("placement 'explicit' and an explicit expert list go together")
+            raise ValueError(
+                f"Topology: placement 'explicit' and an explicit expert list go together, got "
+                f"placement {self.placement.value!r} with explicit={self.explicit!r}"
+            )
         if self.explicit is not None and len(self.explicit) != self.size:
             raise ValueError(
-                f"explicit placement lists {len(self.explicit)} ranks, topology has {self.size}"
+                f"Topology.explicit: expected {self.size} ranks (the size), got "
+                f"{len(self.explicit)} lists"
             )
         if self.kind is TopologyKind.EP_HT and self.placement is not Placement.LINEAR:
             # vLLM downgrades HT to linear: its -1 remap assumes contiguous expert slices.
-            raise ValueError("ep+ht supports linear placement only (as vLLM's DeepEP HT)")
+            raise ValueError(
+                f"Topology.placement: ep+ht supports 'linear' only (as vLLM's DeepEP HT), got "
+                f"{self.placement.value!r}"
+            )
 
     @staticmethod
     def parse(text: str) -> Topology:
         """'tp:N', 'ep:N', 'ep:N:round_robin', 'ep:N+ht', 'ep:N+ll'; 'single' means tp:1."""
+        syntax = "tp:N, ep:N, ep:N:round_robin, ep:N+ht or ep:N+ll (or single)"
+        if not isinstance(text, str):
+            raise TypeError(f"topology: expected a string {syntax}, got {_got(text)}")
         if text in ("single", "1"):
             return Topology()
         m = _TOPOLOGY_RE.match(text.strip())
         if m is None:
-            raise ValueError(
-                f"topology {text!r}: expected tp:N, ep:N, ep:N:round_robin, ep:N+ht or ep:N+ll"
-            )
+            raise ValueError(f"topology {text!r}: expected {syntax}")
         base, size, placement, suffix = m.groups()
         if base == "tp" and (placement or suffix):
             raise ValueError(f"topology {text!r}: placement and +ht/+ll apply to ep only")
+        if not 1 <= int(size) <= MAX_RANKS:
+            # Refused before anything builds per-rank state (ep:100000 used to hang).
+            raise ValueError(
+                f"topology {text!r}: expected a rank count in [1, {MAX_RANKS}], got {int(size)}"
+            )
         kind = {None: TopologyKind.EP, "+ht": TopologyKind.EP_HT, "+ll": TopologyKind.EP_LL}[suffix]
         if base == "tp":
             kind = TopologyKind.TP
         return Topology(kind, int(size), Placement(placement or "linear"))
 
     @staticmethod
-    def explicit_ep(ranks: list[list[int]] | tuple[tuple[int, ...], ...]) -> Topology:
-        lists = tuple(tuple(int(e) for e in r) for r in ranks)
+    def explicit_ep(ranks: Sequence[Sequence[int]]) -> Topology:
+        """EP with, per rank, the logical experts it hosts (replicas allowed)."""
+        lists = _explicit_lists(ranks)
+        if not 1 <= len(lists) <= MAX_RANKS:
+            raise ValueError(
+                f"Topology.explicit: expected 1 to {MAX_RANKS} rank lists, got {len(lists)}"
+            )
         return Topology(TopologyKind.EP, len(lists), Placement.EXPLICIT, lists)
 
     @property
@@ -354,6 +498,15 @@ class Topology:
         if self.kind is TopologyKind.EP_LL:
             text += "-ll"
         return text
+
+
+# Routing modes that fix ids and weights directly instead of routing logits (inputs.py).
+_FIXED_ID_ROUTINGS = (
+    Routing.UNIFORM,
+    Routing.ONE_EXPERT,
+    Routing.INVALID_SLOTS,
+    Routing.DUPLICATES,
+)
 
 
 @dataclass(frozen=True)
@@ -386,52 +539,114 @@ class MoEProblem:
     grouped_layout: GroupedLayout = GroupedLayout.AUTO
 
     def __post_init__(self) -> None:
-        # Accept plain strings for the enum fields (CLI, JSON round trips).
+        # Enum fields also take their exact strings (CLI, JSON round trips).
         for name, typ in (
             ("recipe", Recipe),
             ("scale_fmt", ScaleFmt),
             ("routing", Routing),
             ("grouped_layout", GroupedLayout),
         ):
-            value = getattr(self, name)
-            if not isinstance(value, typ):
-                try:
-                    object.__setattr__(self, name, typ(value))
-                except ValueError:
-                    allowed = ", ".join(v.value for v in typ)
-                    raise ValueError(f"{name} must be one of {allowed}; got {value!r}") from None
+            object.__setattr__(
+                self, name, check_enum(f"MoEProblem.{name}", getattr(self, name), typ)
+            )
         if isinstance(self.topology, str):
             object.__setattr__(self, "topology", Topology.parse(self.topology))
+        elif not isinstance(self.topology, Topology):
+            raise TypeError(
+                f"MoEProblem.topology: expected a Topology or a string such as 'ep:4', got "
+                f"{_got(self.topology)}"
+            )
         if isinstance(self.activation, str):
             object.__setattr__(self, "activation", Activation.parse(self.activation))
+        elif not isinstance(self.activation, Activation):
+            raise TypeError(
+                f"MoEProblem.activation: expected an Activation or a string such as 'silu', got "
+                f"{_got(self.activation)}"
+            )
+        self._check_fields()
         self._validate()
 
+    def _check_fields(self) -> None:
+        """Each field on its own: type and bounds (normalized in place: a numpy int becomes an
+        int, an int scaling factor a float)."""
+
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put("tokens", check_int("MoEProblem.tokens", self.tokens, 0, MAX_TOKENS))
+        put("hidden", check_int("MoEProblem.hidden", self.hidden, 1, MAX_HIDDEN))
+        put(
+            "intermediate",
+            check_int("MoEProblem.intermediate", self.intermediate, 1, MAX_INTERMEDIATE),
+        )
+        put("num_experts", check_int("MoEProblem.num_experts", self.num_experts, 1, MAX_EXPERTS))
+        put("topk", check_int("MoEProblem.topk", self.topk, 1, MAX_EXPERTS))
+        if self.topk > self.num_experts:
+            raise ValueError(
+                f"MoEProblem.topk must be in [1, num_experts={self.num_experts}], got {self.topk}"
+            )
+        put("seed", check_int("MoEProblem.seed", self.seed, 0, MAX_SEED))
+        alignment = check_int("MoEProblem.alignment", self.alignment, ALIGNMENT_STEP, MAX_ALIGNMENT)
+        if alignment % ALIGNMENT_STEP:
+            raise ValueError(
+                f"MoEProblem.alignment: expected a multiple of {ALIGNMENT_STEP} in "
+                f"[{ALIGNMENT_STEP}, {MAX_ALIGNMENT}] (rows per expert segment), got {alignment}"
+            )
+        put("alignment", alignment)
+        put("provenance", check_bool("MoEProblem.provenance", self.provenance))
+        put("renormalize", check_bool("MoEProblem.renormalize", self.renormalize))
+        put(
+            "routed_scaling_factor",
+            check_float(
+                "MoEProblem.routed_scaling_factor", self.routed_scaling_factor, positive=True
+            ),
+        )
+        put(
+            "num_expert_group",
+            check_int(
+                f"MoEProblem.num_expert_group (at most num_experts={self.num_experts})",
+                self.num_expert_group,
+                1,
+                self.num_experts,
+            ),
+        )
+        put(
+            "topk_group",
+            check_int(
+                f"MoEProblem.topk_group (at most num_expert_group={self.num_expert_group})",
+                self.topk_group,
+                1,
+                self.num_expert_group,
+            ),
+        )
+        put(
+            "shared_experts",
+            check_int("MoEProblem.shared_experts", self.shared_experts, 0, MAX_SHARED_EXPERTS),
+        )
+
     def _validate(self) -> None:
+        """The fields together: combinations no backend can run, or that one would ignore."""
+
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(f"MoEProblem: {msg}")
 
-        need(self.tokens >= 0, f"tokens must be >= 0, got {self.tokens}")
-        need(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
-        need(
-            1 <= self.topk <= self.num_experts,
-            f"topk must be in [1, num_experts={self.num_experts}], got {self.topk}",
-        )
-        need(self.alignment >= 1, f"alignment must be >= 1, got {self.alignment}")
         need(
             self.scale_fmt in self.recipe.allowed_scale_fmts,
-            f"recipe {self.recipe} takes scale_fmt in "
+            f"scale_fmt: recipe {self.recipe} takes scale_fmt in "
             f"{[str(f) for f in self.recipe.allowed_scale_fmts]}, got {self.scale_fmt}",
         )
         g = self.recipe.act_group
         need(
-            self.hidden % g == 0, f"hidden={self.hidden} must be a multiple of {g} ({self.recipe})"
+            self.hidden % g == 0,
+            f"hidden={self.hidden} must be a multiple of {g} ({self.recipe} activation groups)",
         )
         bm, bk = self.recipe.weight_block
         tp = self.topology.size if self.topology.kind is TopologyKind.TP else 1
         need(
             self.intermediate % tp == 0,
-            f"intermediate={self.intermediate} must split evenly over tp={tp}",
+            f"intermediate: expected a multiple of tp={tp} (it splits over the ranks), got "
+            f"{self.intermediate}",
         )
         ip = self.intermediate // tp
         # GEMM2 reduces over I_p, grouped by the activation group; weight blocks must not straddle
@@ -439,49 +654,86 @@ class MoEProblem:
         step = max(g, bk, bm if self.recipe is Recipe.FP8_BLOCK else 1)
         need(
             ip % step == 0,
-            f"intermediate per rank={ip} must be a multiple of {step} for {self.recipe}",
+            f"intermediate per rank={ip} (intermediate={self.intermediate} / tp={tp}) must be a "
+            f"multiple of {step} for {self.recipe}",
         )
-        need(self.hidden % bm == 0 or bm == 1, f"hidden={self.hidden} must be a multiple of {bm}")
-        if self.routing is Routing.GROUPED:
-            need(
-                self.num_expert_group >= 1 and self.num_experts % self.num_expert_group == 0,
-                f"num_experts={self.num_experts} must divide into num_expert_group="
-                f"{self.num_expert_group}",
-            )
-            need(
-                1 <= self.topk_group <= self.num_expert_group,
-                f"topk_group={self.topk_group} must be in [1, {self.num_expert_group}]",
-            )
-            need(
-                self.topk <= self.topk_group * (self.num_experts // self.num_expert_group),
-                "topk exceeds the experts left after keeping topk_group groups",
-            )
-        need(self.shared_experts >= 0, f"shared_experts must be >= 0, got {self.shared_experts}")
+        need(
+            self.hidden % bm == 0 or bm == 1,
+            f"hidden={self.hidden} must be a multiple of {bm} ({self.recipe} weight blocks)",
+        )
+        self._validate_routing()
         if self.shared_experts:
             # The shared MLP is a dense layer sharded over all ranks (attention TP = ranks).
-            shard = self.intermediate * self.shared_experts // self.topology.size
+            shared = self.intermediate * self.shared_experts
+            shard = shared // self.topology.size
             need(
-                self.intermediate * self.shared_experts % self.topology.size == 0
-                and shard % step == 0,
-                f"shared intermediate {self.intermediate * self.shared_experts} must split into "
-                f"{self.topology.size} shards that are multiples of {step}",
+                shared % self.topology.size == 0 and shard % step == 0,
+                f"shared_experts: the shared intermediate (intermediate x shared_experts = "
+                f"{shared}) must split into {self.topology.size} shards that are multiples of "
+                f"{step}, got shared_experts={self.shared_experts}",
             )
         if self.topology.kind is TopologyKind.EP_LL:
             # vLLM's BatchedDeepGemmExperts: FP8 block, SILU, fp32 (or ceil) scales per 128
             # (packed UE8M0 there is an SM100 DeepEP mode with a batched layout not modelled yet).
             need(
                 self.recipe is Recipe.FP8_BLOCK and self.scale_fmt is not ScaleFmt.UE8M0_PACKED,
-                "ep+ll supports fp8_block with float32 or float32_ceil_ue8m0 scales",
+                f"topology {self.topology}: ep+ll supports fp8_block with scale_fmt float32 or "
+                f"float32_ceil_ue8m0, got recipe {self.recipe} with {self.scale_fmt}",
             )
             need(
-                self.activation.kind == "silu", "ep+ll (BatchedDeepGemmExperts) supports silu only"
+                self.activation.kind == "silu",
+                f"topology {self.topology}: ep+ll (BatchedDeepGemmExperts) supports activation "
+                f"silu only, got {self.activation.tag}",
             )
         if self.topology.placement is Placement.EXPLICIT:
             hosted = {e for r in self.topology.explicit or () for e in r}
+            missing = sorted(set(range(self.num_experts)) - hosted)
+            extra = sorted(hosted - set(range(self.num_experts)))
             need(
-                hosted == set(range(self.num_experts)),
-                "explicit placement must host every expert 0..E-1 at least once",
+                not missing and not extra,
+                f"topology: explicit placement must host every expert 0..{self.num_experts - 1} "
+                f"and no other, got {list(self.topology.explicit or ())} (missing {missing}, "
+                f"beyond num_experts {extra})",
             )
+
+    def _validate_routing(self) -> None:
+        """Routing parameters a routing mode would silently ignore are refused: only grouped
+        routing applies routed_scaling_factor (reference/routing.py grouped_topk,
+        optimized/routing.py _grouped), and only the router-driven modes renormalize (the
+        structural ones fix ids and weights directly, moe_verify/inputs.py). num_expert_group and
+        topk_group are left alone outside grouped routing: callers share one set of group
+        parameters across routing modes (tests/reference/test_routing_inputs.py)."""
+        r = self.routing
+        if r is Routing.GROUPED:
+            groups = self.num_expert_group
+            if self.num_experts % groups:
+                raise ValueError(
+                    f"MoEProblem.num_expert_group: expected a divisor of num_experts="
+                    f"{self.num_experts}, got {groups}"
+                )
+            kept = self.topk_group * (self.num_experts // groups)
+            if self.topk > kept:
+                raise ValueError(
+                    f"MoEProblem.topk: expected at most the {kept} experts left after keeping "
+                    f"topk_group={self.topk_group} of {groups} groups, got {self.topk}"
+                )
+        elif self.routed_scaling_factor != 1.0:
+            raise ValueError(
+                f"MoEProblem.routed_scaling_factor: expected 1.0 with routing {r.value!r} (only "
+                f"'grouped' routing applies it), got {self.routed_scaling_factor!r}"
+            )
+        if r in _FIXED_ID_ROUTINGS and not self.renormalize:
+            raise ValueError(
+                f"MoEProblem.renormalize: expected True with routing {r.value!r} (it fixes ids and "
+                "weights directly; renormalize applies to softmax, grouped, skew and empty_*), "
+                "got False"
+            )
+        if r in (Routing.EMPTY_FIRST, Routing.EMPTY_MIDDLE, Routing.EMPTY_LAST):
+            if self.topk >= self.num_experts:
+                raise ValueError(
+                    f"MoEProblem.topk: expected < num_experts={self.num_experts} with routing "
+                    f"{r.value!r} (an expert must be left empty), got {self.topk}"
+                )
 
     @property
     def stages(self) -> tuple[Stage, ...]:
@@ -572,20 +824,41 @@ class MoEProblem:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> MoEProblem:
-        d = dict(d)
-        topo = d.pop("topology")
-        if isinstance(topo, Mapping):
-            explicit = topo.get("explicit")
-            topo = Topology(
-                TopologyKind(topo["kind"]),
-                int(topo["size"]),
-                Placement(topo["placement"]),
-                tuple(tuple(r) for r in explicit) if explicit else None,
+        """The inverse of `to_dict` (a dump's problem.json, --problem-json): every key present,
+        no other; the values are checked as the constructor checks them."""
+        d = dict(_exact_keys("problem", d, [f.name for f in dataclasses.fields(MoEProblem)]))
+        # A hand-written file may also give the topology and activation as strings ('ep:4').
+        if not isinstance(d["topology"], str):
+            topo = _exact_keys("problem['topology']", d["topology"], _TOPOLOGY_KEYS)
+            explicit = topo["explicit"]
+            d["topology"] = Topology(
+                topo["kind"],
+                topo["size"],
+                topo["placement"],
+                None if explicit is None else _explicit_lists(explicit),
             )
-        act = d.pop("activation")
-        if isinstance(act, Mapping):
-            act = Activation(**act)
-        return MoEProblem(topology=topo, activation=act, **d)
+        if not isinstance(d["activation"], str):
+            act = _exact_keys("problem['activation']", d["activation"], _ACTIVATION_KEYS)
+            d["activation"] = Activation(**act)
+        return MoEProblem(**d)
+
+
+_TOPOLOGY_KEYS = ("kind", "size", "placement", "explicit")
+_ACTIVATION_KEYS = tuple(f.name for f in dataclasses.fields(Activation))
+
+
+def _exact_keys(arg: str, d: object, keys: Sequence[str]) -> Mapping[str, Any]:
+    """`d` is a mapping with exactly `keys`: a typo'd key would otherwise be dropped silently, and
+    a missing one would fall back to a default the dump never had."""
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{arg}: expected a mapping with keys {list(keys)}, got {_got(d)}")
+    unknown = sorted(str(k) for k in d if k not in keys)
+    if unknown:
+        raise ValueError(f"{arg}: unknown keys {unknown} (expected {list(keys)})")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise ValueError(f"{arg}: missing keys {missing} (expected {list(keys)})")
+    return d
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,51 @@
-"""`moe-verify sweep`: a preset case list with progress, junit XML, JSON and a markdown matrix.
+"""`moe-verify sweep`: a preset (or a given list of cases) with progress, junit XML, JSON and a
+markdown matrix, every case bounded and every crash contained.
 
-With `isolate=True` each case runs in its own subprocess: an illegal memory access or a hang kills
-that case only, and the breadcrumb file names the stage that was in flight.
+By default each case runs in its own subprocess (`moe-verify run`, in a process group of its own):
+an illegal memory access, an abort or a hang ends that case only, and the breadcrumb file names
+the stage that was in flight. `isolate=False` runs the cases in this process under the per-case
+deadline; that survives a backend that raises, exits or hangs in Python, but not a SIGSEGV or an
+abort, which end the sweep (the summaries of the cases finished before it are on disk).
+
+The summaries are rewritten after every case (and name the case in flight before it starts), each
+atomically, so a sweep that is killed leaves valid files. A case is PASS, FAIL (a check failed)
+or ERROR (it crashed, timed out, a backend raised, or the harness failed); the exit code is 0 when
+every case passed, 2 when any errored, else 1.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 from moe_verify.cases import preset
+from moe_verify.contain import (
+    DEFAULT_CASE_TIMEOUT_S,
+    CaseTimeout,
+    run_contained,
+    terminate_as_exit,
+    terminated,
+    user_interrupted,
+    watch_interrupts,
+)
+from moe_verify.progress import SweepBar
 from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Status
 
-CASE_TIMEOUT_S = 1800
+# A case's subprocess gets this much beyond the case timeout to start (import torch, Triton,
+# CUDA context) and to end a case stuck outside Python (contain.HARD_GRACE_S).
+STARTUP_GRACE_S = 120.0
+# Lines of a crashed case's stderr kept in its junit error: the last ones, or from faulthandler's
+# "Fatal Python error" on (the Python stack of every thread at the crash).
+STDERR_LINES = 60
+CRASH_REPORT = "Fatal Python error"
 
 
 @dataclass
@@ -35,133 +61,237 @@ class CaseOutcome:
 @dataclass
 class SweepSummary:
     outcomes: list[CaseOutcome]
+    total: int = 0  # cases the sweep set out to run (outcomes holds those finished so far)
+    running: str | None = None  # the case in flight when the files were written
+
+    def count(self, status: Status) -> int:
+        return sum(o.status is status for o in self.outcomes)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.outcomes) >= self.total
 
     @property
     def passed(self) -> bool:
-        return all(o.status is Status.PASS for o in self.outcomes)
+        """Every case ran, and passed."""
+        return self.complete and all(o.status is Status.PASS for o in self.outcomes)
+
+    @property
+    def exit_code(self) -> int:
+        """0 every case passed, 2 any case errored (or the sweep did not finish), else 1."""
+        if self.count(Status.ERROR) or not self.complete:
+            return EXIT_ERROR
+        return EXIT_FAIL if self.count(Status.FAIL) else EXIT_PASS
+
+    def tally(self) -> str:
+        return (
+            f"{self.count(Status.PASS)} passed, {self.count(Status.FAIL)} failed, "
+            f"{self.count(Status.ERROR)} errors of {self.total} cases"
+        )
 
 
-def _run_in_process(problem: MoEProblem, backend: str, mode: str, engine: str) -> CaseOutcome:
+def case_status(report: dict) -> Status:
+    """A case's status from its report: ERROR when any stage errored in any mode, FAIL when any
+    check failed, else PASS."""
+    statuses = {r["status"] for m in Mode for r in report.get(m) or []}
+    if Status.ERROR in statuses:
+        return Status.ERROR
+    return Status.FAIL if Status.FAIL in statuses else Status.PASS
+
+
+def _from_report(problem: MoEProblem, report: dict, seconds: float) -> CaseOutcome:
+    from tolerance.report import Report
+
+    rebuilt = Report.from_dict(report)
+    return CaseOutcome(
+        problem,
+        case_status(report),
+        seconds,
+        rebuilt.summary_line(),
+        report,
+        rebuilt.failure_messages(),
+    )
+
+
+def _run_in_process(
+    problem: MoEProblem,
+    backend: str,
+    mode: str,
+    engine: str,
+    case_timeout_s: float | None,
+    plot_dir: Path | None,
+) -> CaseOutcome:
     from moe_verify.verification import verify
 
     start = time.perf_counter()
     try:
-        report = verify(problem, backend=backend, mode=mode, engine=engine)
-    except Exception as exc:  # noqa: BLE001 - one broken case never takes the sweep down
-        return CaseOutcome(
+        report = verify(
             problem,
-            Status.ERROR,
-            time.perf_counter() - start,
-            f"ERROR {problem.id}: {type(exc).__name__}: {exc}",
+            backend=backend,
+            mode=mode,
+            engine=engine,
+            case_timeout_s=case_timeout_s,
+            plot_dir=plot_dir,
         )
-    return CaseOutcome(
-        problem,
-        Status.PASS if report.passed else Status.FAIL,
-        time.perf_counter() - start,
-        report.summary_line(),
-        report.to_dict(),
-        report.failure_messages(),
-    )
+    except KeyboardInterrupt:
+        if user_interrupted():
+            raise
+        return _error(problem, start, "raised KeyboardInterrupt outside a stage")
+    except SystemExit as exc:
+        if terminated():
+            raise
+        return _error(problem, start, f"called exit({exc.code!r}) outside a stage")
+    except CaseTimeout as exc:
+        return _error(problem, start, str(exc))
+    except BaseException as exc:  # noqa: BLE001 - one broken case never takes the sweep down
+        return _error(problem, start, f"{type(exc).__name__}: {exc}")
+    return _from_report(problem, report.to_dict(), time.perf_counter() - start)
 
 
-def _run_isolated(problem: MoEProblem, backend: str, mode: str, engine: str) -> CaseOutcome:
+def _error(problem: MoEProblem, start: float, what: str) -> CaseOutcome:
+    line = f"ERROR {problem.id}: {what}"
+    return CaseOutcome(problem, Status.ERROR, time.perf_counter() - start, line, messages=[line])
+
+
+def _run_isolated(
+    problem: MoEProblem,
+    backend: str,
+    mode: str,
+    engine: str,
+    case_timeout_s: float | None,
+    plot_dir: Path | None,
+) -> CaseOutcome:
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix="moe-verify-case-") as tmp:
         case_json, report_json = Path(tmp) / "case.json", Path(tmp) / "report.json"
         crumb = Path(tmp) / "breadcrumb.json"
         case_json.write_text(json.dumps(problem.to_dict()))
-        cmd = [
-            sys.executable,
-            "-m",
-            "moe_verify.cli",
-            "run",
-            "--problem-json",
-            str(case_json),
-            "--backend",
-            backend,
-            "--mode",
-            mode,
-            "--engine",
-            engine,
-            "--json",
-            str(report_json),
-        ]
-        env = dict(os.environ, MOE_VERIFY_BREADCRUMB=str(crumb))
-        try:
-            proc = subprocess.run(
-                cmd, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S
-            )
-            rc, tail = proc.returncode, (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        except subprocess.TimeoutExpired:
-            rc, tail = None, [f"timed out after {CASE_TIMEOUT_S} s (hang?)"]
-        seconds = time.perf_counter() - start
-        if rc in (0, 1) and report_json.exists():
-            report = json.loads(report_json.read_text())
-            status = Status.PASS if report["passed"] else Status.FAIL
-            return CaseOutcome(
-                problem,
-                status,
-                seconds,
-                f"{status.upper()} {problem.id} first failure: {report['first_failure']}",
-                report,
-            )
-        where = crumb.read_text().strip() if crumb.exists() else "before the first stage"
-        return CaseOutcome(
-            problem,
-            Status.ERROR,
-            seconds,
-            f"ERROR {problem.id}: subprocess exit {rc} while in {where}: {' | '.join(tail)}",
+        cmd = [sys.executable, "-m", "moe_verify.cli", "run", "--problem-json", str(case_json)]
+        cmd += ["--backend", backend, "--mode", mode, "--engine", engine]
+        cmd += ["--json", str(report_json), "--case-timeout", f"{case_timeout_s or 0:g}"]
+        if plot_dir is not None:
+            cmd += ["--plot", str(Path(plot_dir).resolve())]
+        # The sweep's bar is the progress; a case's own bar would only bury its stderr tail, where
+        # faulthandler leaves the Python stack of a crash.
+        env = dict(
+            os.environ,
+            MOE_VERIFY_BREADCRUMB=str(crumb),
+            MOE_VERIFY_PROGRESS="0",
+            PYTHONFAULTHANDLER="1",
         )
+        limit = case_timeout_s + STARTUP_GRACE_S if case_timeout_s else None
+        done = run_contained(cmd, limit, env)
+        seconds = time.perf_counter() - start
+        if done.rc in (EXIT_PASS, EXIT_FAIL, EXIT_ERROR) and report_json.exists():
+            return _from_report(problem, json.loads(report_json.read_text()), seconds)
+        where = crumb.read_text().strip() if crumb.exists() else "before the first stage"
+    exit_text = done.exit_text
+    if done.timed_out:
+        exit_text += f" after {limit:g} s (the case timeout plus {STARTUP_GRACE_S:g} s)"
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    crash = next((i for i, line in enumerate(lines) if line.startswith(CRASH_REPORT)), None)
+    excerpt = lines[crash : crash + STDERR_LINES] if crash is not None else lines[-STDERR_LINES:]
+    summary = f"ERROR {problem.id}: subprocess {exit_text} while in {where}"
+    if excerpt:
+        summary += f": {excerpt[0] if crash is not None else excerpt[-1]}"
+    detail = [f"{problem.id}: subprocess {exit_text}", f"in flight: {where}"]
+    if excerpt:
+        detail += ["stderr (crash report):" if crash is not None else "stderr (last lines):"]
+        detail += excerpt
+    return CaseOutcome(problem, Status.ERROR, seconds, summary, messages=detail)
+
+
+def _writable(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".moe-verify-probe-"):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"out_dir: expected a writable directory for the summaries, got {str(out_dir)!r} "
+            f"({exc.strerror or exc})"
+        ) from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """`text` to `path` through a temporary file in the same directory and os.replace, so a
+    reader (or a sweep killed mid-write) never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_summaries(summary: SweepSummary, name: str, out_dir: Path) -> None:
+    """junit.xml, summary.json and summary.md of the cases finished so far."""
+    _write_atomic(out_dir / "junit.xml", junit_xml(summary, name))
+    _write_atomic(out_dir / "summary.json", json.dumps(summary_dict(summary), indent=2) + "\n")
+    _write_atomic(out_dir / "summary.md", markdown_matrix(summary, name))
 
 
 def sweep(
-    preset_name: str,
+    cases: str | list[MoEProblem],
     backend: str = "optimized",
     mode: str = "both",
     engine: str = "auto",
     out_dir: Path = Path("moe-verify-out"),
-    isolate: bool = False,
+    isolate: bool = True,
     filter_text: str | None = None,
+    case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S,
+    plot_dir: Path | None = None,
 ) -> SweepSummary:
-    cases = [c for c in preset(preset_name) if not filter_text or filter_text in c.id]
-    if not cases:
-        raise ValueError(f"sweep: no case of preset {preset_name!r} matches {filter_text!r}")
-    run = _run_isolated if isolate else _run_in_process
-    outcomes = []
-    for n, problem in enumerate(cases, 1):
-        outcome = run(problem, backend, mode, engine)
-        outcomes.append(outcome)
-        print(
-            f"{progress_bar(n, len(cases))} {outcome.seconds:7.1f}s {outcome.summary}",
-            file=sys.stderr,
-            flush=True,
-        )
-    summary = SweepSummary(outcomes)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "junit.xml").write_text(junit_xml(summary, preset_name))
-    (out_dir / "summary.json").write_text(json.dumps(summary_dict(summary), indent=2))
-    (out_dir / "summary.md").write_text(markdown_matrix(summary, preset_name))
-    passed = sum(o.status is Status.PASS for o in outcomes)
-    print(f"{passed}/{len(outcomes)} cases passed; summaries in {out_dir}", file=sys.stderr)
+    """Run a preset (by name) or the given cases; see the module docstring. `case_timeout_s`
+    bounds each case (None or 0: no limit); `plot_dir` gets a heatmap of each failing stage
+    (moe_verify/plot.py). The summaries go to `out_dir`, which must be writable. SIGINT or
+    SIGTERM kill the case in flight and end the sweep (KeyboardInterrupt or SystemExit
+    propagates), the finished cases' summaries already written."""
+    name = cases if isinstance(cases, str) else "cases"
+    chosen = preset(cases) if isinstance(cases, str) else list(cases)
+    chosen = [c for c in chosen if not filter_text or filter_text in c.id]
+    if not chosen:
+        raise ValueError(f"sweep: no case of {name!r} matches the filter {filter_text!r}")
+    if case_timeout_s is not None and case_timeout_s < 0:
+        raise ValueError(f"case_timeout_s: expected >= 0 (0: no limit), got {case_timeout_s!r}")
+    out_dir = Path(out_dir)
+    _writable(out_dir)
+    run: Callable[..., CaseOutcome] = _run_isolated if isolate else _run_in_process
+    summary = SweepSummary([], total=len(chosen))
+    bar = SweepBar(len(chosen), name)
+    try:
+        with watch_interrupts(), terminate_as_exit():
+            for problem in chosen:
+                summary.running = problem.id
+                write_summaries(summary, name, out_dir)
+                outcome = run(problem, backend, mode, engine, case_timeout_s, plot_dir)
+                summary.outcomes.append(outcome)
+                summary.running = None
+                write_summaries(summary, name, out_dir)
+                bar.advance(f"{outcome.seconds:7.1f}s {outcome.summary}")
+    finally:
+        bar.close()
+    print(f"{summary.tally()}; summaries in {out_dir}", file=sys.stderr, flush=True)
     return summary
-
-
-def progress_bar(done: int, total: int, width: int = 20) -> str:
-    """'[########------------]  8/20': one line per finished case (CI logs keep every line)."""
-    filled = width * done // max(total, 1)
-    digits = len(str(total))
-    return f"[{'#' * filled}{'-' * (width - filled)}] {done:>{digits}}/{total}"
 
 
 def summary_dict(summary: SweepSummary) -> dict:
     return {
         "passed": summary.passed,
+        "exit_code": summary.exit_code,
+        "finished": len(summary.outcomes),
+        "total": summary.total,
+        "running": summary.running,
+        "counts": {s.value: summary.count(s) for s in (Status.PASS, Status.FAIL, Status.ERROR)},
         "cases": [
             {
                 "id": o.problem.id,
                 "status": o.status,
                 "seconds": round(o.seconds, 3),
                 "summary": o.summary,
+                "messages": o.messages,
                 "report": o.report,
             }
             for o in summary.outcomes
@@ -174,8 +304,8 @@ def junit_xml(summary: SweepSummary, name: str) -> str:
         "testsuite",
         name=f"moe-verify-{name}",
         tests=str(len(summary.outcomes)),
-        failures=str(sum(o.status is Status.FAIL for o in summary.outcomes)),
-        errors=str(sum(o.status is Status.ERROR for o in summary.outcomes)),
+        failures=str(summary.count(Status.FAIL)),
+        errors=str(summary.count(Status.ERROR)),
     )
     for o in summary.outcomes:
         case = ET.SubElement(
@@ -189,7 +319,7 @@ def junit_xml(summary: SweepSummary, name: str) -> str:
             tag = "failure" if o.status is Status.FAIL else "error"
             elem = ET.SubElement(case, tag, message=o.summary)
             elem.text = "\n".join(o.messages) or o.summary
-    return ET.tostring(suite, encoding="unicode")
+    return ET.tostring(suite, encoding="unicode") + "\n"
 
 
 def _stage_status(report: dict | None, mode: str, stage: str) -> str:
@@ -203,26 +333,29 @@ def _stage_status(report: dict | None, mode: str, stage: str) -> str:
 
 
 def markdown_matrix(summary: SweepSummary, name: str) -> str:
-    """One row per case (recipe x topology x shape), one column per stage, isolated/chained."""
+    """One row per case (recipe x topology x shape), one column per stage of any layout
+    (REPORT_STAGES: dispatch for ep:N+ll, shared, reduce), isolated / chained."""
     stages = REPORT_STAGES
+    done = "" if summary.complete else f" (unfinished: {len(summary.outcomes)} ran)"
     lines = [
         f"# moe-verify sweep `{name}`",
         "",
-        f"{sum(o.status is Status.PASS for o in summary.outcomes)}/{len(summary.outcomes)} "
-        "cases pass. Cells: isolated / chained.",
+        f"{summary.tally()}{done}. Cells: isolated / chained.",
         "",
-        "| case | recipe | topology | " + " | ".join(stages) + " | time |",
-        "|" + " --- |" * (len(stages) + 4),
+        "| case | status | recipe | topology | " + " | ".join(stages) + " | time |",
+        "|" + " --- |" * (len(stages) + 5),
     ]
     for o in summary.outcomes:
         cells = [" / ".join(_stage_status(o.report, m, s) for m in Mode) for s in stages]
         lines.append(
-            f"| {o.problem.id} | {o.problem.recipe} | {o.problem.topology} | "
+            f"| {o.problem.id} | {o.status.upper()} | {o.problem.recipe} | {o.problem.topology} | "
             + " | ".join(cells)
             + f" | {o.seconds:.1f}s |"
         )
+    if summary.running:
+        lines += ["", f"In flight when written: {summary.running}"]
     failures = [o for o in summary.outcomes if o.status is not Status.PASS]
     if failures:
-        lines += ["", "## failures", ""]
+        lines += ["", "## failures and errors", ""]
         lines += [f"- {o.summary}" for o in failures]
     return "\n".join(lines) + "\n"

@@ -13,13 +13,18 @@ rank; calibrate and bench call it for their traces.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from moe_verify import progress
+from moe_verify.contain import deadline
+from moe_verify.device import default_device
 from moe_verify.dump import dump_case, load_case
-from moe_verify.inputs import make_inputs
+from moe_verify.inputs import check_inputs, make_inputs
+from moe_verify.preflight import preflight
 from moe_verify.runner import RankRun, resolve_backend, run_rank
 from moe_verify.spec import (
     Backend,
@@ -29,11 +34,13 @@ from moe_verify.spec import (
     MoEProblem,
     Stage,
     StageSkipped,
+    Status,
     TopologyKind,
     Trace,
 )
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
+from tolerance.invariance import poison_agreement
 from tolerance.provenance import with_provenance
 from tolerance.report import Report
 
@@ -102,6 +109,14 @@ def compare_reduce(
     return compare_stage(Stage.REDUCE, golden, tested, problem, mode=mode, device=device)
 
 
+def reduce_maps(problem: MoEProblem, runs: list[RankRun], mode: Mode) -> list:
+    """The plots' data of a failing cross-rank `reduce` (one panel: it is every rank's sum)."""
+    from moe_verify.plot import error_maps
+
+    golden, tested = reduce_traces(problem, runs, mode)
+    return error_maps(problem, RankRun(0, golden, {mode: tested}), mode, [Stage.REDUCE])
+
+
 def has_reduce(problem: MoEProblem) -> bool:
     """Several ranks are summed, or shared experts are added: the runner's finish is checked."""
     return problem.topology.size > 1 or problem.shared_experts > 0
@@ -117,27 +132,115 @@ def verify(
     engine: Engine | str = Engine.AUTO,
     dump_dir: Path | None = None,
     compare_device: torch.device | str | None = None,
+    case_timeout_s: float | None = None,
+    plot_dir: Path | None = None,
+    workspace: bool = False,
+    poison: int | Sequence[int] | None = None,
 ) -> Report:
     """Verify `backend` against the golden on `problem`; see the module docstring for modes.
 
-    `backend` is "optimized", "golden", "module:Class", or a Backend instance. On failure with
-    `dump_dir`, the inputs and every trace are written there for `moe-verify replay`. Stages are
-    compared on the golden's device unless `compare_device` names another (e.g. "cpu" to spend no
-    GPU memory on the comparison's float64 temporaries).
+    `backend` is "optimized", "golden", "vllm", "module:Class", or a Backend instance. Given
+    `inputs` must match the problem (`check_inputs`); otherwise they are made from its seed after a
+    memory pre-flight. On failure with `dump_dir`, the inputs and every trace are written there for
+    `moe-verify replay`; with `plot_dir`, one heatmap per failing stage (moe_verify/plot.py).
+    Stages are compared on the golden's device unless `compare_device` names another (e.g. "cpu"
+    to spend no GPU memory on the comparison's float64 temporaries). `case_timeout_s` bounds the
+    whole case (moe_verify/contain.py). `workspace` and `poison` build the optimized backend with
+    reused, poisoned workspaces; two poison bytes run the tested side once under each, and every
+    stage must also agree bit for bit between the two (tolerance/invariance.py).
     """
     modes = Mode.select(mode)
-    tested = resolve_backend(backend, engine)
+    poisons = _poisons(poison)
+    tested = resolve_backend(
+        backend, engine, workspace=workspace, poison=poisons[0] if poisons else None
+    )
+    twin = (
+        resolve_backend(backend, engine, workspace=workspace, poison=poisons[1])
+        if len(poisons) == 2
+        else None
+    )
     golden = resolve_backend("golden")
     if inputs is None:
+        preflight(problem, device if device is not None else default_device())
         inputs = make_inputs(problem, device)
+    else:
+        check_inputs(problem, inputs)
+    sides = 1 + len(modes) * (2 if twin is not None else 1)
+    steps = problem.topology.size * len(problem.stages) * sides
+    with deadline(case_timeout_s, progress.where), progress.case_bar(problem.id, steps):
+        report, runs, maps = _verify_ranks(
+            problem,
+            inputs,
+            tested,
+            (twin, " vs ".join(f"0x{b:02x}" for b in poisons)) if twin is not None else None,
+            golden,
+            modes,
+            dump_dir,
+            plot_dir,
+            compare_device,
+        )
+    if poisons:
+        report.files["poison"] = [f"0x{b:02x}" for b in poisons]
+    if plot_dir is not None and maps:
+        from moe_verify.plot import write_plots
+
+        report.files["plots"] = [str(f) for f in write_plots(problem, maps, Path(plot_dir))]
+    if dump_dir is not None and not report.passed:
+        spec = backend if isinstance(backend, str) else backend_spec(backend)
+        where = dump_case(
+            Path(dump_dir),
+            problem,
+            inputs,
+            runs,
+            report,
+            backend=spec,
+            engine=str(getattr(tested, "engine", None) or Engine(engine)),
+            mode=str(mode),
+            workspace=workspace,
+            poison=list(poisons),
+        )
+        report.files["dump"] = [str(where)]
+    return report
+
+
+def _verify_ranks(
+    problem: MoEProblem,
+    inputs: MoEInputs,
+    tested: Backend,
+    poisoned_twin: tuple[Backend, str] | None,
+    golden: Backend,
+    modes: tuple[Mode, ...],
+    dump_dir: Path | None,
+    plot_dir: Path | None,
+    compare_device: torch.device | str | None,
+) -> tuple[Report, list[RankRun], list]:
+    """Every rank verified, then the reduce; the report, the kept runs and the plots' data.
+    `poisoned_twin`: the tested backend under the second poison, and the pair's label."""
     # Rank by rank: compare, then keep only what the reduce needs (every trace when dumping),
     # so memory holds one rank's intermediates at a time.
     runs: list[RankRun] = []
     per_rank: list[dict[Mode, list[StageResult]]] = []
+    maps: list = []
     for rank in range(problem.topology.size):
         verdict = verify_rank(
             problem, inputs, tested, golden, rank, modes, compare_device=compare_device
         )
+        if poisoned_twin is not None:
+            twin, twin_label = poisoned_twin
+            other = run_rank(problem, inputs, twin, golden, rank, modes, verdict.run.golden)
+            verdict.results.update(
+                {
+                    m: with_poison_agreement(verdict.results[m], verdict.run, other, m, twin_label)
+                    for m in modes
+                }
+            )
+        if plot_dir is not None:
+            from moe_verify.plot import error_maps
+
+            for m in modes:
+                failing = [r.stage for r in verdict.results[m] if r.status.failing]
+                if failing:
+                    maps += error_maps(problem, verdict.run, m, failing)
         per_rank.append(verdict.results)
         runs.append(verdict.run if dump_dir is not None else verdict.run.for_reduce())
         del verdict
@@ -146,7 +249,10 @@ def verify(
         # stage by stage, ranks ascending within a stage; then the reduce
         ordered = [r[m][i] for i in range(len(per_rank[0][m])) for r in per_rank]
         if has_reduce(problem):
-            ordered.append(compare_reduce(problem, runs, m, compare_device))
+            reduced = compare_reduce(problem, runs, m, compare_device)
+            ordered.append(reduced)
+            if plot_dir is not None and reduced.status.failing:
+                maps += reduce_maps(problem, runs, m)
         results[m] = ordered
     report = Report(
         problem,
@@ -157,20 +263,72 @@ def verify(
         golden=golden.name,
         rank_experts=rank_experts(problem),
     )
-    if dump_dir is not None and not report.passed:
-        dump_case(Path(dump_dir), problem, inputs, runs, report)
-    return report
+    return report, runs, maps
+
+
+def with_poison_agreement(
+    results: list[StageResult], first: RankRun, second: RankRun, mode: Mode, label: str
+) -> list[StageResult]:
+    """`results` with each stage's two-poison agreement check added (a stage whose two runs
+    disagree fails, even where each run alone was within its tolerance of the golden)."""
+    a, b = first.tested[mode], second.tested[mode]
+    out = []
+    for r in results:
+        check = poison_agreement(r.stage, a, b, label)
+        if check is not None:
+            status = r.status
+            if not check.passed and status in (Status.PASS, Status.SKIP):
+                status = Status.FAIL
+            r = dataclasses.replace(r, checks=[*r.checks, check], status=status)
+        out.append(r)
+    return out
+
+
+def _poisons(poison: int | Sequence[int] | None) -> tuple[int, ...]:
+    """None, one byte or two distinct bytes, each in 0..255."""
+    if poison is None:
+        return ()
+    values = (poison,) if isinstance(poison, int) else tuple(poison)
+    if not 1 <= len(values) <= 2:
+        raise ValueError(f"poison: expected one or two bytes, got {len(values)}: {values}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0xFF:
+            raise ValueError(f"poison: expected a byte in 0..255, got {v!r}")
+    if len(values) == 2 and values[0] == values[1]:
+        raise ValueError(f"poison: a two-poison run needs two different bytes, got {values}")
+    return values
+
+
+def backend_spec(backend: Backend) -> str:
+    """'module:Class' of a Backend instance, as `--backend` takes it (for dumps and replay)."""
+    cls = type(backend)
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def replay(
     directory: Path,
-    backend: str | Backend = "optimized",
-    engine: Engine | str = Engine.AUTO,
-    mode: Mode | str = "both",
+    backend: str | Backend | None = None,
+    engine: Engine | str | None = None,
+    mode: Mode | str | None = None,
 ) -> Report:
-    """Re-run a dumped case on the dumped inputs (bit-identical to the failing run)."""
-    problem, inputs = load_case(directory)
-    return verify(problem, backend=backend, mode=mode, inputs=inputs, engine=engine)
+    """Re-run a dumped case on the dumped inputs (bit-identical to the failing run), with the
+    backend, engine, mode and workspace options the dump recorded unless others are given.
+    `directory` is the case directory or a dump directory holding exactly one case."""
+    case = load_case(directory)
+    chosen = backend if backend is not None else case.backend
+    if chosen is None:
+        raise ValueError(
+            f"dump {case.path} does not record its backend (an older dump): pass --backend"
+        )
+    return verify(
+        case.problem,
+        backend=chosen,
+        mode=mode if mode is not None else (case.mode or "both"),
+        inputs=case.inputs,
+        engine=engine if engine is not None else (case.engine or Engine.AUTO),
+        workspace=case.workspace if backend is None else False,
+        poison=(case.poison or None) if backend is None else None,
+    )
 
 
 def rank_experts(problem: MoEProblem) -> dict[int, list[int]] | None:

@@ -31,6 +31,7 @@ from moe_verify.spec import (
     StageSkipped,
 )
 from optimized.kernels._validate import (
+    check_flag,
     check_power_of_two_scales,
     check_range,
     fail,
@@ -263,6 +264,7 @@ def prepare_weight_scales(w: QuantizedWeight, use_ue8m0: bool) -> torch.Tensor:
     SM90: fp32 [E, N/128, K/128] as-is. SM100: DeepGEMM packs fp32 powers of two (or upcast E8M0
     bytes) into int32 UE8M0, per row, MN-major, TMA-aligned.
     """
+    check_flag("deepgemm.prepare_weight_scales", "use_ue8m0", use_ue8m0)
     dg = module()
     e, n, k = w.shape
     scale = w.scale
@@ -302,6 +304,8 @@ def validate_contiguous_call(
     from optimized.kernels.psum import check_expert_ends, psum_live_rows
 
     fn = "deepgemm.m_grouped_gemm"
+    check_flag(fn, "use_ue8m0", use_ue8m0)
+    check_flag(fn, "use_psum_layout", use_psum_layout)
     m_sum, k = a.shape
     num_experts, n, _ = w.shape
     name = "expert_ends" if use_psum_layout else "m_indices"
@@ -359,6 +363,7 @@ def validate_masked_call(
     the global expert count: anchors #21). Ref §9.3 and §10.5.
     """
     fn = "deepgemm.m_grouped_gemm_masked"
+    check_flag(fn, "use_ue8m0", use_ue8m0)
     if a.dim() != 3 or a.dtype != torch.float8_e4m3fn or a.stride(-1) != 1:
         fail(fn, f"a must be a K-major float8_e4m3fn [G, M_max, K], got {a.dtype} {a.shape}")
     groups, max_m, k = a.shape
@@ -424,6 +429,9 @@ def m_grouped_gemm(
     `ensure_zero_padding`, and neither do we); `out`, when given, is a reused [M_sum, N] bf16
     workspace. DeepGEMM writes padding (-1) rows, and under psum gap rows, unspecified, and
     leaves tail rows past the last segment unwritten."""
+    # The flags first: a string such as 'no' is truthy, and DeepGEMM would take it as True.
+    check_flag("deepgemm.m_grouped_gemm", "use_ue8m0", use_ue8m0)
+    check_flag("deepgemm.m_grouped_gemm", "use_psum_layout", use_psum_layout)
     dg = module()
     m_sum = a.shape[0]
     n = w.shape[1]
@@ -465,6 +473,7 @@ def m_grouped_gemm_masked(
     use_ue8m0: bool,
 ) -> torch.Tensor:
     """d[e, :masked_m[e]] = A[e] @ B[e]^T through m_grouped_fp8_gemm_nt_masked."""
+    check_flag("deepgemm.m_grouped_gemm_masked", "use_ue8m0", use_ue8m0)
     dg = module()
     validate_masked_call(a, a_scale, w, masked_m, expected_m, use_ue8m0)
     e, max_m, _ = a.shape

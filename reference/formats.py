@@ -20,6 +20,7 @@ from torch import Tensor
 from moe_verify.spec import E2M1_MAX, FP8_MAX, InputQuantRecipe, ScaleFmt
 from reference.validate import (
     first_index,
+    require_bool,
     require_finite,
     require_multiple,
     require_no_e8m0_nan,
@@ -299,7 +300,7 @@ def quantize_fp8_groups(
     require_tensor("x", x, _FLOATS, 1)
     group = require_positive_int("group", group)
     scale_fmt = require_scale_fmt(scale_fmt)
-    if not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
+    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
         raise ValueError(f"eps must be a positive finite float, got {eps!r}")
     if recipe not in _GROUP_SCALES:
         raise ValueError(f"recipe must be one of {[str(r) for r in _GROUP_SCALES]}, got {recipe!r}")
@@ -349,6 +350,7 @@ def quantize_fp8_blocks(
     """
     require_tensor("w", w, _FLOATS, 2)
     bm, bk = _require_block(block)
+    require_bool("use_ue8m0", use_ue8m0)
     require_finite("w", w)
     *lead, n, k = w.shape
     nb, kb = _ceil_div(n, bm), _ceil_div(k, bk)

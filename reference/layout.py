@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_verify.spec import MSumRecipe
-from reference.validate import require
+from reference.validate import require, require_int
 
 
 def round_up(x: int, a: int) -> int:
@@ -66,9 +66,34 @@ def expert_counts(local_ids: torch.Tensor, num_local_experts: int) -> torch.Tens
     return torch.bincount(live, minlength=num_local_experts).to(torch.int32)
 
 
+def _require_counts(counts: object) -> torch.Tensor:
+    """Per-expert counts: a 1-D integer tensor of values >= 0."""
+    if not isinstance(counts, torch.Tensor):
+        raise TypeError(f"counts: expected a 1-D integer tensor, got {type(counts).__name__}")
+    require(
+        counts.dim() == 1 and not counts.dtype.is_floating_point and counts.dtype != torch.bool,
+        "counts",
+        "a 1-D integer tensor (slots per local expert)",
+        f"{counts.dtype} of shape {list(counts.shape)}",
+    )
+    if counts.numel() and int(counts.min()) < 0:
+        raise ValueError(f"counts: expected values >= 0, got {counts.tolist()}")
+    return counts
+
+
+def _require_sizes(
+    num_tokens: object, topk: object, num_local_experts: object, alignment: object
+) -> None:
+    require_int("num_tokens", num_tokens, 0)
+    require_int("topk", topk, 0)
+    require_int("num_local_experts", num_local_experts, 0)
+    require_int("alignment", alignment, 1)
+
+
 def aligned_m_sum_exact(counts: torch.Tensor, alignment: int) -> int:
     """Σ_e round_up(count_e, A): the exact-count path (DeepEP HT, CPU counts known)."""
-    c = counts.long()
+    require_int("alignment", alignment, 1)
+    c = _require_counts(counts).long()
     return int(((c + alignment - 1) // alignment * alignment).sum())
 
 
@@ -80,6 +105,7 @@ def aligned_m_sum_upper_bound(
 
     Safe because Σ round_up(n_e, A) <= Σ n_e + #active·(A-1) and #active <= min(M·k, E_l).
     """
+    _require_sizes(num_tokens, topk, num_local_experts, alignment)
     slots = num_tokens * topk
     return round_up(slots + min(slots, num_local_experts) * (alignment - 1), alignment)
 
@@ -91,6 +117,7 @@ def aligned_m_sum_all_experts_bound(
 
     Never below `aligned_m_sum_upper_bound` (equal once M·k >= E_l): as safe, looser at decode.
     """
+    _require_sizes(num_tokens, topk, num_local_experts, alignment)
     return round_up(num_tokens * topk + num_local_experts * (alignment - 1), alignment)
 
 
@@ -99,7 +126,7 @@ def aligned_m_sum_recipes(
 ) -> dict[MSumRecipe, int]:
     """Every legitimate M_sum of one rank: both upper bounds and the exact sum (E_l local
     experts, one count each)."""
-    e_l = counts.numel()
+    e_l = _require_counts(counts).numel()
     return {
         MSumRecipe.MIN_ACTIVE_BOUND: aligned_m_sum_upper_bound(num_tokens, topk, e_l, alignment),
         MSumRecipe.ALL_EXPERTS_BOUND: aligned_m_sum_all_experts_bound(

@@ -30,6 +30,23 @@ def require_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], min_nd
         raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
 
 
+def require_int(name: str, value: object, low: int) -> int:
+    """An int >= low: TypeError for anything else (a bool, a float such as 64.5), ValueError
+    below the bound."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int >= {low}, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value}")
+    return value
+
+
+def require_bool(name: str, value: object) -> bool:
+    """A real bool: a string such as 'no' is truthy and would silently mean True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
 def require_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -3,13 +3,18 @@
 A Report holds the results of one mode or of both (`isolated`, `chained`). The culprit of a
 failing case is the first failing stage in isolated mode (a divergence there belongs to that stage
 alone); without isolated results, the first failing stage in chained mode.
+
+The verdict is ERROR when a stage errored (a side raised, crashed or timed out), else FAIL when a
+check failed, else SKIP when no stage was compared at all, else PASS; `EXIT_CODES` maps it to the
+process exit code of `moe-verify` (SKIP is not a pass: nothing was verified).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moe_verify.spec import Mode, MoEProblem, Status
@@ -17,6 +22,13 @@ from tolerance.compare import CheckResult, StageResult, Worst
 from tolerance.policy import comparison_mode
 
 _COLUMNS = ("stage", "status", "check", "value", "limit", "worst coordinates", "reason")
+
+# The exit code of each verdict: 0 passed, 1 a check failed, 2 nothing trustworthy to say (an
+# error, or every stage skipped).
+EXIT_CODES = {Status.PASS: 0, Status.FAIL: 1, Status.ERROR: 2, Status.SKIP: 2}
+# Longest failure line of the default view; the full text is under -v (to_table).
+LINE_WIDTH = 200
+_DOC_REF = re.compile(r"docs/[\w./-]+\.md(?:#[\w-]+)?")
 
 
 @dataclass
@@ -34,6 +46,8 @@ class Report:
     golden: str = "reference"
     # EP: the global experts each rank hosts, so a rank-dependent failure names its experts.
     rank_experts: dict[int, list[int]] | None = None
+    # What the run wrote, by kind: {"dump": [case dir], "plots": [png, ...]}.
+    files: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.mode = comparison_mode(self.mode)
@@ -65,6 +79,42 @@ class Report:
         return self.passed and all(
             r.status is Status.PASS for _, results in self.modes() for r in results
         )
+
+    @property
+    def verdict(self) -> Status:
+        """ERROR if any stage errored, else FAIL if any check failed, else SKIP if no stage was
+        compared (every one skipped), else PASS."""
+        statuses = {r.status for _, results in self.modes() for r in results}
+        for status in (Status.ERROR, Status.FAIL):
+            if status in statuses:
+                return status
+        return Status.PASS if Status.PASS in statuses else Status.SKIP
+
+    @property
+    def exit_code(self) -> int:
+        """0 PASS, 1 FAIL, 2 ERROR or SKIP (EXIT_CODES)."""
+        return EXIT_CODES[self.verdict]
+
+    def skipped(self) -> dict[str, list[str]]:
+        """reason -> the stages skipped for it (ranks and modes folded), in stage order."""
+        out: dict[str, list[str]] = {}
+        for _, results in self.modes():
+            for r in results:
+                if r.status is Status.SKIP and r.stage not in out.setdefault(r.reason, []):
+                    out[r.reason].append(r.stage)
+        return out
+
+    def skip_note(self) -> str:
+        """'gemm1, gemm2 skipped: <reason>' (one reason), 'gemm1, shared skipped; first reason:
+        <reason>' (several; the skipped section of to_summary lists each), '' when nothing was."""
+        skipped = self.skipped()
+        if not skipped:
+            return ""
+        stages = ", ".join(dict.fromkeys(s for names in skipped.values() for s in names))
+        reason = _clip(next(iter(skipped)) or "no reason given", LINE_WIDTH // 2)
+        if len(skipped) == 1:
+            return f"{stages} skipped: {reason}"
+        return f"{stages} skipped; first of {len(skipped)} reasons: {reason}"
 
     @property
     def first_failure(self) -> str | None:
@@ -118,8 +168,10 @@ class Report:
     # Failure text ----------------------------------------------------------------------------
 
     def failure_messages(self) -> list[str]:
-        """One line per failed check (STYLE.md "Failure messages"), every mode, isolated first."""
+        """One line per failed check (STYLE.md "Failure messages"), every mode and rank, isolated
+        first; a limit's reason is spelled out the first time only (the full view, -v)."""
         lines = []
+        seen: set[str] = set()
         for mode, results in self.modes():
             for r in results:
                 if r.status is Status.ERROR:
@@ -127,17 +179,39 @@ class Report:
                         f"{self.case_id} [{mode}] stage {stage_label(r)}: ERROR {r.reason}"
                     )
                 for c in r.failed_checks:
-                    lines.append(failure_message(self.case_id, mode, r, c))
+                    lines.append(failure_message(self.case_id, mode, r, c, c.reason in seen))
+                    seen.add(c.reason)
+        return lines
+
+    def failure_lines(self) -> list[str]:
+        """The default view's failures: one line per (mode, stage) of at most LINE_WIDTH
+        characters (the first failed check, where and by how much, the other failed checks by
+        name, and where its limit is explained); every check of every rank is under -v."""
+        lines = []
+        for mode, results in self.modes():
+            by_stage: dict[str, list[StageResult]] = {}
+            for r in results:
+                if r.status.failing:
+                    by_stage.setdefault(r.stage, []).append(r)
+            lines.extend(concise_failure(mode, failing) for failing in by_stage.values())
         return lines
 
     def summary_line(self) -> str:
-        """'FAIL <case> [backend, mode] first failure: <stage> (<check>: value > limit) ...'."""
+        """'FAIL <case> [backend, mode] first failure: <stage> (<check>: value > limit) ...',
+        'PASS <case> [backend, mode] <tally> (<stages> skipped: <reason>)', or 'SKIP <case> ...
+        every tested stage was skipped: ...'."""
+        verdict = self.verdict
+        head = f"{verdict.upper()} {self.case_id} [{self.backend}, {self.mode}]"
+        skipped = self.skip_note()
+        if verdict is Status.SKIP:
+            return f"{head} every tested stage was skipped: {skipped or 'no stages'}"
         c = self.counts()
         tally = ", ".join(f"{n} {s}" for s, n in c.items() if n)
-        head = f"{'PASS' if self.passed else 'FAIL'} {self.case_id} [{self.backend}, {self.mode}]"
+        if skipped:
+            tally += f" ({skipped})"
         recipes = self.recipes()
         named = "; recipes: " + ", ".join(f"{s} {r}" for s, r in recipes.items()) if recipes else ""
-        if self.passed:
+        if verdict is Status.PASS:
             return f"{head} {tally or 'no stages'}{named}"
         result = self.first_failing_result
         assert result is not None
@@ -146,7 +220,7 @@ class Report:
         what = (
             f"{first.name}: {_fmt(first.value)} > {_fmt(first.limit)}"
             if first
-            else f"error: {result.reason}"
+            else f"error: {_clip(result.reason, LINE_WIDTH // 2)}"
         )
         where = f" at {first.worst.coords()}" if first and first.worst else ""
         return f"{head} first failure: {stage} ({what}){where}; {tally}{named}"
@@ -160,10 +234,12 @@ class Report:
             "backend": self.backend,
             "golden": self.golden,
             "mode": self.mode,
+            "verdict": str(self.verdict),
             "passed": self.passed,
             "first_failure": self.first_failure,
             "failed_ranks": self.failed_ranks,
             "rank_experts": self.rank_experts,
+            "files": self.files,
             "problem": self.problem.to_dict(),
             **{m.value: _results_to_list(getattr(self, m)) for m in Mode},
         }
@@ -173,7 +249,8 @@ class Report:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Report:
-        """Inverse of to_dict (the derived fields 'case', 'passed', 'first_failure' are ignored)."""
+        """Inverse of to_dict (the derived fields 'case', 'verdict', 'passed', 'first_failure' are
+        ignored)."""
         return Report(
             problem=MoEProblem.from_dict(d["problem"]),
             backend=d["backend"],
@@ -184,6 +261,7 @@ class Report:
             rank_experts={int(r): e for r, e in d["rank_experts"].items()}
             if d.get("rank_experts")
             else None,
+            files={kind: list(paths) for kind, paths in d.get("files", {}).items()},
         )
 
     # Renderings ------------------------------------------------------------------------------
@@ -208,11 +286,13 @@ class Report:
         if failures:
             lines.append("failures:")
             lines.extend(f"  {m}" for m in failures)
+        lines.append(self.summary_line())
         return "\n".join(lines)
 
     def to_summary(self) -> str:
         """One line per stage: its isolated and chained status side by side, the check closest
-        to (or over) its limit, and where; then the failure messages. The CLI's default view."""
+        to (or over) its limit, and where; each skip reason once; one line per failing (mode,
+        stage); the summary line last. The CLI's default view."""
         lines = [self._header()]
         by_mode = {mode: {(r.stage, r.rank): r for r in results} for mode, results in self.modes()}
         keys: list[tuple[str, int | None]] = []
@@ -239,28 +319,26 @@ class Report:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
             if n == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        skipped = [
-            f"{r.label}: {r.reason}"
-            for _, rs in self.modes()
-            for r in rs
-            if r.status is Status.SKIP
-        ]
+        skipped = self.skipped()
         if skipped:
             lines.append("skipped:")
-            lines.extend(f"  {m}" for m in dict.fromkeys(skipped))
-        failures = self.failure_messages()
+            lines.extend(f"  {', '.join(stages)}: {reason}" for reason, stages in skipped.items())
+        failures = self.failure_lines()
         if failures:
-            lines.append("failures:")
+            lines.append("failures (-v: every check of every rank, with the limits' reasons):")
             lines.extend(f"  {m}" for m in failures)
+        lines.append(self.summary_line())
         return "\n".join(lines)
 
     def to_markdown(self) -> str:
         lines = [
-            f"## {self.case_id}: {'PASS' if self.passed else 'FAIL'}",
+            f"## {self.case_id}: {self.verdict.upper()}",
             "",
             f"- backend: `{self.backend}` vs golden `{self.golden}`, primary mode: {self.mode}",
             f"- first failure: {self.first_failure or 'none'}",
         ]
+        if self.skipped():
+            lines.append(f"- skipped: {_md_cell(self.skip_note())}")
         for mode, results in self.modes():
             lines += ["", f"### {mode}", "", "| " + " | ".join(_COLUMNS) + " |"]
             lines.append("|" + " --- |" * len(_COLUMNS))
@@ -274,11 +352,17 @@ class Report:
         return "\n".join(lines) + "\n"
 
     def _header(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL"
+        verdict = self.verdict
+        note = ""
+        if verdict is Status.SKIP:
+            note = " (every tested stage was skipped)"
+        elif self.skipped():
+            stages = dict.fromkeys(s for stages in self.skipped().values() for s in stages)
+            note = f" ({', '.join(stages)} skipped)"
         first = self.first_failure or "none"
         head = (
             f"case {self.case_id}  backend {self.backend} vs {self.golden}  mode {self.mode}  "
-            f"verdict {verdict}  first failure: {first}"
+            f"verdict {verdict.upper()}{note}  first failure: {first}"
         )
         ranks = self.failed_ranks
         if ranks and self.rank_experts:
@@ -306,12 +390,16 @@ def _tightest(result: StageResult) -> CheckResult | None:
     return max(result.checks, key=ratio)
 
 
-def failure_message(case_id: str, mode: str, stage: StageResult, check: CheckResult) -> str:
-    """Case, stage, check, value vs limit and its reason, worst coordinates, both values, and the
-    stage's NaN/Inf counts."""
+def failure_message(
+    case_id: str, mode: str, stage: StageResult, check: CheckResult, reason_above: bool = False
+) -> str:
+    """Case, stage, check, value vs limit and its reason (or "reason above" where an earlier line
+    spelled out the same one), worst coordinates, both values, and the stage's NaN/Inf counts;
+    each clause once."""
+    reason = "reason above" if reason_above else check.reason
     parts = [
         f"{case_id} [{mode}] stage {stage_label(stage)}, check {check.name}: "
-        f"{_fmt(check.value)} > limit {_fmt(check.limit)} ({check.reason})"
+        f"{_fmt(check.value)} > limit {_fmt(check.limit)} ({reason})"
     ]
     if check.worst is not None:
         w = check.worst
@@ -324,7 +412,52 @@ def failure_message(case_id: str, mode: str, stage: StageResult, check: CheckRes
         parts.append("NaN/Inf: not counted (bitwise stage)")
     elif nan_inf is not check:
         parts.append(f"NaN/Inf: {nan_inf.detail}")
-    return "; ".join(parts)
+    return "; ".join(_once(parts))
+
+
+def concise_failure(mode: str, failing: list[StageResult]) -> str:
+    """One failing stage of one mode on one line (the failing ranks folded): '[mode] stage: check
+    value > limit at (coordinates): golden x, other y; first clause of the detail; also <other
+    failed checks> (where docs/ explains the limit)', at most LINE_WIDTH characters."""
+    first = failing[0]
+    ranks = [r.rank for r in failing if r.rank is not None]
+    head = f"[{mode}] {stage_label(first)}"
+    if len(ranks) > 1:
+        head += f" (ranks {', '.join(map(str, ranks))} fail)"
+    checks = first.failed_checks
+    if first.status is Status.ERROR or not checks:
+        return _clip(f"{head}: ERROR {first.reason}", LINE_WIDTH)
+    check = checks[0]
+    text = f"{head}: {check.name} {_fmt(check.value)} > {_fmt(check.limit)}"
+    if check.worst is not None:
+        w = check.worst
+        text += f" at {w.coords()}: golden {_fmt(w.golden)}, other {_fmt(w.other)}"
+    others = dict.fromkeys(c.name for r in failing for c in r.failed_checks if c is not check)
+    others.pop(check.name, None)
+    refs = _DOC_REF.findall(check.reason)
+    where = f" ({refs[0] if refs else _clip(check.reason, 60)})"
+    # What the line has left after the essentials goes to the detail's first clause (whole or
+    # not at all), then to the other failed checks: by name where they fit, else by count.
+    room = LINE_WIDTH - len(text) - len(where)
+    n = len(others)
+    also = f"; +{n} more failed check{'s' if n > 1 else ''}" if others else ""
+    detail = f"; {check.detail.split('; ')[0]}" if check.detail else ""
+    if len(detail) <= room - len(also):
+        text += detail
+        room -= len(detail)
+    named = f"; also {', '.join(others)}" if others else ""
+    text += named if len(named) <= room else also
+    return _clip(text + where, LINE_WIDTH)
+
+
+def _once(parts: list[str]) -> list[str]:
+    """The '; '-separated clauses of `parts`, each once (a check's detail and the NaN/Inf count's
+    detail both carry the stage's recipe note)."""
+    seen: dict[str, None] = {}
+    for part in parts:
+        for clause in part.split("; "):
+            seen.setdefault(clause)
+    return list(seen)
 
 
 def stage_label(r: StageResult) -> str:

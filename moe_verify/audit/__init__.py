@@ -1,7 +1,8 @@
 """`moe-verify audit-e8m0 CHECKPOINT`: what E8M0 (power-of-two) scales cost a model's FP8 weights.
 
 checkpoint.py  reads an HF safetensors checkpoint's FP8 weights and block scales, refusing
-               anything malformed with the tensor's name (AuditError)
+               anything malformed with the tensor's name (AuditError) and any file it cannot
+               read safely with the file's (moe_verify.safe_io.UntrustedFileError)
 measure.py     the measurements and the verdict (`audit` -> AuditReport); its docstring says what
                is measured and why, and where DEFAULT_MAX_RATIO comes from
 report.py      report.md, report.json and plots (matplotlib imported only to plot)

@@ -1,16 +1,28 @@
 """Reading an FP8 block-scaled checkpoint (HF safetensors shards) for `moe-verify audit-e8m0`:
 its e4m3 weights with their block scales, one tensor or one expert at a time, and a clear error
-naming the file or tensor for anything malformed."""
+naming the file or tensor for anything malformed.
+
+A checkpoint is untrusted input: config.json, the index and every shard are read through
+moe_verify.safe_io, so only regular files inside the checkpoint directory are opened, every
+safetensors header is checked before a tensor is read, and a bad file is an UntrustedFileError
+naming it (a ValueError, as AuditError is)."""
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from moe_verify.safe_io import (
+    SafetensorsFile,
+    UntrustedFileError,
+    open_safetensors,
+    read_json,
+    safe_file,
+)
 
 # Scale tensors beside an FP8 `<name>.weight`: DeepSeek-V3 / Qwen FP8 checkpoints name the
 # dequantization multiplier `weight_scale_inv` (W = q * s despite the name); others `weight_scale`.
@@ -40,28 +52,53 @@ class FP8Weight:
     expert: int | None = None  # a 2-D routed expert's id (a 3-D tensor's experts: its rows)
 
 
-def _files(checkpoint: Path) -> list[Path]:
+def _root(checkpoint: Path) -> Path:
+    """The directory every file of the checkpoint must lie in: the directory the user named, or
+    the one holding the file they named (their own path is trusted, and resolved; what the
+    checkpoint's files and index point to is not)."""
     if not checkpoint.exists():
         raise AuditError(f"checkpoint {checkpoint} does not exist")
-    if checkpoint.is_file():
+    real = checkpoint.resolve()
+    return real if real.is_dir() else real.parent
+
+
+def _within(root: Path) -> Path:
+    """Where the checkpoint's symlinks may point: the checkpoint directory itself, or for a
+    Hugging Face cache snapshot (`models--org--name/snapshots/<revision>`, whose files link to
+    `../../blobs/<hash>`) the cached repository that holds both."""
+    snapshots = root.parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith(
+        ("models--", "datasets--")
+    ):
+        return snapshots.parent
+    return root
+
+
+def _files(checkpoint: Path) -> list[Path]:
+    """The checkpoint's shards, each checked to be a regular file inside it."""
+    root = _root(checkpoint)
+    if not checkpoint.is_dir():
         if checkpoint.suffix != ".safetensors":
             raise AuditError(f"checkpoint {checkpoint} is not a .safetensors file")
-        return [checkpoint]
-    files = sorted(checkpoint.glob("*.safetensors"))
+        return [safe_file(root, checkpoint.resolve().name)]
+    within = _within(root)
+    files = [safe_file(root, p.name, within=within) for p in sorted(root.glob("*.safetensors"))]
     if not files:
         raise AuditError(f"checkpoint directory {checkpoint} holds no *.safetensors files")
     return files
 
 
 def read_config(checkpoint: Path) -> dict[str, object]:
-    path = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "config.json"
-    if not path.is_file():
+    """config.json beside the shards, or {} when there is none."""
+    root = _root(checkpoint)
+    if not os.path.lexists(root / "config.json"):
         return {}
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise AuditError(f"{path} is not valid JSON: {exc}") from exc
-    return config if isinstance(config, dict) else {}
+    config = read_json(root, "config.json", within=_within(root))
+    if not isinstance(config, dict):
+        raise UntrustedFileError(
+            f"{root / 'config.json'}: a JSON {type(config).__name__}, not an object"
+        )
+    return config
 
 
 def block_size(config: dict[str, object]) -> tuple[int, int]:
@@ -92,18 +129,24 @@ def _kind(name: str) -> str:
     return "other"
 
 
-def _index(checkpoint: Path) -> dict[str, str] | None:
-    """The weight map of a sharded HF checkpoint (tensor -> file), when it has one."""
-    path = checkpoint / "model.safetensors.index.json" if checkpoint.is_dir() else None
-    if path is None or not path.is_file():
+def _index(checkpoint: Path) -> dict[str, Path] | None:
+    """The weight map of a sharded HF checkpoint (tensor -> file), when it has one; every file it
+    names checked to be a regular file inside the checkpoint."""
+    root = _root(checkpoint)
+    name = "model.safetensors.index.json"
+    if not checkpoint.is_dir() or not os.path.lexists(root / name):
         return None
-    try:
-        weight_map = json.loads(path.read_text()).get("weight_map")
-    except (json.JSONDecodeError, AttributeError) as exc:
-        raise AuditError(f"{path} is not a safetensors index: {exc}") from exc
-    if not isinstance(weight_map, dict):
-        raise AuditError(f"{path} has no 'weight_map' object")
-    return weight_map
+    index = read_json(root, name, within=_within(root))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise AuditError(f"{root / name} has no 'weight_map' object of tensor -> file name")
+    files: dict[str, Path] = {}
+    for file in sorted(set(weight_map.values())):
+        try:
+            files[file] = safe_file(root, file, within=_within(root))
+        except UntrustedFileError as exc:
+            raise UntrustedFileError(f"{root / name}: weight_map entry {exc}") from None
+    return {key: files[file] for key, file in weight_map.items()}
 
 
 def find_fp8_weights(checkpoint: Path) -> tuple[list[FP8Weight], list[str]]:
@@ -114,13 +157,9 @@ def find_fp8_weights(checkpoint: Path) -> tuple[list[FP8Weight], list[str]]:
     where: dict[str, Path] = {}
     dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
     for path in _files(checkpoint):
-        try:
-            handle = safe_open(str(path), framework="pt")
-        except Exception as exc:  # safetensors raises its own error type for a corrupt header
-            raise AuditError(f"{path} cannot be read as safetensors: {exc}") from exc
-        with handle as f:
-            for key in f.keys():
-                if index is not None and index.get(key) != path.name:
+        with _open(path) as f:
+            for key, info in f.tensors.items():
+                if index is not None and index.get(key) != path:
                     continue  # the index names another file (e.g. a consolidated copy)
                 if key in where:
                     raise AuditError(
@@ -128,8 +167,7 @@ def find_fp8_weights(checkpoint: Path) -> tuple[list[FP8Weight], list[str]]:
                         "model.safetensors.index.json says which one the model loads"
                     )
                 where[key] = path
-                sl = f.get_slice(key)
-                dtypes[key] = (sl.get_dtype(), tuple(sl.get_shape()))
+                dtypes[key] = (info.dtype, info.shape)
     fp8 = {k: shape for k, (dtype, shape) in dtypes.items() if dtype == "F8_E4M3"}
     weights = {k: shape for k, shape in fp8.items() if k.endswith(".weight")}
     unaudited = [
@@ -180,12 +218,18 @@ def _natural(key: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
+def _open(file: Path) -> SafetensorsFile:
+    """A shard found by find_fp8_weights (already a checked path), its header checked again at
+    every open: the file may have changed since."""
+    return open_safetensors(file.parent, file.name)
+
+
 def load_tensor(
     file: Path, key: str, device: torch.device, expert: int | None = None
 ) -> torch.Tensor:
     """One tensor, or one expert (leading index) of it, read alone from its shard."""
-    with safe_open(str(file), framework="pt", device="cpu") as f:
-        t = f.get_tensor(key) if expert is None else f.get_slice(key)[expert]
+    with _open(file) as f:
+        t = f.tensor(key, expert)
     return t.to(device)
 
 
@@ -196,15 +240,14 @@ def load_scales(
     per block, and each a normal fp32 number > 0 (UE8M0 spans 2^-126 .. 2^127)."""
     *lead, n, k = w.shape
     want = (*lead, -(-n // block[0]), -(-k // block[1]))
-    with safe_open(str(w.scale_file), framework="pt", device="cpu") as f:
-        sl = f.get_slice(w.scale_key)
-        dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-    if dtype != "F32" or shape != want:
-        raise AuditError(
-            f"{w.scale_key} is {dtype} {shape}; a {block[0]}x{block[1]}-block scale of "
-            f"{w.weight_key} {w.shape} must be float32 (F32) {want}"
-        )
-    s = load_tensor(w.scale_file, w.scale_key, device, expert)
+    with _open(w.scale_file) as f:
+        info = f.info(w.scale_key)
+        if info.dtype != "F32" or info.shape != want:
+            raise AuditError(
+                f"{w.scale_key} is {info.dtype} {info.shape}; a {block[0]}x{block[1]}-block "
+                f"scale of {w.weight_key} {w.shape} must be float32 (F32) {want}"
+            )
+        s = f.tensor(w.scale_key, expert).to(device)
     bad = ~torch.isfinite(s) | (s < 2.0**-126) | (s > 2.0**127)
     if bool(bad.any()):
         at = tuple(int(i) for i in torch.nonzero(bad)[0])

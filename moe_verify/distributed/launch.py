@@ -1,5 +1,10 @@
 """Start one torchrun process per rank (`moe-verify run --launcher torchrun`) and, when the ranks
 end without a verdict, name the rank(s) that failed from torchrun's failures and each rank's note.
+
+torchrun's agent runs in this process and starts each rank in a process group of its own; it is
+bounded by the case timeout plus a startup grace (the ranks bound their own work by the case
+timeout): when that runs out, or on SIGINT/SIGTERM, the agent kills every rank's process group
+before the timeout or the signal goes on, and the ranks still working are named.
 """
 
 from __future__ import annotations
@@ -18,8 +23,15 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from moe_verify.args import EXIT_ERROR
+from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S, CaseTimeout, deadline
 from moe_verify.distributed import EXCHANGE, NO_MULTICAST_ENV, STATUS_DIR_ENV, rank_problem
 from moe_verify.spec import Engine, Mode, MoEProblem
+
+# Beyond the case timeout, what torchrun may take to start the ranks (each imports torch and
+# Triton, joins the group) and to exchange and report once their local work is done.
+STARTUP_GRACE_S = 120.0
+# The signals torchrun's agent turns into its SignalException (TORCHELASTIC_SIGNALS_TO_HANDLE).
+_AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 @contextmanager
@@ -62,9 +74,11 @@ def launch(
     markdown_path: str | None = None,
     nproc: int | None = None,
     dump_dir: str | None = None,
+    case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S,
 ) -> int:
-    """Run `problem` with one torchrun process per rank; the exit code of `moe-verify run`."""
-    from torch.distributed.run import parse_args, run
+    """Run `problem` with one torchrun process per rank; the exit code of `moe-verify run`.
+    `case_timeout_s` bounds each rank's work (None or 0: no limit), and the whole launch with
+    STARTUP_GRACE_S more."""
 
     size = problem.topology.size
     if nproc is not None and nproc != size:
@@ -83,6 +97,7 @@ def launch(
             worker += ["--markdown", str(Path(markdown_path).resolve())]
         if dump_dir:
             worker += ["--dump-dir", str(Path(dump_dir).resolve())]
+        worker += ["--case-timeout", f"{case_timeout_s or 0:g}"]
         torchrun = [
             "--standalone",
             f"--nproc-per-node={size}",
@@ -92,11 +107,19 @@ def launch(
             *worker,
         ]
         failures: dict[int, ProcessFailure] = {}
-        with _environ(_launch_env(status)):
-            try:
-                run(parse_args(torchrun))
-            except ChildFailedError as exc:
-                failures = dict(exc.failures)
+        limit = case_timeout_s + STARTUP_GRACE_S if case_timeout_s else None
+        try:
+            with _environ(_launch_env(status)):
+                failures = _run_torchrun(torchrun, limit, problem)
+        except CaseTimeout:
+            assert limit is not None
+            why = (
+                f"the torchrun ranks did not finish within {limit:g} s (the case timeout of "
+                f"{case_timeout_s:g} s plus {STARTUP_GRACE_S:g} s to start and exchange); "
+                "every rank was killed; timed out rank(s)"
+            )
+            print(failure_summary(problem, status, {}, why), file=sys.stderr)
+            return EXIT_ERROR
         verdict = status / "verdict.json"
         if verdict.exists():
             return int(json.loads(verdict.read_text())["exit"])
@@ -104,16 +127,45 @@ def launch(
         return EXIT_ERROR
 
 
-def failure_summary(problem: MoEProblem, status: Path, failures: dict[int, ProcessFailure]) -> str:
-    """Which rank(s) failed and where, when the ranks ended without a verdict."""
+def _run_torchrun(
+    torchrun: list[str], limit: float | None, problem: MoEProblem
+) -> dict[int, ProcessFailure]:
+    """torchrun's agent in this process, bounded by `limit`; the ranks' failures. A timeout or a
+    signal reaches the agent as an exception, and it kills every rank's process group before
+    passing it on; a signal is then delivered again to the handlers that were ours."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import parse_args, run
+
+    ours = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    try:
+        with deadline(limit, lambda: f"torchrun of {problem.id}"):
+            run(parse_args(torchrun))
+    except ChildFailedError as exc:
+        return dict(exc.failures)
+    except SignalException as exc:
+        for sig, handler in ours.items():
+            signal.signal(sig, handler)
+        signal.raise_signal(exc.sigval)
+        raise
+    finally:
+        for sig, handler in ours.items():
+            signal.signal(sig, handler)
+    return {}
+
+
+def failure_summary(
+    problem: MoEProblem,
+    status: Path,
+    failures: dict[int, ProcessFailure],
+    why: str = "the torchrun ranks ended without a verdict; failed rank(s)",
+) -> str:
+    """Which rank(s) failed and where, when the ranks ended without a verdict (or, `why`, did not
+    end in time)."""
     notes = {}
     for rank in range(problem.topology.size):
         path = status / f"rank{rank}.json"
         notes[rank] = json.loads(path.read_text()) if path.exists() else {}
-    lines = [
-        f"moe-verify: error: {problem.id}: the torchrun ranks ended without a verdict; "
-        f"failed rank(s): {failed_ranks(notes, failures)}"
-    ]
+    lines = [f"moe-verify: error: {problem.id}: {why}: {failed_ranks(notes, failures)}"]
     for rank in range(problem.topology.size):
         note = notes[rank]
         where = f"last in {note.get('stage', 'startup')}"
@@ -168,4 +220,5 @@ def launch_from_args(args: argparse.Namespace) -> int:
         markdown_path=args.markdown,
         nproc=args.nproc,
         dump_dir=args.dump_dir,
+        case_timeout_s=getattr(args, "case_timeout", DEFAULT_CASE_TIMEOUT_S) or None,
     )

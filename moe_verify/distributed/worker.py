@@ -26,9 +26,12 @@ token space (index_add) before the all-reduce. DeepEP's dispatch/combine kernels
 
 Failure handling: every rank makes the same collective calls in the same order whatever failed on
 it (a stage that raised is a result, not an exit), so one bad rank never leaves the others waiting.
-Rank r notes its stage in flight in MOE_VERIFY_DIST_DIR/rank<r>.json; a monitored barrier with a
-timeout (MOE_VERIFY_DIST_TIMEOUT_S) names a rank that hangs, torchrun tears the group down when a
-rank dies, and `launch` names the rank(s) that failed from torchrun's failures and those notes.
+Rank r notes its stage in flight in MOE_VERIFY_DIST_DIR/rank<r>.json. Its local work runs under
+the case timeout (--case-timeout): a stage still running then is an error of that rank's stage
+(moe_verify/contain.py), and a rank stuck outside Python ends itself a grace period later. A
+monitored barrier with a timeout (MOE_VERIFY_DIST_TIMEOUT_S) names a rank that hangs, torchrun
+tears the group down when a rank dies, and `launch` names the rank(s) that failed from torchrun's
+failures and those notes, and ends every rank once the case timeout and a startup grace ran out.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, add_run_args
+from moe_verify import progress
+from moe_verify.args import EXIT_ERROR, EXIT_PASS, add_run_args
+from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S, CaseTimeout, deadline
 from moe_verify.distributed import (
     DEFAULT_TIMEOUT_S,
     EXCHANGE,
@@ -307,9 +312,11 @@ def verify_on_rank(
     """Local work, exchange, and on rank 0 the report; the verdict is every rank's exit code."""
     modes = Mode.select(args.mode)
     dump_dir = getattr(args, "dump_dir", None)
+    timeout = getattr(args, "case_timeout", DEFAULT_CASE_TIMEOUT_S) or None
     try:
-        work = local_work(problem, tested, modes, ctx, keep_traces=bool(dump_dir))
-    except Exception as exc:  # noqa: BLE001 - reported as this rank's result; the collectives go on
+        with deadline(timeout, progress.where):
+            work = local_work(problem, tested, modes, ctx, keep_traces=bool(dump_dir))
+    except (Exception, CaseTimeout) as exc:  # noqa: BLE001 - this rank's result; collectives go on
         work = _failed_work(modes, ctx.rank, exc)
     backend = f"{tested.name}@torchrun-{ctx.backend}"
     results = exchange(problem, work, modes, ctx, backend)
@@ -328,23 +335,29 @@ def verify_on_rank(
             Path(args.json).write_text(report.to_json())
         if args.markdown:
             Path(args.markdown).write_text(report.to_markdown())
-        verdict = EXIT_PASS if report.passed else EXIT_FAIL
+        verdict = report.exit_code
         root = os.environ.get(STATUS_DIR_ENV)
         if root:
             (Path(root) / "verdict.json").write_text(json.dumps({"exit": verdict}))
     verdict = int(_gather_objects(ctx, verdict)[0])  # rank 0's, once its files are written
     if dump_dir and verdict != EXIT_PASS:
-        _dump(Path(dump_dir), problem, work, ctx, report)
+        _dump(Path(dump_dir), problem, work, ctx, report, args)
     _note(ctx.rank, stage="done", exit=verdict)
     return verdict
 
 
 def _dump(
-    directory: Path, problem: MoEProblem, work: RankWork, ctx: RankContext, report: Report | None
+    directory: Path,
+    problem: MoEProblem,
+    work: RankWork,
+    ctx: RankContext,
+    report: Report | None,
+    args: argparse.Namespace | None = None,
 ) -> None:
-    """A failing case for `moe-verify replay`: rank 0 writes the problem, the report and the
-    inputs (every rank builds the same ones from the seed), each rank its own traces; rank 0
-    then says which ranks' traces are missing, and why."""
+    """A failing case for `moe-verify replay`: rank 0 writes the problem, the report, the
+    backend `args` name (so replay re-runs it) and the inputs (every rank builds the same ones
+    from the seed), each rank its own traces; rank 0 then says which ranks' traces are missing,
+    and why."""
     out = directory / problem.id
     problem_text = None
     try:
@@ -352,7 +365,10 @@ def _dump(
             inputs = work.inputs
             if inputs is None:  # rank 0 failed before its inputs were kept: the seed rebuilds them
                 inputs = make_inputs(problem, ctx.device)
-            dump_header(directory, problem, inputs, report)
+            run = {}
+            if args is not None:
+                run = {"backend": args.backend, "engine": args.engine, "mode": args.mode}
+            dump_header(directory, problem, inputs, report, **run)
         if not work.traces:
             problem_text = "no traces (it failed before comparing)"
         dump_rank_traces(out, ctx.rank, dict(work.traces))

@@ -15,6 +15,7 @@ from typing import NoReturn
 
 import torch
 
+from moe_verify.spec import ScaleFmt
 from optimized.triton_compat import interpreter_mode
 
 
@@ -55,6 +56,41 @@ def check_tensor(
             "machine without a GPU, `import optimized` sets it when it comes before triton)",
         )
     return t
+
+
+def check_flag(fn: str, name: str, value: object) -> bool:
+    """A real bool: TypeError otherwise (a string such as 'no' is truthy and would silently mean
+    True)."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{fn}: {name} must be True or False, got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def check_scale_fmt(fn: str, value: object) -> ScaleFmt:
+    """A ScaleFmt, or exactly one of its values as a string."""
+    if isinstance(value, ScaleFmt):
+        return value
+    allowed = ", ".join(repr(f.value) for f in ScaleFmt)
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{fn}: scale_fmt must be one of {allowed}, got {value!r} ({type(value).__name__})"
+        )
+    try:
+        return ScaleFmt(value)
+    except ValueError:
+        fail(fn, f"scale_fmt must be one of {allowed}, got {value!r}")
+
+
+def check_eps(fn: str, eps: object) -> float:
+    """The amax floor: a finite float > 0. eps <= 0 lets an all-zero group get scale 0, and
+    0 / 0 makes NaN codes."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{fn}: eps must be a finite float > 0, got {eps!r} ({type(eps).__name__})")
+    if not (0 < eps < float("inf")):
+        fail(fn, f"eps must be a finite float > 0 (the amax floor; 0 gives NaN codes), got {eps!r}")
+    return float(eps)
 
 
 def check_same_device(fn: str, ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:

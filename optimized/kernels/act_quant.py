@@ -32,10 +32,12 @@ import triton.language as tl
 
 from moe_verify.spec import Activation, ScaleFmt
 from optimized.kernels._validate import (
+    check_flag,
     check_group,
     check_inner_contiguous,
     check_multiple,
     check_same_device,
+    check_scale_fmt,
     check_tensor,
     fail,
     output_buffer,
@@ -161,7 +163,8 @@ def silu_mul_quant(
     if not isinstance(activation, Activation):
         got = type(activation).__name__
         fail(fn, f"activation must be a moe_verify.spec.Activation, got {got}")
-    scale_fmt = ScaleFmt(scale_fmt)
+    scale_fmt = check_scale_fmt(fn, scale_fmt)
+    check_flag(fn, "validate", validate)
     check_group(fn, group, (32, 128))
     m, n = mm1.shape
     if n % 2:

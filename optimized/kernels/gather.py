@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from optimized.kernels._validate import (
+    check_flag,
     check_inner_contiguous,
     check_range,
     check_same_device,
@@ -103,6 +104,7 @@ def ep_gather(
     before launch (one device sync); pass False inside CUDA-graph capture or benchmarks.
     """
     fn = "ep_gather"
+    check_flag(fn, "validate", validate)
     check_tensor(fn, "mm2", mm2, (torch.bfloat16,), 2)
     check_tensor(fn, "topk_ids", topk_ids, None, 2)
     check_signed_ids(fn, "topk_ids", topk_ids)

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from optimized.kernels._validate import (
+    check_flag,
     check_group,
     check_inner_contiguous,
     check_multiple,
@@ -388,6 +389,7 @@ def _check_inputs(
     use_psum_layout: bool,
 ) -> int:
     """Shapes, dtypes, strides and groups (no device sync); returns the weight format code."""
+    check_flag(fn, "use_psum_layout", use_psum_layout)
     check_tensor(fn, "a", a, (torch.float8_e4m3fn,), 2)
     check_inner_contiguous(fn, "a", a)
     m_sum, k = a.shape
@@ -483,6 +485,7 @@ def grouped_gemm(
                out-of-range expert as a -1 row. Shape, dtype and stride checks always run.
     """
     fn = "grouped_gemm"
+    check_flag(fn, "validate", validate)
     fmt = _check_inputs(
         fn, a, a_scale, a_group, b, b_scale, b_block, grouped_layout, alignment, use_psum_layout
     )

@@ -22,10 +22,13 @@ import triton.language as tl
 
 from moe_verify.spec import ScaleFmt
 from optimized.kernels._validate import (
+    check_eps,
+    check_flag,
     check_group,
     check_inner_contiguous,
     check_multiple,
     check_power_of_two_scales,
+    check_scale_fmt,
     check_tensor,
     fail,
 )
@@ -276,7 +279,10 @@ def quantize_fp8_groups(
     """
     fn = "quantize_fp8_groups"
     _check_activations(fn, x, group, _GROUPS)
-    scale_fmt = ScaleFmt(scale_fmt)
+    scale_fmt = check_scale_fmt(fn, scale_fmt)
+    check_flag(fn, "column_major", column_major)
+    check_flag(fn, "tma_aligned", tma_aligned)
+    eps = check_eps(fn, eps)
     if tma_aligned and not column_major:
         fail(fn, "tma_aligned=True needs column_major=True (the TMA layout is MN-major)")
     m, k = x.shape
@@ -312,6 +318,7 @@ def quantize_fp8_groups_packed(
     """
     fn = "quantize_fp8_groups_packed"
     _check_activations(fn, x, group, (32, 128))
+    eps = check_eps(fn, eps)
     m, k = x.shape
     num_groups = k // group
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
@@ -394,6 +401,6 @@ def pack_ue8m0_from_fp32(scale: torch.Tensor, validate: bool = True) -> torch.Te
     """
     fn = "pack_ue8m0_from_fp32"
     check_tensor(fn, "scale", scale, (torch.float32,), (2, 3))
-    if validate:
+    if check_flag(fn, "validate", validate):
         check_power_of_two_scales(fn, "scale", scale)
     return _pack(fn, scale, from_fp32=True)

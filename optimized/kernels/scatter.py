@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from optimized.kernels._validate import (
+    check_flag,
     check_inner_contiguous,
     check_multiple,
     check_range,
@@ -52,6 +53,16 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+def _check_count(fn: str, name: str, value: object, low: int) -> None:
+    """An int >= low; a float or bool count would round or read as 0/1 silently."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{fn}: {name} must be an int >= {low}, got {value!r} ({type(value).__name__})"
+        )
+    if value < low:
+        fail(fn, f"{name} must be an int >= {low}, got {value}")
+
+
 def aligned_m_sum_upper_bound(
     num_tokens: int, topk: int, num_local_experts: int, alignment: int
 ) -> int:
@@ -61,23 +72,27 @@ def aligned_m_sum_upper_bound(
     receives at least one slot (at most min(M*k, E_l) of them) wastes at most A - 1 padding rows.
     Slots routed to remote experts are counted in M*k too, so under EP the bound is loose.
     """
-    if min(num_tokens, topk, num_local_experts) < 0 or alignment < 1:
-        fail(
-            "aligned_m_sum_upper_bound",
-            f"need num_tokens, topk, num_local_experts >= 0, alignment >= 1; got "
-            f"{num_tokens}, {topk}, {num_local_experts}, {alignment}",
-        )
+    fn = "aligned_m_sum_upper_bound"
+    for name, value, low in (
+        ("num_tokens", num_tokens, 0),
+        ("topk", topk, 0),
+        ("num_local_experts", num_local_experts, 0),
+        ("alignment", alignment, 1),
+    ):
+        _check_count(fn, name, value, low)
     slots = num_tokens * topk
     return _round_up(slots + min(slots, num_local_experts) * (alignment - 1), alignment)
 
 
 def aligned_m_sum_exact(counts: torch.Tensor | Sequence[int], alignment: int) -> int:
     """sum_e round_up(count_e, A): the exact rows when counts are known on the host (DeepEP HT)."""
-    if alignment < 1:
-        fail("aligned_m_sum_exact", f"alignment must be >= 1, got {alignment}")
+    fn = "aligned_m_sum_exact"
+    _check_count(fn, "alignment", alignment, 1)
+    if isinstance(counts, torch.Tensor) and (counts.dtype.is_floating_point or counts.dim() != 1):
+        fail(fn, f"counts must be a 1-D integer tensor, got {counts.dtype} {list(counts.shape)}")
     values = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-    if any(int(c) < 0 for c in values):
-        fail("aligned_m_sum_exact", f"counts must be >= 0, got {values}")
+    for e, c in enumerate(values):
+        _check_count(fn, f"counts[{e}]", c, 0)
     return sum(_round_up(int(c), alignment) for c in values)
 
 
@@ -318,6 +333,7 @@ def _check_ids(
     validate: bool,
 ) -> None:
     """Dtypes and shapes always; the id range (a device sync) only with `validate`."""
+    check_flag(fn, "validate", validate)
     if not isinstance(num_local_experts, int) or num_local_experts < 0:
         # 0 is legal: with more EP ranks than experts some ranks host none (every slot skipped).
         fail(fn, f"num_local_experts must be an int >= 0, got {num_local_experts!r}")

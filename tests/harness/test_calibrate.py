@@ -4,6 +4,7 @@ the E8M0 cost rows, and the rendered outputs."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,28 @@ def test_a_noise_beyond_the_limit_shows_as_over_it():
     assert {EXCESS, "elementwise", "per-token"} <= over
     assert "| scaled-gemm2/isolated | gemm2 | per-token |" in result.to_markdown()
     assert "**" in result.to_markdown()  # over-limit headroom is bold
+
+
+class _HangsInGemm2(ReferenceBackend):
+    """The golden, whose gemm2 never returns (a deadlocked kernel)."""
+
+    name = "hangs-in-gemm2"
+
+    def gemm2(self, *args: object) -> dict[str, object]:
+        while True:
+            time.sleep(3600)
+
+
+# Long enough for the tiny case's goldens on a loaded 2-core machine.
+HANG_TIMEOUT_S = 10.0
+
+
+def test_a_case_that_hangs_is_a_note_after_the_case_timeout():
+    small = MoEProblem(tokens=4, hidden=128, intermediate=128, num_experts=4, topk=2, alignment=32)
+    start = time.monotonic()
+    result = calibrate(
+        seeds=1, out=None, cases=[small], backend=_HangsInGemm2(), case_timeout_s=HANG_TIMEOUT_S
+    )
+    assert time.monotonic() - start < 10 * HANG_TIMEOUT_S
+    timed_out = [n for n in result.notes if "timed out after" in n or "case timeout ran out" in n]
+    assert timed_out and all(small.id in n for n in timed_out), result.notes

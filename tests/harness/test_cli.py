@@ -1,23 +1,30 @@
-"""The CLI front door: the default run, exit codes, strict mode, JSON output, bad arguments."""
+"""The CLI front door: the default run, every exit code (0 passed, 1 a check failed, 2 anything
+else, 130 Ctrl-C), output paths checked before any work, --help, and the flags reaching verify."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from moe_verify.cli import main
+from moe_verify import verification
+from moe_verify.cli import build_parser, main
 from moe_verify.spec import MoEProblem, StageSkipped
 from moe_verify.verification import verify
+from optimized import deepgemm
 from optimized.backend import OptimizedBackend
-from tolerance.compare import compare
+from tolerance.compare import StageResult, compare
+from tolerance.report import Report
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]
+TINY = ["-T", "4", "-H", "128", "-I", "128", "-E", "4", "-k", "2", "--alignment", "32"]
+TINY_PROBLEM = MoEProblem(tokens=4, hidden=128, intermediate=128, num_experts=4, topk=2)
 
 
 def test_default_run_prints_a_stage_table_and_passes(tmp_path: Path) -> None:
@@ -37,7 +44,8 @@ def test_default_run_prints_a_stage_table_and_passes(tmp_path: Path) -> None:
 
 def test_bad_argument_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--hidden", "100"]) == 2
-    assert "hidden=100 must be a multiple of 128" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("moe-verify: error: ") and "hidden" in err and "100" in err
 
 
 @pytest.mark.parametrize(
@@ -185,3 +193,353 @@ def test_a_backend_module_in_the_current_directory_loads_without_pythonpath(tmp_
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "backend mine" in proc.stdout
+
+
+# -- exit codes ----------------------------------------------------------------------------------
+
+
+class SkipsEverything(OptimizedBackend):
+    """A backend that declines every stage: nothing is verified."""
+
+    name = "skips-everything"
+
+    def run_stage(self, stage, problem, inputs, upstream, rank):
+        raise StageSkipped("this backend runs nothing")
+
+
+class ExitsInRoute(OptimizedBackend):
+    """A backend that ends the process from inside a stage, with the success code."""
+
+    name = "exits-in-route"
+
+    def route(self, p, x, up, rank):
+        sys.exit(0)
+
+
+def test_a_failed_check_exits_1_and_the_dump_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    backend = "tests.tester.wrong_backends:SwappedExpertRows"
+    argv = ["run", *TINY, "--mode", "isolated", "--backend", backend, "--dump-dir", str(tmp_path)]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    dumped = [line for line in out.splitlines() if line.startswith("dumped to ")]
+    assert len(dumped) == 1, out
+    where = Path(dumped[0].split()[2])
+    assert where.is_dir() and where.is_relative_to(tmp_path) and (where / "problem.json").exists()
+    assert out.splitlines()[-2].startswith("FAIL ")  # the summary line, then the dump's line
+
+
+def test_a_passing_run_with_dump_dir_says_nothing_was_dumped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *TINY, "--mode", "isolated", "--dump-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "nothing dumped: every check passed"
+    assert not any(tmp_path.iterdir())
+
+
+def test_every_stage_skipped_exits_2_with_a_skip_verdict(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    backend = "tests.harness.test_cli:SkipsEverything"
+    assert main(["run", *TINY, "--mode", "isolated", "--backend", backend]) == 2
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("SKIP ") and "every tested stage was skipped" in last
+    assert "this backend runs nothing" in last
+
+
+def test_a_skipped_stage_is_named_and_fails_only_strict(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["run", *TINY, "--mode", "isolated", "--backend", "tests.harness.test_cli:DeclinesGemm2"]
+    assert main(argv) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("PASS ") and "(gemm2 skipped: " in last
+    assert "not implemented by this backend" in last
+    assert main([*argv, "--strict"]) == 1
+
+
+def test_a_backend_calling_sys_exit_0_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["run", *TINY, "--mode", "isolated", "--backend", "tests.harness.test_cli:ExitsInRoute"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "exit" in (captured.out + captured.err).lower()
+
+
+def test_a_missing_problem_json_is_an_error_not_a_failed_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.json"
+    assert main(["run", "--problem-json", str(missing)]) == 2  # an OSError, not a ValueError
+    err = capsys.readouterr().err
+    assert err.startswith("moe-verify: error: FileNotFoundError: ") and str(missing) in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"tokens": 4}', "[1, 2]", "{not json"],
+    ids=["missing-fields", "not-an-object", "not-json"],
+)
+def test_a_malformed_problem_json_exits_2_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str
+) -> None:
+    path = tmp_path / "problem.json"
+    path.write_text(content)
+    assert main(["run", "--problem-json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-verify: error: ") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("raised", "shown"),
+    [
+        (KeyError("tokens"), "KeyError: 'tokens'"),
+        (TypeError("bad operand"), "TypeError: bad operand"),
+        (OSError(28, "No space left on device"), "No space left on device"),
+        (SystemExit(0), "sys.exit(0)"),
+        (KeyboardInterrupt(), "KeyboardInterrupt raised during the run, not by Ctrl-C"),
+    ],
+    ids=["KeyError", "TypeError", "OSError", "SystemExit-0", "KeyboardInterrupt-not-ctrl-c"],
+)
+def test_any_exception_exits_2_with_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    raised: BaseException,
+    shown: str,
+) -> None:
+    def boom(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(verification, "verify", boom)
+    monkeypatch.delenv("MOE_VERIFY_DEBUG", raising=False)
+    assert main(["run", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-verify: error: ") and shown in err, err
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("MOE_VERIFY_DEBUG", "1")
+    assert main(["run", *TINY]) == 2
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_ctrl_c_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, as the terminal sends it
+        pytest.fail("SIGINT did not interrupt the run")
+
+    monkeypatch.setattr(verification, "verify", interrupted)
+    assert main(["run", *TINY]) == 130
+    assert capsys.readouterr().err.strip() == "moe-verify: interrupted"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--tokens", "many"],
+        ["run", "--case-timeout", "-1"],
+        ["run", "--case-timeout", "inf"],
+        ["run", "--case-timeout", "nan"],
+        ["run", "--poison", "256"],
+        ["run", "--poison", "0x1FF"],
+        ["sweep", "--isolate", "--in-process"],
+        ["frobnicate"],
+    ],
+    ids=lambda a: "-".join(a),
+)
+def test_argparse_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+# -- output paths are checked before any work ----------------------------------------------------
+
+
+def _file(tmp_path: Path) -> str:
+    (tmp_path / "a-file").write_text("")
+    return str(tmp_path / "a-file")
+
+
+# (argv builder, flag): each names a path that cannot be written as the flag needs.
+OUTPUT_PATHS = {
+    "json-missing-dir": (lambda t: ["run", "--json", str(t / "nowhere" / "r.json")], "--json"),
+    "markdown-is-dir": (lambda t: ["run", "--markdown", str(t)], "--markdown"),
+    "dump-dir-is-file": (lambda t: ["run", "--dump-dir", _file(t)], "--dump-dir"),
+    "plot-is-file": (lambda t: ["run", "--plot", _file(t)], "--plot"),
+    "plot-under-file": (lambda t: ["run", "--plot", _file(t) + "/plots"], "--plot"),
+    "sweep-out-is-file": (lambda t: ["sweep", "--out", _file(t)], "--out"),
+    "audit-out-is-file": (lambda t: ["audit-e8m0", str(t), "--out", _file(t)], "--out"),
+    "calibrate-out-is-dir": (lambda t: ["calibrate", "--out", str(t)], "--out"),
+    "bench-out-missing-dir": (lambda t: ["bench", "--out", str(t / "no" / "perf.md")], "--out"),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUT_PATHS))
+def test_an_unwritable_output_path_exits_2_before_any_work(
+    case: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import moe_verify.audit
+    import moe_verify.bench
+    import moe_verify.calibrate
+    import moe_verify.sweep
+
+    def no_work(*args, **kwargs):
+        pytest.fail("the work started before the output path was checked")
+
+    for module, name in [
+        (verification, "verify"),
+        (moe_verify.sweep, "sweep"),
+        (moe_verify.audit, "audit"),
+        (moe_verify.calibrate, "calibrate"),
+        (moe_verify.bench, "bench"),
+    ]:
+        monkeypatch.setattr(module, name, no_work)
+    build, flag = OUTPUT_PATHS[case]
+    argv = build(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-verify: error: {flag} {argv[argv.index(flag) + 1]}: "), err
+
+
+# -- help ----------------------------------------------------------------------------------------
+
+COMMANDS = ["run", "sweep", "replay", "calibrate", "bench", "audit-e8m0", "doctor"]
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "`moe-verify` alone runs `run` on the small default case" in out
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("    ")]
+    assert listed == COMMANDS  # one line each: the command and its help
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_has_its_own_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: moe-verify {command}")
+
+
+# -- engines -------------------------------------------------------------------------------------
+
+
+def test_engine_deepgemm_where_it_cannot_run_exits_2_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = deepgemm.probe()
+    if status.usable:
+        pytest.skip(f"DeepGEMM can run here ({status.reason})")
+
+    def no_work(*args, **kwargs):
+        pytest.fail("the run started with an engine that cannot run")
+
+    monkeypatch.setattr(verification, "verify", no_work)
+    assert main(["run", *TINY, "--engine", "deepgemm"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-verify: error: RuntimeError: --engine deepgemm cannot run here: ")
+    assert status.reason in err
+
+
+# -- flags reach verify, sweep and replay --------------------------------------------------------
+
+
+def _passing_report() -> Report:
+    return Report(TINY_PROBLEM, "stand-in", isolated=[StageResult("route", "pass", [])])
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], {"workspace": False, "poison": None, "case_timeout_s": 900.0, "plot_dir": None}),
+        (["--workspace", "--poison", "0xFF"], {"workspace": True, "poison": [0xFF]}),
+        (["--poison", "255", "--poison", "0"], {"poison": [255, 0]}),
+        (["--case-timeout", "0"], {"case_timeout_s": None}),  # no limit
+        (["--case-timeout", "2.5"], {"case_timeout_s": 2.5}),
+    ],
+    ids=["defaults", "workspace-poison-0xFF", "two-poisons", "no-timeout", "timeout"],
+)
+def test_run_flags_reach_verify(
+    flags: list[str], expected: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: dict = {}
+
+    def stand_in(problem, **kwargs):
+        seen.update(kwargs)
+        return _passing_report()
+
+    monkeypatch.setattr(verification, "verify", stand_in)
+    assert main(["run", *TINY, *flags]) == 0
+    assert {k: seen[k] for k in expected} == expected
+
+
+def test_plot_dir_reaches_verify_and_is_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def stand_in(problem, plot_dir=None, **kwargs):
+        report = _passing_report()
+        report.files["plots"] = [str(plot_dir / "gemm1.png")]
+        return report
+
+    monkeypatch.setattr(verification, "verify", stand_in)
+    assert main(["run", *TINY, "--plot", str(tmp_path / "plots")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"plots in {tmp_path / 'plots'} (1 files)"
+
+
+@pytest.mark.parametrize(
+    ("flags", "isolate"), [([], True), (["--isolate"], True), (["--in-process"], False)]
+)
+def test_sweep_contains_crashes_unless_in_process(
+    flags: list[str], isolate: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import moe_verify.sweep
+
+    seen: dict = {}
+
+    class Summary:
+        exit_code = 1
+
+    def stand_in(preset, **kwargs):
+        seen.update(kwargs)
+        return Summary()
+
+    monkeypatch.setattr(moe_verify.sweep, "sweep", stand_in)
+    assert main(["sweep", "--out", str(tmp_path), *flags]) == 1  # the summary's exit code
+    assert seen["isolate"] is isolate and seen["case_timeout_s"] == 900.0
+
+
+def test_replay_defaults_to_what_the_dump_recorded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: dict = {}
+
+    def stand_in(directory, **kwargs):
+        seen.update(kwargs, directory=directory)
+        return _passing_report()
+
+    monkeypatch.setattr(verification, "replay", stand_in)
+    assert main(["replay", str(tmp_path)]) == 0
+    assert seen == {"directory": tmp_path, "backend": None, "engine": None, "mode": None}
+
+
+def test_torchrun_refuses_the_flags_its_ranks_do_not_take(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["run", "--launcher", "torchrun", "--topology", "ep:2", "--poison", "0xFF"]
+    assert main(argv) == 2
+    assert "--poison: not supported with --launcher torchrun" in capsys.readouterr().err
+
+
+def test_the_parser_has_one_case_timeout_default() -> None:
+    from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S
+
+    for command in ("run", "sweep", "calibrate"):
+        args = build_parser().parse_args([command] + (["x"] if command == "replay" else []))
+        assert args.case_timeout == DEFAULT_CASE_TIMEOUT_S

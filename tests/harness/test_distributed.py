@@ -196,6 +196,7 @@ def test_a_failing_torchrun_case_dumps_every_rank_and_replays(tmp_path: Path) ->
         "inputs.safetensors",
         "problem.json",
         "report.json",
+        "run.json",
     ]
     assert load_trace(case / "chained_r1.safetensors").rank == 1
     assert not json.loads((case / "report.json").read_text())["passed"]
@@ -206,7 +207,7 @@ def test_a_failing_torchrun_case_dumps_every_rank_and_replays(tmp_path: Path) ->
 
 def test_a_rank_that_raises_is_named_and_nothing_hangs(tmp_path: Path) -> None:
     proc, report = _launch(tmp_path, "ep:2", f"{__name__}:RaisesOnRank1")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]  # an error, not a fail
     assert report is not None and report["failed_ranks"] == [1]
     gemm1 = {r["rank"]: r for r in _results(report, "gemm1")}
     assert gemm1[0]["status"] == "pass" and gemm1[1]["status"] == "error"
@@ -232,6 +233,20 @@ def test_a_rank_that_hangs_is_named_after_the_timeout(tmp_path: Path) -> None:
     assert "failed rank(s): [1]" in proc.stderr
     assert "Ranks 1 failed to pass monitoredBarrier" in proc.stderr
     assert time.perf_counter() - start < LAUNCH_TIMEOUT_S / 2
+
+
+# Long enough for rank 0's local work (every rank's golden) on a loaded 2-core machine.
+RANK_CASE_TIMEOUT_S = 30
+
+
+def test_a_rank_that_hangs_past_the_case_timeout_is_an_error_of_its_stage(tmp_path: Path) -> None:
+    timeout = ("--case-timeout", str(RANK_CASE_TIMEOUT_S))
+    proc, report = _launch(tmp_path, "ep:2", f"{__name__}:HangsOnRank1", extra=timeout)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and report["failed_ranks"] == [1]
+    gemm1 = {r["rank"]: r for r in _results(report, "gemm1")}
+    assert gemm1[0]["status"] == "pass" and gemm1[1]["status"] == "error"
+    assert f"timed out after {RANK_CASE_TIMEOUT_S} s" in gemm1[1]["reason"]
 
 
 # In-process checks of the pieces a healthy run cannot exercise.

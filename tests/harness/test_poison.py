@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_verify.inputs import make_inputs
 from moe_verify.poison import POISON_BYTE, poisoned_allocations
 from moe_verify.runner import POISONED_STAGES, run_stage_into
 from moe_verify.spec import Mode, MoEInputs, MoEProblem, Stage, Trace
@@ -51,16 +52,26 @@ def test_the_permute_stage_runs_poisoned() -> None:
 
     class Allocates:
         name = "allocates"
+        buffer: torch.Tensor | None = None
 
         def run_stage(self, stage, problem, inputs, upstream, rank):
-            return {"buffer": torch.empty(8, dtype=torch.float32)}
+            self.buffer = torch.empty(8, dtype=torch.float32)
+            return {"buffer": self.buffer}
 
     original = torch.empty
+    problem = MoEProblem()
+    backend = Allocates()
     trace = Trace("allocates")
     run_stage_into(
-        trace, Allocates(), Stage.PERMUTE, MoEProblem(), None, Trace("up"), Mode.ISOLATED
+        trace,
+        backend,
+        Stage.PERMUTE,
+        problem,
+        make_inputs(problem, "cpu"),
+        Trace("up"),
+        Mode.ISOLATED,
     )
-    assert _all_poison(trace[Stage.PERMUTE]["buffer"])
+    assert backend.buffer is not None and _all_poison(backend.buffer)
     assert torch.empty is original
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_verify.dump import load_trace
-from moe_verify.spec import MoEProblem
+from moe_verify.spec import REPORT_STAGES, MoEProblem
 from moe_verify.sweep import sweep
 from moe_verify.verification import replay, verify
 from optimized.backend import OptimizedBackend
@@ -31,14 +31,19 @@ class CrashesInGemm1(OptimizedBackend):
         os._exit(139)
 
 
-def test_sweep_writes_junit_json_and_markdown(tmp_path: Path) -> None:
-    summary = sweep("smoke", out_dir=tmp_path, filter_text=SMALL)
-    assert summary.passed and len(summary.outcomes) == 1
+@pytest.mark.parametrize("isolate", [True, False], ids=["isolated", "in-process"])
+def test_sweep_writes_junit_json_and_markdown(tmp_path: Path, isolate: bool) -> None:
+    summary = sweep("smoke", out_dir=tmp_path, filter_text=SMALL, isolate=isolate)
+    assert summary.passed and len(summary.outcomes) == 1 and summary.exit_code == 0
     suite = ET.parse(tmp_path / "junit.xml").getroot()
     assert suite.get("tests") == "1" and suite.get("failures") == "0"
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["passed"] and data["cases"][0]["report"]["first_failure"] is None
-    assert "pass / pass" in (tmp_path / "summary.md").read_text()
+    matrix = (tmp_path / "summary.md").read_text()
+    assert "pass / pass" in matrix
+    # every stage of any layout has its column: ep:N+ll's dispatch, the shared experts, the reduce
+    header = next(line for line in matrix.splitlines() if line.startswith("| case |"))
+    assert [c.strip() for c in header.split("|")[5:-2]] == list(REPORT_STAGES)
 
 
 def test_isolated_sweep_survives_a_crashing_case_and_names_the_stage(
@@ -77,23 +82,10 @@ def test_dump_and_replay_reproduce_a_failure(tmp_path: Path) -> None:
         "golden_r0.safetensors",
         "isolated_r0.safetensors",
     } <= {p.name for p in case.iterdir()}
-    again = replay(
-        case,
-        backend="tests.tester.wrong_backends:SwappedExpertRows",
-        engine="triton",
-        mode="isolated",
-    )
-    assert again.first_failure == "permute"
-    assert replay(case, engine="triton", mode="isolated").passed
+    # The backend, engine and mode the dump recorded, from the dump directory of this one case
+    assert replay(tmp_path).first_failure == "permute"
+    assert replay(case, backend="optimized", engine="triton", mode="isolated").passed
     golden = load_trace(case / "golden_r0.safetensors")
     m_sum = aligned_m_sum_upper_bound(16, 2, 4, 32)  # host ints survive in the metadata
     assert golden.stages[0] == "route" and golden["align"]["M_sum"] == m_sum
     assert golden["permute"]["a_perm"].dtype == torch.float8_e4m3fn
-
-
-def test_progress_bar() -> None:
-    from moe_verify.sweep import progress_bar
-
-    assert progress_bar(0, 4, width=8) == "[--------] 0/4"
-    assert progress_bar(3, 4, width=8) == "[######--] 3/4"
-    assert progress_bar(12, 12, width=4) == "[####] 12/12"

@@ -105,7 +105,8 @@ def test_a_write_outside_a_workspace_fails_its_stage_by_name(spill: int, where: 
     backend.spill = spill
     report = verify(CASES[0], backend=backend, mode="isolated")
     failing = {r.stage: r for r in report.isolated if r.status != "pass"}
-    assert list(failing) == ["gemm1"] and failing["gemm1"].status == "error"
+    # an out-of-bounds write that did not fault is a failed check of gemm1, not an error
+    assert list(failing) == ["gemm1"] and failing["gemm1"].status == "fail"
     reason = failing["gemm1"].reason
     assert f"gemm1 changed {2 * abs(spill)} bytes of the guard band {where} workspace" in reason
     nearest = "+0 past its end" if spill > 0 else "-1 before its start"

@@ -227,3 +227,96 @@ def test_passing_report_names_recipes_in_its_summary_line(problem: MoEProblem) -
     passing = [StageResult("quant_input", Status.PASS, [check], recipe="triton_reciprocal")]
     report = Report(problem, "candidate", Mode.ISOLATED, isolated=passing)
     assert report.summary_line().endswith("1 pass; recipes: quant_input triton_reciprocal")
+
+
+def _stages(*statuses: Status) -> list[StageResult]:
+    names = ("route", "permute", "gemm1", "gemm2")
+    return [StageResult(n, s, [], f"{n} reason") for n, s in zip(names, statuses, strict=False)]
+
+
+@pytest.mark.parametrize(
+    ("statuses", "verdict", "exit_code"),
+    [
+        ((Status.PASS, Status.PASS), Status.PASS, 0),
+        ((Status.PASS, Status.SKIP), Status.PASS, 0),  # a skip alone does not fail a case
+        ((Status.PASS, Status.FAIL, Status.SKIP), Status.FAIL, 1),
+        ((Status.FAIL, Status.ERROR), Status.ERROR, 2),  # an error outranks a failed check
+        ((Status.SKIP, Status.SKIP), Status.SKIP, 2),  # nothing was verified: not a pass
+        ((), Status.SKIP, 2),  # no stage at all
+    ],
+    ids=["pass", "pass-with-skip", "fail", "error-over-fail", "all-skipped", "empty"],
+)
+def test_verdict_and_exit_code(
+    problem: MoEProblem, statuses: tuple[Status, ...], verdict: Status, exit_code: int
+) -> None:
+    report = Report(problem, "candidate", Mode.ISOLATED, isolated=_stages(*statuses))
+    assert report.verdict is verdict and report.exit_code == exit_code
+    assert report.summary_line().startswith(f"{verdict.upper()} {problem.id}")
+    assert f"verdict {verdict.upper()}" in report.to_summary().splitlines()[0]
+    assert report.to_dict()["verdict"] == verdict
+
+
+def test_summary_line_names_skipped_stages_and_their_reason_once(problem: MoEProblem) -> None:
+    why = "deep_gemm unavailable: no CUDA GPU"
+    results = [
+        StageResult("route", Status.PASS, []),
+        StageResult("gemm1", Status.SKIP, [], why, rank=0),
+        StageResult("gemm1", Status.SKIP, [], why, rank=1),
+        StageResult("gemm2", Status.SKIP, [], why, rank=0),
+    ]
+    report = Report(problem, "candidate", Mode.ISOLATED, isolated=results, chained=results)
+    line = report.summary_line()
+    assert line.startswith(f"PASS {problem.id}") and f"(gemm1, gemm2 skipped: {why})" in line
+    assert line.count(why) == 1
+    assert "verdict PASS (gemm1, gemm2 skipped)" in report.to_summary()
+    assert report.to_summary().count(why) == 2  # the skipped section, and the last line
+
+
+def test_every_stage_skipped_is_a_skip_verdict(problem: MoEProblem) -> None:
+    results = [StageResult(s, Status.SKIP, [], "declined") for s in ("route", "gemm1")]
+    report = Report(problem, "candidate", Mode.ISOLATED, isolated=results)
+    assert report.passed  # the old meaning stays: nothing failed
+    assert report.summary_line() == (
+        f"SKIP {problem.id} [candidate, isolated] every tested stage was skipped: "
+        "route, gemm1 skipped: declined"
+    )
+
+
+def test_files_round_trip_through_json(problem: MoEProblem, golden: Trace) -> None:
+    report = _report(problem, golden, _gemm2_nan(golden))
+    report.files["dump"] = ["/tmp/dump/case"]
+    data = json.loads(report.to_json())
+    assert data["files"] == {"dump": ["/tmp/dump/case"]} and data["verdict"] == "fail"
+    assert Report.from_dict(data).files == report.files
+
+
+def test_default_failure_lines_are_one_per_mode_and_stage_and_short(
+    problem: MoEProblem, golden: Trace
+) -> None:
+    from tolerance.report import LINE_WIDTH
+
+    report = _report(problem, golden, _gemm2_nan(golden), _gemm2_nan(golden))
+    lines = report.failure_lines()
+    # several checks of gemm2 fail in each mode: one line each
+    assert len(report.failure_messages()) > 2
+    assert [line.split(":")[0] for line in lines] == ["[isolated] gemm2", "[chained] gemm2"]
+    assert all(len(line) <= LINE_WIDTH for line in lines), [len(line) for line in lines]
+    first = lines[0]
+    assert first.startswith("[isolated] gemm2: nan_inf 1 > 0 at (token 2, k 1, expert 2, rank 0")
+    assert "other nan" in first and first.endswith("(docs/tolerance.md#nan-and-inf)")
+    assert "always fails" not in "\n".join(lines)  # the reason's text is under -v
+
+
+def test_failing_ranks_fold_into_one_line(problem: MoEProblem) -> None:
+    def failing(rank: int) -> StageResult:
+        check = CheckResult(
+            "counts", False, 2, 0, "exact (docs/tolerance.md#align)", Worst(rank=rank)
+        )
+        return StageResult("align", Status.FAIL, [check], rank=rank)
+
+    report = Report(problem, "candidate", Mode.ISOLATED, isolated=[failing(0), failing(1)])
+    (line,) = report.failure_lines()
+    assert line.startswith("[isolated] align@r0 (ranks 0, 1 fail): counts 2 > 0 at (token -")
+    assert line.endswith("(docs/tolerance.md#align)")
+    full = report.failure_messages()
+    assert len(full) == 2 and "exact (docs" in full[0] and "(reason above)" in full[1]

@@ -1,0 +1,238 @@
+"""The golden cannot be corrupted by a tested stage, and every in-place write is named.
+
+A tested stage is handed `Guarded(upstream, inputs).upstream` and `.inputs` instead of the
+originals; after the stage, `.writes()` names every tensor it wrote in place ("quant_input.a1q:
+12 of 4096 elements changed"), so the runner blames the write on the stage that made it
+(DESIGN.md "Other people's kernels"). Two kinds of tensors, protected two ways on purpose:
+
+- The upstream is copied for every stage. In isolated mode it is the golden's own trace, which
+  the comparison reads after the tested stages ran: a write into it would make an earlier stage
+  look wrong, so detecting one (a checksum) is not enough, the golden must never see it. A copy
+  costs one pass to make and one to compare, and the upstream's memory for the stage's duration
+  (stage outputs are up to ~1 GB each at DeepSeek-V3 EP8, a few GB for a late stage's upstream).
+  Copies keep the shape, the strides and the bytes (packed UE8M0 scales are MN-major with
+  TMA-aligned columns, and a kernel reads the strides); one tensor under two names gets one copy.
+- The inputs are copied once per inputs object (`guarded_inputs`), not per stage: every stage,
+  mode and rank of a case shares them, and so do the golden's runs of later ranks. At DeepSeek-V3
+  size (E=256) they are tens of GB (11 GB of FP8 weights, more with the bf16 masters and the
+  checkpoint before UE8M0 requant), too much to copy per stage. The tested side gets the copy
+  (the same object every stage, so a backend's per-inputs caches hold); the golden keeps the
+  original. After each stage the copy is compared with the original, and any tensor that changed
+  is reported and restored from it, so the next stage starts from the original. Cost: the
+  inputs' memory once more on their device while the case lives (the copy is dropped when the
+  original inputs object is freed), and one compare pass per stage, reading both (about 20 ms per
+  stage for DeepSeek-V3's inputs on an H200).
+
+Comparisons are bitwise: each element as an integer of its width, so a NaN payload or -0.0 over
++0.0 counts. One pass per tensor, in chunks along the first dimension so the temporary stays near
+64M booleans whatever the tensor's size; one host sync per tensor. Call `writes()` once the stage
+has finished (the runner synchronizes the device first), also when the stage raised: a write
+before the raise is still a write. A guard whose `writes()` was never called is checked when the
+next guard of the same inputs is made, so its writes are never blamed on the next stage.
+Single-threaded, as the runner is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from moe_verify.spec import MoEInputs, QuantizedWeight, Trace
+
+__all__ = ["Guarded", "guarded_inputs"]
+
+# Elements compared per step: bounds the boolean temporary of one comparison.
+_CHUNK_ELEMENTS = 1 << 26
+# An integer dtype of each element width: comparing these compares bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's elements reinterpreted as integers of the same width (same shape and strides)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def _copy(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in fresh storage with t's shape, exact strides and bytes: the storage span
+    its view covers is copied, so gaps between strided columns (TMA padding) travel too. Exact
+    strides also where torch ignores them: DeepGEMM asserts the TMA-aligned column stride of
+    packed scales even when they have one column."""
+    if t.element_size() not in _BITS:
+        raise TypeError(
+            f"{name}: expected a tensor with 1, 2, 4 or 8-byte elements to guard, got {t.dtype}"
+        )
+    if t.numel() == 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    flat = t.detach().as_strided((span,), (1,), t.storage_offset()).clone()
+    return flat.as_strided(t.shape, t.stride())
+
+
+def _changed(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of a and b (same shape) differ in their bits."""
+    x, y = _bits(a), _bits(b)
+    if x.numel() == 0:
+        return 0
+    if x.dim() == 0:
+        return int(x != y)
+    step = max(1, _CHUNK_ELEMENTS // max(1, x[0].numel()))
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for i in range(0, x.shape[0], step):
+        total += torch.count_nonzero(x[i : i + step] != y[i : i + step])
+    return int(total)
+
+
+@dataclass
+class _Watch:
+    """One handed-out copy, the original it must still equal, and the layout it was handed with
+    (a resize_ or set_ in place changes that)."""
+
+    name: str
+    original: torch.Tensor
+    copy: torch.Tensor
+    layout: tuple[tuple[int, ...], tuple[int, ...], int]
+
+    @staticmethod
+    def of(name: str, original: torch.Tensor) -> _Watch:
+        copy = _copy(name, original)
+        return _Watch(name, original, copy, _layout(copy))
+
+    def check(self, restore: bool) -> str | None:
+        """What the holder of the copy did to it, or None; with `restore`, put the original's
+        bits back so the next holder gets the original."""
+        now = _layout(self.copy)
+        if now != self.layout:
+            msg = (
+                f"{self.name}: resized or replaced in place: shape {self.layout[0]} strides "
+                f"{self.layout[1]} became shape {now[0]} strides {now[1]}"
+            )
+            if restore:
+                self.copy.set_(_copy(self.name, self.original))
+                self.layout = _layout(self.copy)
+            return msg
+        changed = _changed(self.copy, self.original)
+        if not changed:
+            return None
+        if restore:
+            _bits(self.copy).copy_(_bits(self.original))
+        return f"{self.name}: {changed} of {self.original.numel()} elements changed"
+
+
+def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), tuple(t.stride()), t.data_ptr()
+
+
+class _TestedInputs:
+    """The tested side's copy of one inputs object, and the guard that handed it out last."""
+
+    def __init__(self, inputs: MoEInputs) -> None:
+        self.watches: list[_Watch] = []
+        copies: dict[int, torch.Tensor] = {}
+
+        def copy(name: str, t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in copies:
+                self.watches.append(_Watch.of(name, t))
+                copies[id(t)] = self.watches[-1].copy
+            return copies[id(t)]
+
+        fields: dict[str, object] = {}
+        for f in dataclasses.fields(inputs):
+            value = getattr(inputs, f.name)
+            name = f"inputs.{f.name}"
+            if isinstance(value, torch.Tensor):
+                value = copy(name, value)
+            elif isinstance(value, QuantizedWeight):
+                value = QuantizedWeight(
+                    copy(f"{name}.q", value.q), copy(f"{name}.scale", value.scale), value.block
+                )
+            fields[f.name] = value
+        self.inputs = MoEInputs(**fields)
+        self.holder: Guarded | None = None
+
+    def check(self) -> list[str]:
+        """Writes into the copy since it was handed out, each restored from the original."""
+        return [m for w in self.watches if (m := w.check(restore=True)) is not None]
+
+
+# id(original inputs) -> its tested copy; an entry goes when its inputs object is freed (it holds
+# the original's tensors, never the object, so it cannot keep the object alive).
+_TESTED: dict[int, _TestedInputs] = {}
+
+
+def _tested(inputs: MoEInputs) -> _TestedInputs:
+    key = id(inputs)
+    if key not in _TESTED:
+        _TESTED[key] = _TestedInputs(inputs)
+        weakref.finalize(inputs, _TESTED.pop, key, None)
+    return _TESTED[key]
+
+
+def guarded_inputs(inputs: MoEInputs) -> MoEInputs:
+    """The tested side's copy of `inputs`: made the first time, the same object afterwards, for
+    as long as `inputs` lives. `Guarded` hands it out; the golden keeps `inputs`."""
+    return _tested(inputs).inputs
+
+
+class Guarded:
+    """What one tested stage is handed in place of `upstream` and `inputs`, and what it wrote.
+
+    upstream: copies of the upstream's tensors (same shapes, strides and bytes), its host values
+    as they are, the same stage order, backend name and rank; made for this stage.
+    inputs: the tested side's copy of `inputs` (`guarded_inputs`), shared by every stage of the
+    case.
+    writes(): every in-place write since construction, one line per tensor, e.g.
+    "quant_input.a1q: 12 of 4096 elements changed", "inputs.w13_q.scale: 1 of 8 elements
+    changed"; [] when none. The first call compares (and restores the inputs copy); later calls
+    return the same list.
+    """
+
+    def __init__(self, upstream: Trace, inputs: MoEInputs) -> None:
+        if not isinstance(upstream, Trace):
+            raise TypeError(f"upstream: expected a Trace, got {type(upstream).__name__}")
+        if not isinstance(inputs, MoEInputs):
+            raise TypeError(f"inputs: expected a MoEInputs, got {type(inputs).__name__}")
+        self._tested = _tested(inputs)
+        previous = self._tested.holder
+        if previous is not None:
+            previous.writes()  # its writes are its own, not this stage's
+        self._tested.holder = self
+        self._watches: list[_Watch] = []
+        self._writes: list[str] | None = None
+        self._upstream = self._copy_trace(upstream)
+
+    def _copy_trace(self, upstream: Trace) -> Trace:
+        copies: dict[int, torch.Tensor] = {}
+        out = Trace(upstream.backend, upstream.rank)
+        for stage, outputs in upstream.items():
+            handed: dict[str, object] = {}
+            for name, value in outputs.items():
+                if isinstance(value, torch.Tensor):
+                    if id(value) not in copies:
+                        self._watches.append(_Watch.of(f"{stage}.{name}", value))
+                        copies[id(value)] = self._watches[-1].copy
+                    value = copies[id(value)]
+                handed[name] = value
+            out.add(stage, handed)
+        return out
+
+    @property
+    def upstream(self) -> Trace:
+        return self._upstream
+
+    @property
+    def inputs(self) -> MoEInputs:
+        return self._tested.inputs
+
+    def writes(self) -> list[str]:
+        if self._writes is None:
+            found = [m for w in self._watches if (m := w.check(restore=False)) is not None]
+            self._writes = found + self._tested.check()
+            # The upstream copies are only evidence: the handed-out trace keeps them alive if
+            # anyone still holds it.
+            self._watches = []
+            if self._tested.holder is self:
+                self._tested.holder = None
+        return list(self._writes)

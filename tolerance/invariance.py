@@ -1,0 +1,85 @@
+"""Metamorphic checks: two runs of one backend that differ only in something that must not matter
+(here the poison byte of its workspaces) agree bit for bit on everything the stage promises.
+
+A correct kernel writes every element it promises, so the poison cannot reach its outputs; a
+kernel that leaves a promised element unwritten, or reads a stale one, passes one poison by luck
+and fails the other (vLLM's NaN-poisoned workspace check, ref/anchors.md #2, #8). The golden is
+not involved: the two traces are compared with each other, live rows keyed by (token, k) through
+each run's own inv_perm, since a permuted row's position is not deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_verify.spec import Stage, Trace
+from tolerance.context import live_slots
+from tolerance.results import CheckResult, ContractError, Worst
+
+POISON_REASON = (
+    "a run under another workspace poison must agree bit for bit on every promised element "
+    "(docs/tolerance.md, 'Poisoned workspaces')"
+)
+
+# Permuted outputs: one row per live (token, k) slot, padding rows unpromised.
+_PERMUTED = {
+    Stage.PERMUTE: ("a_perm",),
+    Stage.GEMM1: ("mm1",),
+    Stage.ACT_QUANT: ("a2q",),
+    Stage.GEMM2: ("mm2",),
+}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The bytes of `x` per row, so NaN payloads and -0.0 count."""
+    x = x.contiguous()
+    return x.view(torch.uint8).reshape(x.shape[0], -1) if x.dim() else x.view(torch.uint8)
+
+
+def _rows_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (_bits(a) != _bits(b)).reshape(a.shape[0], -1).any(dim=1)
+
+
+def poison_agreement(stage: str, first: Trace, second: Trace, label: str) -> CheckResult | None:
+    """`stage` of two runs that differ only in their poison (`label`, e.g. '0x00 vs 0xff'); None
+    when the stage did not run in both or has nothing to compare (its outputs are host values
+    or layouts whose padding is unpromised and not keyed here)."""
+    if first.failure(stage) is not None or second.failure(stage) is not None:
+        return None
+    name = f"poison {label}"
+    if stage in _PERMUTED and Stage.PERMUTE in first and Stage.PERMUTE in second:
+        try:
+            slots = live_slots(first, second)
+        except ContractError:
+            return None
+        bad, total, worst = 0, 0, None
+        for key in _PERMUTED[stage]:
+            a, b = first[stage].get(key), second[stage].get(key)
+            if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+                continue
+            rows_a, rows_b = a[slots.gold_rows], b[slots.other_rows.to(a.device)]
+            differ = _rows_differ(rows_a, rows_b.to(a.device))
+            total += len(slots)
+            bad += int(differ.sum())
+            if worst is None and bool(differ.any()):
+                i = int(differ.nonzero()[0, 0])
+                worst = Worst(token=int(slots.tk[i, 0]), k=int(slots.tk[i, 1]))
+        what = "live rows"
+    elif stage in (Stage.ROUTE, Stage.QUANT_INPUT, Stage.GATHER, Stage.SHARED):
+        bad, total, worst = 0, 0, None
+        for key, a in first[stage].items():
+            b = second[stage].get(key)
+            if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or not a.dim():
+                continue
+            differ = _rows_differ(a, b.to(a.device))
+            total += a.shape[0]
+            bad += int(differ.sum())
+            if worst is None and bool(differ.any()):
+                worst = Worst(token=int(differ.nonzero()[0, 0]))
+        what = "token rows"
+    else:
+        return None
+    if total == 0:
+        return None
+    detail = f"{bad} of {total} {what} differ between the two poisons"
+    return CheckResult(name, bad == 0, bad, 0, POISON_REASON, worst, detail)
