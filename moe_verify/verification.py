@@ -167,7 +167,8 @@ def verify(
         check_inputs(problem, inputs)
     sides = 1 + len(modes) * (2 if twin is not None else 1)
     steps = problem.topology.size * len(problem.stages) * sides
-    with deadline(case_timeout_s, progress.where), progress.case_bar(problem.id, steps):
+    where = lambda: f"{problem.id}, {progress.where()}"  # what a timeout names
+    with deadline(case_timeout_s, where), progress.case_bar(problem.id, steps):
         report, runs, maps = _verify_ranks(
             problem,
             inputs,

@@ -1,0 +1,88 @@
+"""SM90 tier: real GPU kernel faults are contained. An illegal memory access and a kernel that never
+ends each take down one case of a sweep, named with its stage, and the next case passes in a
+fresh process; a hung kernel under plain `run` is ended by the case timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_verify.spec import MoEProblem, Status
+from moe_verify.sweep import sweep
+from tests.tester.gpu_fault_backends import FAULT_SEED
+
+pytestmark = pytest.mark.sm90
+
+ROOT = Path(__file__).resolve().parents[2]
+CASE = MoEProblem(tokens=64, hidden=256, intermediate=256, num_experts=4, topk=2)
+# The faulting case first, so the passing one after it shows the sweep went on.
+CASES = [CASE.replace(seed=FAULT_SEED), CASE]
+TIMEOUT_S = 60.0  # enough for a fresh process's Triton JIT; a hang must end within it
+
+
+@pytest.mark.parametrize(
+    ("backend", "words"),
+    [
+        ("IllegalAddressInGemm1", "illegal memory access"),
+        ("KernelHangsInGemm1", "timed out"),
+    ],
+)
+def test_a_sweep_contains_a_gpu_fault_and_goes_on(backend: str, words: str, tmp_path: Path) -> None:
+    start = time.perf_counter()
+    summary = sweep(
+        CASES,
+        backend=f"tests.tester.gpu_fault_backends:{backend}",
+        mode="isolated",
+        engine="triton",
+        out_dir=tmp_path,
+        case_timeout_s=TIMEOUT_S,
+    )
+    faulted, passed = summary.outcomes
+    assert faulted.status is Status.ERROR and "gemm1" in faulted.summary, faulted.summary
+    text = (faulted.summary + " ".join(faulted.messages)).lower()
+    assert words in text, faulted.summary
+    assert passed.status is Status.PASS, passed.summary
+    assert summary.exit_code == 2
+    assert (tmp_path / "junit.xml").exists() and (tmp_path / "summary.json").exists()
+    assert time.perf_counter() - start < 4 * TIMEOUT_S
+
+
+def test_a_hung_kernel_under_run_is_ended_by_the_case_timeout() -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_verify.cli",
+        "run",
+        "--backend",
+        "tests.tester.gpu_fault_backends:KernelHangsInGemm1",
+        "--engine",
+        "triton",
+        "--mode",
+        "isolated",
+        "--seed",
+        str(FAULT_SEED),
+        "-T",
+        "64",
+        "-H",
+        "256",
+        "-I",
+        "256",
+        "-E",
+        "4",
+        "--case-timeout",
+        "20",
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300
+    )
+    seconds = time.perf_counter() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "gemm1" in out and CASES[0].id in out, out[-3000:]
+    assert seconds < 120, f"took {seconds:.0f} s"
