@@ -160,6 +160,27 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+class DeviceLost(RuntimeError):
+    """A stage left the GPU unusable (an illegal memory access is sticky: every later CUDA call
+    in this process fails), so the case cannot go on; the message names the stage that did it.
+    A sweep contains it by running each case in its own process."""
+
+
+def _device_lost() -> bool:
+    """After a stage raised: is the process's CUDA context still usable?"""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:
+        return True
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
 def _at(exc: BaseException) -> str:
     """' (at file.py:line)' of the innermost frame that raised, or '' without a traceback."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -219,6 +240,11 @@ def run_stage_into(
         trace.add_error(stage, f"called exit({exc.code!r}){_at(exc)}")
         return
     except BaseException as exc:  # noqa: BLE001 - reported per stage, never fatal to the run
+        if _device_lost():
+            raise DeviceLost(
+                f"{problem.id} rank {trace.rank} {side} {stage} left the GPU unusable, so the case "
+                f"ends here: {type(exc).__name__}: {_first_line(exc)}{_at(exc)}"
+            ) from exc
         trace.add_error(stage, f"{type(exc).__name__}: {exc}{_at(exc)}")
         return
     writes = [] if guard is None else guard.writes()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe_verify.spec import ScaleFmt
+from moe_verify.spec import ScaleFmt, check_bool
 
 
 def require(cond: bool, arg: str, expected: str, actual: str) -> None:
@@ -42,9 +42,7 @@ def require_int(name: str, value: object, low: int) -> int:
 
 def require_bool(name: str, value: object) -> bool:
     """A real bool: a string such as 'no' is truthy and would silently mean True."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
-    return value
+    return check_bool(name, value)
 
 
 def require_positive_int(name: str, value: object) -> int:

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import torch
 
-from moe_verify.spec import ScaleFmt
+from moe_verify.spec import ScaleFmt, check_bool
 from optimized.triton_compat import interpreter_mode
 
 
@@ -61,11 +61,7 @@ def check_tensor(
 def check_flag(fn: str, name: str, value: object) -> bool:
     """A real bool: TypeError otherwise (a string such as 'no' is truthy and would silently mean
     True)."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{fn}: {name} must be True or False, got {value!r} ({type(value).__name__})"
-        )
-    return value
+    return check_bool(f"{fn}: {name}", value)
 
 
 def check_scale_fmt(fn: str, value: object) -> ScaleFmt:

@@ -29,7 +29,7 @@ TIMEOUT_S = 60.0  # enough for a fresh process's Triton JIT; a hang must end wit
     ("backend", "words"),
     [
         ("IllegalAddressInGemm1", "illegal memory access"),
-        ("KernelHangsInGemm1", "timed out"),
+        ("KernelHangsInGemm1", "timeout"),
     ],
 )
 def test_a_sweep_contains_a_gpu_fault_and_goes_on(backend: str, words: str, tmp_path: Path) -> None:
