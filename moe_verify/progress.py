@@ -1,10 +1,11 @@
 """Progress on stderr, per case, rank and stage (tqdm): a long CPU case is never silent.
 
 `case_bar` wraps one case: the runner calls `stage_started` as each stage of each side begins,
-and the bar shows where the case is. `SweepBar` counts a sweep's cases and keeps one log line per
-finished case. On a terminal the bars redraw in place; in a CI log (stderr not a TTY) they redraw
-at most every `LOG_INTERVAL_S`, so a log gets a line now and then rather than thousands.
-`MOE_VERIFY_PROGRESS=0` turns them off.
+and the bar shows where the case is, once the case has run `DELAY_S` (a short case prints
+nothing). `SweepBar` counts a sweep's cases and keeps one log line per finished case. On a
+terminal the bars redraw in place; in a CI log (stderr not a TTY) each redraw is a line of its
+own, at most every `LOG_INTERVAL_S`, so a log gets a line now and then rather than carriage
+returns glued to the report. `MOE_VERIFY_PROGRESS=0` turns them off.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from tqdm import tqdm
 
 LOG_INTERVAL_S = 15.0
+DELAY_S = 3.0
 
 _case: tqdm | None = None
 _where = "before the first stage"
@@ -30,6 +32,23 @@ def _interval() -> float:
     return 0.2 if sys.stderr.isatty() else LOG_INTERVAL_S
 
 
+class _LogLines:
+    """A stream for tqdm in a log: every redraw becomes one line; the blanking a closing bar
+    writes (spaces between carriage returns) is dropped."""
+
+    def write(self, text: str) -> None:
+        for part in text.replace("\r", "\n").split("\n"):
+            if part.strip():
+                sys.stderr.write(part.rstrip() + "\n")
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _stream() -> object:
+    return sys.stderr if sys.stderr.isatty() else _LogLines()
+
+
 @contextlib.contextmanager
 def case_bar(case_id: str, total_stages: int) -> Iterator[None]:
     """A bar over one case's `total_stages` stage runs (every side, mode and rank)."""
@@ -39,8 +58,9 @@ def case_bar(case_id: str, total_stages: int) -> Iterator[None]:
         total=total_stages,
         desc=case_id,
         unit="stage",
-        file=sys.stderr,
+        file=_stream(),
         leave=False,
+        delay=DELAY_S,
         mininterval=_interval(),
         disable=not _enabled(),
         dynamic_ncols=True,
@@ -78,7 +98,7 @@ class SweepBar:
             total=total,
             desc=f"sweep {name}",
             unit="case",
-            file=sys.stderr,
+            file=_stream(),
             mininterval=_interval(),
             disable=not _enabled(),
             dynamic_ncols=True,
