@@ -200,7 +200,7 @@ class Completed:
         return f"timed out ({what})" if self.timed_out else what
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
+def kill_group(proc: subprocess.Popen[str]) -> None:
     """SIGTERM to the child's whole process group, SIGKILL after KILL_GRACE_S if it lingers."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -246,10 +246,10 @@ def run_contained(cmd: list[str], timeout_s: float | None, env: dict | None = No
                 out, err = proc.communicate(timeout=timeout_s or None)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                _kill_group(proc)
+                kill_group(proc)
                 out, err = _drain(proc)
         except BaseException:
-            _kill_group(proc)
+            kill_group(proc)
             raise
     rc = proc.returncode
     name = signal.Signals(-rc).name if rc < 0 and -rc in signal.valid_signals() else None

@@ -1,11 +1,16 @@
 """`moe-verify sweep`: a preset (or a given list of cases) with progress, junit XML, JSON and a
 markdown matrix, every case bounded and every crash contained.
 
-By default each case runs in its own subprocess (`moe-verify run`, in a process group of its own):
-an illegal memory access, an abort or a hang ends that case only, and the breadcrumb file names
-the stage that was in flight. `isolate=False` runs the cases in this process under the per-case
-deadline; that survives a backend that raises, exits or hangs in Python, but not a SIGSEGV or an
-abort, which end the sweep (the summaries of the cases finished before it are on disk).
+By default the cases run in a worker process (moe_verify/sweep_worker.py, in a process group of
+its own) that imports torch, Triton and the backends once and then runs one case after another:
+an illegal memory access, an abort, an exit or a hang ends that case only (the breadcrumb file
+names the stage that was in flight, the worker's log of the case keeps faulthandler's report),
+and a fresh worker takes the next case. A worker also goes after any case that errored, since a
+CUDA error leaves its context unusable and a backend that raised may have left state behind; a
+case that passed or failed a check keeps it. `isolate=False` runs the cases in this process under
+the per-case deadline; that survives a backend that raises, exits or hangs in Python, but not a
+SIGSEGV or an abort, which end the sweep (the summaries of the cases finished before it are on
+disk).
 
 The summaries are rewritten after every case (and name the case in flight before it starts), each
 atomically, so a sweep that is killed leaves valid files. A case is PASS, FAIL (a check failed)
@@ -15,13 +20,17 @@ every case passed, 2 when any errored, else 1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,8 +38,10 @@ from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 from moe_verify.cases import preset
 from moe_verify.contain import (
     DEFAULT_CASE_TIMEOUT_S,
+    KILL_GRACE_S,
     CaseTimeout,
-    run_contained,
+    Completed,
+    kill_group,
     terminate_as_exit,
     terminated,
     user_interrupted,
@@ -38,9 +49,10 @@ from moe_verify.contain import (
 )
 from moe_verify.progress import SweepBar
 from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Status
+from moe_verify.sweep_worker import BREADCRUMB, STARTUP_LOG, log_path, outcome_path
 
-# A case's subprocess gets this much beyond the case timeout to start (import torch, Triton,
-# CUDA context) and to end a case stuck outside Python (contain.HARD_GRACE_S).
+# A case in a worker gets this much beyond the case timeout to start a worker (import torch,
+# Triton, CUDA context) and to end a case stuck outside Python (contain.HARD_GRACE_S).
 STARTUP_GRACE_S = 120.0
 # Lines of a crashed case's stderr kept in its junit error: the last ones, or from faulthandler's
 # "Fatal Python error" on (the Python stack of every thread at the crash).
@@ -56,6 +68,7 @@ class CaseOutcome:
     summary: str
     report: dict | None = None  # Report.to_dict() when the case produced one
     messages: list[str] = field(default_factory=list)
+    worker: int | None = None  # the pid of the worker process that ran it (None: in process)
 
 
 @dataclass
@@ -113,7 +126,7 @@ def _from_report(problem: MoEProblem, report: dict, seconds: float) -> CaseOutco
     )
 
 
-def _run_in_process(
+def run_in_process(
     problem: MoEProblem,
     backend: str,
     mode: str,
@@ -121,6 +134,8 @@ def _run_in_process(
     case_timeout_s: float | None,
     plot_dir: Path | None,
 ) -> CaseOutcome:
+    """One case in this process under its deadline; whatever the backend raises is the case's
+    ERROR, except the user's Ctrl-C and our SIGTERM, which propagate."""
     from moe_verify.verification import verify
 
     start = time.perf_counter()
@@ -153,52 +168,198 @@ def _error(problem: MoEProblem, start: float, what: str) -> CaseOutcome:
     return CaseOutcome(problem, Status.ERROR, time.perf_counter() - start, line, messages=[line])
 
 
-def _run_isolated(
-    problem: MoEProblem,
-    backend: str,
-    mode: str,
-    engine: str,
-    case_timeout_s: float | None,
-    plot_dir: Path | None,
-) -> CaseOutcome:
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="moe-verify-case-") as tmp:
-        case_json, report_json = Path(tmp) / "case.json", Path(tmp) / "report.json"
-        crumb = Path(tmp) / "breadcrumb.json"
-        case_json.write_text(json.dumps(problem.to_dict()))
-        cmd = [sys.executable, "-m", "moe_verify.cli", "run", "--problem-json", str(case_json)]
-        cmd += ["--backend", backend, "--mode", mode, "--engine", engine]
-        cmd += ["--json", str(report_json), "--case-timeout", f"{case_timeout_s or 0:g}"]
-        if plot_dir is not None:
-            cmd += ["--plot", str(Path(plot_dir).resolve())]
-        # The sweep's bar is the progress; a case's own bar would only bury its stderr tail, where
+class _Worker:
+    """One worker child (moe_verify/sweep_worker.py) in a session of its own, its log before the
+    first case in `folder`/STARTUP_LOG."""
+
+    def __init__(self, folder: Path) -> None:
+        # The sweep's bar is the progress; a case's own bar would only bury its log's tail, where
         # faulthandler leaves the Python stack of a crash.
         env = dict(
             os.environ,
-            MOE_VERIFY_BREADCRUMB=str(crumb),
+            MOE_VERIFY_BREADCRUMB=str(folder / BREADCRUMB),
             MOE_VERIFY_PROGRESS="0",
             PYTHONFAULTHANDLER="1",
         )
+        cmd = [sys.executable, "-m", "moe_verify.sweep_worker", str(folder)]
+        with open(folder / STARTUP_LOG, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
+        self.pending = b""  # what it wrote of its next reply
+        self.busy = False  # a case was sent and its reply has not come
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def run(self, request: dict, limit: float | None) -> Completed | None:
+        """Send one case and wait up to `limit` seconds (None: no limit) for it to be done: None
+        when it is; else how the worker ended (it died, or ran out of time and was killed)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.busy = True
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it died between cases; its exit says how
+            return self.end(timed_out=False)
+        end = time.monotonic() + limit if limit else None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
+                return self.end(timed_out=True)
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return self.end(timed_out=False)
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        self.busy = False
+        if json.loads(line) != {"done": request["name"]}:
+            raise RuntimeError(
+                f"sweep worker {self.pid}: expected the reply {{'done': {request['name']!r}}}, "
+                f"got {line[:200]!r}"
+            )
+        return None
+
+    def end(self, timed_out: bool) -> Completed:
+        """Kill the worker's process group (after it exits by itself, unless it timed out) and
+        say how it ended."""
+        if not timed_out:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(KILL_GRACE_S)
+        kill_group(self.proc)
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        rc = self.proc.returncode
+        name = signal.Signals(-rc).name if rc < 0 and -rc in signal.valid_signals() else None
+        return Completed(rc, "", "", timed_out, name)
+
+    def close(self) -> None:
+        """EOF ends a worker between cases (its group is killed if it does not go in time); one
+        busy with a case (the sweep was interrupted) is killed at once."""
+        if not self.busy and self.proc.returncode is None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        self.end(timed_out=self.busy)
+
+
+class _Isolated:
+    """Runs cases in a worker, started when needed and replaced after any case that errored; the
+    cases' files go to `folder`."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.worker: _Worker | None = None
+        self.cases = 0
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+    def __call__(
+        self,
+        problem: MoEProblem,
+        backend: str,
+        mode: str,
+        engine: str,
+        case_timeout_s: float | None,
+        plot_dir: Path | None,
+    ) -> CaseOutcome:
+        start = time.perf_counter()
+        self.cases += 1
+        name = str(self.cases)
+        request = {
+            "name": name,
+            "problem": problem.to_dict(),
+            "backend": backend,
+            "mode": mode,
+            "engine": engine,
+            "case_timeout_s": case_timeout_s,
+            "plot_dir": str(Path(plot_dir).resolve()) if plot_dir is not None else None,
+        }
+        if self.worker is None:
+            self.worker = _Worker(self.folder)
+        worker = self.worker
         limit = case_timeout_s + STARTUP_GRACE_S if case_timeout_s else None
-        done = run_contained(cmd, limit, env)
+        done = worker.run(request, limit)
         seconds = time.perf_counter() - start
-        if done.rc in (EXIT_PASS, EXIT_FAIL, EXIT_ERROR) and report_json.exists():
-            return _from_report(problem, json.loads(report_json.read_text()), seconds)
+        crumb = self.folder / BREADCRUMB
         where = crumb.read_text().strip() if crumb.exists() else "before the first stage"
+        crumb.unlink(missing_ok=True)  # the next case's stages write their own
+        if done is None:
+            result = json.loads(outcome_path(self.folder, name).read_text())
+            for path in (outcome_path(self.folder, name), log_path(self.folder, name)):
+                path.unlink(missing_ok=True)  # kept only for a case that crashed its worker
+            outcome = CaseOutcome(
+                problem,
+                Status(result["status"]),
+                seconds,
+                result["summary"],
+                result["report"],
+                result["messages"],
+                worker.pid,
+            )
+            if outcome.status is Status.ERROR:
+                self.close()
+            return outcome
+        self.worker = None  # `run` killed it
+        log = log_path(self.folder, name)
+        if not log.exists():  # it died before it took the case
+            log = self.folder / STARTUP_LOG
+        text = log.read_text(errors="replace")
+        return _crashed(problem, seconds, done, limit, where, text, worker.pid)
+
+
+def _crashed(
+    problem: MoEProblem,
+    seconds: float,
+    done: Completed,
+    limit: float | None,
+    where: str,
+    log: str,
+    worker: int,
+) -> CaseOutcome:
+    """The ERROR of a case whose worker (`worker`, its pid) died or ran out of time: how it
+    ended, the stage in flight, and its log from faulthandler's crash report on (else the log's
+    last lines)."""
     exit_text = done.exit_text
     if done.timed_out:
         exit_text += f" after {limit:g} s (the case timeout plus {STARTUP_GRACE_S:g} s)"
-    lines = (done.stderr or done.stdout).strip().splitlines()
+    lines = log.strip().splitlines()
     crash = next((i for i, line in enumerate(lines) if line.startswith(CRASH_REPORT)), None)
     excerpt = lines[crash : crash + STDERR_LINES] if crash is not None else lines[-STDERR_LINES:]
-    summary = f"ERROR {problem.id}: subprocess {exit_text} while in {where}"
+    summary = f"ERROR {problem.id}: worker {exit_text} while in {where}"
     if excerpt:
         summary += f": {excerpt[0] if crash is not None else excerpt[-1]}"
-    detail = [f"{problem.id}: subprocess {exit_text}", f"in flight: {where}"]
+    detail = [f"{problem.id}: worker {exit_text}", f"in flight: {where}"]
     if excerpt:
         detail += ["stderr (crash report):" if crash is not None else "stderr (last lines):"]
         detail += excerpt
-    return CaseOutcome(problem, Status.ERROR, seconds, summary, messages=detail)
+    return CaseOutcome(problem, Status.ERROR, seconds, summary, messages=detail, worker=worker)
+
+
+@contextlib.contextmanager
+def _runner(isolate: bool) -> Iterator[Callable[..., CaseOutcome]]:
+    """The function that runs one case: in a worker (which never outlives the sweep), or here."""
+    if not isolate:
+        yield run_in_process
+        return
+    with tempfile.TemporaryDirectory(prefix="moe-verify-sweep-") as tmp:
+        isolated = _Isolated(Path(tmp))
+        try:
+            yield isolated
+        finally:
+            isolated.close()
 
 
 def _writable(out_dir: Path) -> None:
@@ -213,7 +374,7 @@ def _writable(out_dir: Path) -> None:
         ) from None
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """`text` to `path` through a temporary file in the same directory and os.replace, so a
     reader (or a sweep killed mid-write) never sees half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -228,9 +389,9 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def write_summaries(summary: SweepSummary, name: str, out_dir: Path) -> None:
     """junit.xml, summary.json and summary.md of the cases finished so far."""
-    _write_atomic(out_dir / "junit.xml", junit_xml(summary, name))
-    _write_atomic(out_dir / "summary.json", json.dumps(summary_dict(summary), indent=2) + "\n")
-    _write_atomic(out_dir / "summary.md", markdown_matrix(summary, name))
+    write_atomic(out_dir / "junit.xml", junit_xml(summary, name))
+    write_atomic(out_dir / "summary.json", json.dumps(summary_dict(summary), indent=2) + "\n")
+    write_atomic(out_dir / "summary.md", markdown_matrix(summary, name))
 
 
 def sweep(
@@ -258,11 +419,10 @@ def sweep(
         raise ValueError(f"case_timeout_s: expected >= 0 (0: no limit), got {case_timeout_s!r}")
     out_dir = Path(out_dir)
     _writable(out_dir)
-    run: Callable[..., CaseOutcome] = _run_isolated if isolate else _run_in_process
     summary = SweepSummary([], total=len(chosen))
     bar = SweepBar(len(chosen), name)
     try:
-        with watch_interrupts(), terminate_as_exit():
+        with watch_interrupts(), terminate_as_exit(), _runner(isolate) as run:
             for problem in chosen:
                 summary.running = problem.id
                 write_summaries(summary, name, out_dir)
@@ -293,6 +453,7 @@ def summary_dict(summary: SweepSummary) -> dict:
                 "summary": o.summary,
                 "messages": o.messages,
                 "report": o.report,
+                "worker": o.worker,
             }
             for o in summary.outcomes
         ],

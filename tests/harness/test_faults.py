@@ -153,6 +153,38 @@ def test_an_isolated_sweep_contains_the_fault_and_goes_on(
         )
 
 
+# The cases a worker runs: the faulty one second, so one worker must run a case before the fault
+# and a fresh one the cases after it. backend -> the status of each case, and which worker ran it
+# (0: the first started, 1: the second): a worker is replaced only after an ERROR.
+WORKER_CASES = [HEALTHY, FAULTY, FAULTY.replace(seed=2), FAULTY.replace(seed=3)]
+PASS, FAIL, ERROR = Status.PASS, Status.FAIL, Status.ERROR
+WORKERS = {
+    "optimized": ([PASS, PASS, PASS, PASS], [0, 0, 0, 0]),  # one process start for the sweep
+    "NanInLiveRow": ([PASS, FAIL, PASS, PASS], [0, 0, 0, 0]),  # a failed check keeps the worker
+    "RaisesInGemm1": ([PASS, ERROR, PASS, PASS], [0, 0, 1, 1]),  # a raise may leave state behind
+    "SegfaultsInGemm1": ([PASS, ERROR, PASS, PASS], [0, 0, 1, 1]),  # the worker died with it
+}
+
+
+@pytest.mark.parametrize("name", list(WORKERS))
+def test_an_isolated_sweep_replaces_its_worker_only_after_an_error(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)  # the worker imports the backend by module path
+    backend = name if name == "optimized" else _spec(name)
+    summary = sweep(WORKER_CASES, backend=backend, mode=MODE, out_dir=tmp_path)
+    statuses, workers = WORKERS[name]
+    assert [o.status for o in summary.outcomes] == statuses, [o.summary for o in summary.outcomes]
+    pids = [o.worker for o in summary.outcomes]
+    assert None not in pids and [list(dict.fromkeys(pids)).index(p) for p in pids] == workers
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert [c["worker"] for c in data["cases"]] == pids
+    if name == "SegfaultsInGemm1":  # the crashed case names its signal and stage
+        crashed = summary.outcomes[1]
+        assert "killed by SIGSEGV" in crashed.summary and '"stage": "gemm1"' in crashed.summary
+        assert FAULTY.id in crashed.summary
+
+
 def test_an_in_process_sweep_killed_by_a_segfault_leaves_the_finished_case(
     tmp_path: Path,
 ) -> None:
