@@ -151,6 +151,11 @@ def verify(
     """
     modes = Mode.select(mode)
     poisons = _poisons(poison)
+    if not isinstance(backend, str) and (workspace or poisons):
+        raise ValueError(
+            f"workspace={workspace}, poison={poison}: they build the backend, so pass it by name "
+            f"(e.g. {backend_spec(backend)!r}), not as an instance already built"
+        )
     tested = resolve_backend(
         backend, engine, workspace=workspace, poison=poisons[0] if poisons else None
     )
@@ -273,9 +278,10 @@ def with_poison_agreement(
     """`results` with each stage's two-poison agreement check added (a stage whose two runs
     disagree fails, even where each run alone was within its tolerance of the golden)."""
     a, b = first.tested[mode], second.tested[mode]
+    layouts = (a, b) if mode is Mode.CHAINED else (first.golden, second.golden)
     out = []
     for r in results:
-        check = poison_agreement(r.stage, a, b, label)
+        check = poison_agreement(r.stage, a, b, label, layouts)
         if check is not None:
             status = r.status
             if not check.passed and status in (Status.PASS, Status.SKIP):

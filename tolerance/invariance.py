@@ -40,16 +40,25 @@ def _rows_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (_bits(a) != _bits(b)).reshape(a.shape[0], -1).any(dim=1)
 
 
-def poison_agreement(stage: str, first: Trace, second: Trace, label: str) -> CheckResult | None:
+def poison_agreement(
+    stage: str, first: Trace, second: Trace, label: str, layouts: tuple[Trace, Trace]
+) -> CheckResult | None:
     """`stage` of two runs that differ only in their poison (`label`, e.g. '0x00 vs 0xff'); None
     when the stage did not run in both or has nothing to compare (its outputs are host values
-    or layouts whose padding is unpromised and not keyed here)."""
+    or layouts whose padding is unpromised and not keyed here).
+
+    `layouts`: the traces whose permute each run's `stage` read its rows from: each run's own
+    when chained, the golden's (both) when isolated. A run's own permute keys its own permute
+    stage. On a GPU two runs order a segment's rows differently (atomics), so a row is found
+    through the permute that placed it, never by its position."""
     if first.failure(stage) is not None or second.failure(stage) is not None:
         return None
     name = f"poison {label}"
-    if stage in _PERMUTED and Stage.PERMUTE in first and Stage.PERMUTE in second:
+    if stage == Stage.PERMUTE:
+        layouts = (first, second)
+    if stage in _PERMUTED and all(Stage.PERMUTE in t for t in layouts):
         try:
-            slots = live_slots(first, second)
+            slots = live_slots(*layouts)
         except ContractError:
             return None
         bad, total, worst = 0, 0, None

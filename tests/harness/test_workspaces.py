@@ -142,3 +142,95 @@ def test_guard_bands_keep_the_workspace_aligned_and_intact() -> None:
         assert buf.is_contiguous() and buf.data_ptr() == whole.data_ptr() + GUARD_BYTES
         assert buf.data_ptr() % 16 == 0  # TMA's alignment for DeepGEMM's output
     assert spaces.guard_hits() == ""  # the poison filled the workspaces, never their guards
+
+
+# -- the two-poison run: verify(..., workspace=True, poison=[a, b]) -----------------------------
+
+TWO_POISONS = [0x00, 0xFF]
+
+
+def _poison_checks(report, mode: str) -> dict[str, list]:
+    return {
+        r.stage: [c for c in r.checks if c.name.startswith("poison ")]
+        for r in getattr(report, mode)
+        if any(c.name.startswith("poison ") for c in r.checks)
+    }
+
+
+def test_a_two_poison_run_of_a_correct_backend_passes_with_every_check_run() -> None:
+    report = verify(
+        CASES[0], backend="optimized", engine="triton", mode="both", workspace=True,
+        poison=TWO_POISONS,
+    )  # fmt: skip
+    assert report.passed, report.summary_line()
+    for mode in ("isolated", "chained"):
+        checks = _poison_checks(report, mode)
+        stages = {"route", "quant_input", "permute", "gemm1", "act_quant", "gemm2", "gather"}
+        assert set(checks) == stages, (mode, sorted(checks))
+        assert all(
+            c.passed and c.name == "poison 0x00 vs 0xff" for cs in checks.values() for c in cs
+        )
+
+
+class ReversesSegmentsUnderOnePoison(OptimizedBackend):
+    """permute: the live rows of every expert segment in reverse order when the poison is 0xFF,
+    as a GPU's atomics may order them in one run and not the other: legitimate, so the two runs
+    must still agree (rows are keyed by (token, k), never by position)."""
+
+    name = "reverses-segments-under-one-poison"
+
+    def permute(self, p, x, up, rank):
+        out = super().permute(p, x, up, rank)
+        if self.poison != 0xFF:
+            return out
+        m = out["m_indices"]
+        new = torch.arange(m.shape[0])
+        for e in m[m >= 0].unique():
+            rows = (m == e).nonzero()[:, 0]
+            new[rows] = rows.flip(0)
+        moved = {}
+        for key in ("a_perm", "a_scale_perm"):
+            src = out[key]
+            dst = src.clone()
+            dst.view(torch.uint8)[new] = src.view(torch.uint8)
+            moved[key] = dst
+        inv = out["inv_perm"]
+        moved["inv_perm"] = torch.where(inv >= 0, new[inv.clamp(min=0).long()].to(inv.dtype), inv)
+        return {**out, **moved}
+
+
+def test_rows_ordered_differently_by_the_two_runs_still_agree() -> None:
+    report = verify(
+        CASES[0], backend="tests.harness.test_workspaces:ReversesSegmentsUnderOnePoison",
+        engine="triton", mode="both", workspace=True, poison=TWO_POISONS,
+    )  # fmt: skip
+    assert report.passed, report.summary_line()
+
+
+class LeavesTheLastTokenUnwritten(OptimizedBackend):
+    """gather never writes the last token's row (an off-by-one grid): with a workspace, that row
+    holds whatever the poison left there."""
+
+    name = "leaves-the-last-token-unwritten"
+
+    def gather(self, p, x, up, rank):
+        out = super().gather(p, x, up, rank)["out"]
+        if self.poison is not None:
+            out[-1].view(torch.uint8).fill_(self.poison)
+        return {"out": out}
+
+
+def test_a_row_left_unwritten_fails_the_two_poison_check_at_its_stage() -> None:
+    report = verify(
+        CASES[0], backend="tests.harness.test_workspaces:LeavesTheLastTokenUnwritten",
+        engine="triton", mode="isolated", workspace=True, poison=TWO_POISONS,
+    )  # fmt: skip
+    assert report.first_failure == "gather", report.summary_line()
+    failed = _poison_checks(report, "isolated")["gather"]
+    assert [c.passed for c in failed] == [False]
+    assert failed[0].detail.startswith("1 of ") and failed[0].worst.token == CASES[0].tokens - 1
+
+
+def test_poisons_for_a_backend_already_built_are_refused() -> None:
+    with pytest.raises(ValueError, match="pass it by name"):
+        verify(CASES[0], backend=OptimizedBackend(engine="triton"), poison=TWO_POISONS)
