@@ -236,7 +236,7 @@ def test_a_rank_that_hangs_is_named_after_the_timeout(tmp_path: Path) -> None:
 
 
 # Long enough for rank 0's local work (every rank's golden) on a loaded 2-core machine.
-RANK_CASE_TIMEOUT_S = 30
+RANK_CASE_TIMEOUT_S = 15
 
 
 def test_a_rank_that_hangs_past_the_case_timeout_is_an_error_of_its_stage(tmp_path: Path) -> None:
