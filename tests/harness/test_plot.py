@@ -271,3 +271,41 @@ def test_error_maps_needs_a_mode_that_ran() -> None:
     verdict = verify_rank(TINY, inputs, HalfScaleGroup(), ReferenceBackend(), 0, (Mode.ISOLATED,))
     with pytest.raises(ValueError, match="mode: expected one the rank ran.*got 'chained'"):
         error_maps(TINY, verdict.run, Mode.CHAINED, [Stage.QUANT_INPUT])
+
+
+# -- wired in: verify(plot_dir=...) and sweep(plot_dir=...) -------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_verify_writes_a_picture_of_each_failing_stage_and_names_it(tmp_path: Path) -> None:
+    from moe_verify.verification import verify
+
+    report = verify(TINY, backend=WrongExpertSegment(), mode="isolated", plot_dir=tmp_path)
+    assert report.first_failure == "gemm1"
+    files = [Path(f) for f in report.files["plots"]]
+    assert [f.name for f in files] == [f"{TINY.id}-isolated-gemm1.png"]
+    assert files[0].read_bytes().startswith(PNG)
+
+
+def test_a_passing_case_draws_nothing(tmp_path: Path) -> None:
+    from moe_verify.verification import verify
+
+    report = verify(TINY, backend="golden", mode="isolated", plot_dir=tmp_path / "plots")
+    assert report.passed and "plots" not in report.files
+    assert not (tmp_path / "plots").exists() or not any((tmp_path / "plots").iterdir())
+
+
+def test_a_sweep_draws_its_failing_cases(tmp_path: Path) -> None:
+    from moe_verify.sweep import sweep
+
+    summary = sweep(
+        [TINY],
+        backend=f"{__name__}:WrongExpertSegment",
+        mode="isolated",
+        out_dir=tmp_path / "out",
+        isolate=False,
+        plot_dir=tmp_path / "plots",
+    )
+    assert summary.exit_code == 1
+    assert [p.name for p in (tmp_path / "plots").iterdir()] == [f"{TINY.id}-isolated-gemm1.png"]
