@@ -49,7 +49,21 @@ from moe_verify.contain import (
 )
 from moe_verify.progress import SweepBar
 from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Status
-from moe_verify.sweep_worker import BREADCRUMB, STARTUP_LOG, log_path, outcome_path
+
+# The worker protocol's files (moe_verify/sweep_worker.py): the runner's per-stage breadcrumb
+# (the parent points MOE_VERIFY_BREADCRUMB here and clears it after each case), what a worker
+# writes before its first case (a failing import), and each case's outcome and log.
+BREADCRUMB = "breadcrumb.json"
+STARTUP_LOG = "startup.log"
+
+
+def outcome_path(folder: Path, name: str) -> Path:
+    return folder / f"{name}.json"
+
+
+def log_path(folder: Path, name: str) -> Path:
+    return folder / f"{name}.log"
+
 
 # A case in a worker gets this much beyond the case timeout to start a worker (import torch,
 # Triton, CUDA context) and to end a case stuck outside Python (contain.HARD_GRACE_S).

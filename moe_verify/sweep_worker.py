@@ -16,18 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-# The runner's per-stage breadcrumb (the parent points MOE_VERIFY_BREADCRUMB here and clears it
-# after each case), and what a worker writes before its first case (a failing import).
-BREADCRUMB = "breadcrumb.json"
-STARTUP_LOG = "startup.log"
-
-
-def outcome_path(folder: Path, name: str) -> Path:
-    return folder / f"{name}.json"
-
-
-def log_path(folder: Path, name: str) -> Path:
-    return folder / f"{name}.log"
+from moe_verify.sweep import log_path, outcome_path, run_in_process, write_atomic
 
 
 def _log_to(path: Path) -> None:
@@ -49,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     import moe_verify.verification  # noqa: F401
     from moe_verify.contain import watch_interrupts
     from moe_verify.spec import MoEProblem
-    from moe_verify.sweep import run_in_process, write_atomic
 
     for line in sys.stdin:
         request = json.loads(line)
