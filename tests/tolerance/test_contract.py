@@ -87,10 +87,15 @@ def test_golden_keeps_the_contract(problem: MoEProblem) -> None:
 @pytest.mark.parametrize("problem", LEGIT, ids=lambda p: p.id)
 def test_optimized_keeps_the_contract_in_both_modes(problem: MoEProblem) -> None:
     """Isolated (each stage on the golden's upstream, as the runner feeds it) and chained."""
+    _assert_keeps_the_contract(problem, lambda: OptimizedBackend(engine="triton"))
+
+
+def _assert_keeps_the_contract(problem: MoEProblem, make_backend) -> None:
+    """Every rank's isolated and chained trace of `make_backend()` has no violation."""
     inputs = make_inputs(problem, "cpu")
     for rank in range(problem.topology.size):
         golden = ReferenceBackend().run(problem, inputs, rank)
-        backend = OptimizedBackend(engine="triton")
+        backend = make_backend()
         isolated = Trace(backend.name, rank)
         for stage in problem.stages:
             isolated.add(stage, backend.run_stage(stage, problem, inputs, golden.upto(stage), rank))
@@ -112,16 +117,7 @@ VLLM: list[MoEProblem] = [
 def test_vllm_adapter_keeps_the_contract(problem: MoEProblem) -> None:
     from moe_verify.adapters.vllm import VllmBackend
 
-    inputs = make_inputs(problem, "cpu")
-    for rank in range(problem.topology.size):
-        golden = ReferenceBackend().run(problem, inputs, rank)
-        backend = VllmBackend(engine="triton")
-        isolated = Trace(backend.name, rank)
-        for stage in problem.stages:
-            isolated.add(stage, backend.run_stage(stage, problem, inputs, golden.upto(stage), rank))
-        assert _violations(problem, isolated, golden.upto) == []
-        chained = backend.run(problem, inputs, rank)
-        assert _violations(problem, chained, chained.upto) == []
+    _assert_keeps_the_contract(problem, lambda: VllmBackend(engine="triton"))
 
 
 @pytest.mark.parametrize("problem", [*SMOKE, *TOPOLOGY], ids=lambda p: p.id)
