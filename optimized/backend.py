@@ -30,6 +30,7 @@ from moe_verify.spec import (
 from optimized import deepgemm
 from optimized.deepgemm import EngineChoice, as_engine, choose_engine, choose_grouped_layout
 from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter
+from optimized.production import batch_m_indices, batched_dispatch
 from optimized.routing import select_experts
 from optimized.topology import Shard, shard, tp_down_shard, tp_gate_up_shard
 from optimized.workspace import Workspaces
@@ -352,44 +353,18 @@ class OptimizedBackend:
     def dispatch(
         self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
     ) -> Outputs:
-        """Stands in for DeepEP's low-latency dispatch (a communication kernel, not under test
-        here): each local expert's slots numbered in token order into a [max_tokens, H] batch."""
+        """Stands in for DeepEP's low-latency dispatch (production.batched_dispatch: one
+        implementation for both modes; here expected_m is the mean batch, read on the host)."""
         sh = self.shard(problem, inputs, rank)
-        ids = upstream["route"]["topk_ids"]
-        a1q, a1q_scale = upstream["quant_input"]["a1q"], upstream["quant_input"]["a1q_scale"]
-        e_l, t_max = sh.num_local_experts, problem.ll_max_tokens
-        if e_l == 0:  # this rank owns no expert: empty batches, every slot skipped
-            skipped = torch.full(ids.shape, -1, dtype=torch.int32, device=ids.device)
-            return {
-                "a_batched": a1q.new_empty(0, t_max, a1q.shape[1]),
-                "a_scale_batched": a1q_scale.new_empty(0, t_max, a1q_scale.shape[1]),
-                "masked_m": torch.zeros(0, dtype=torch.int32, device=ids.device),
-                "slot": skipped,
-                "slot_expert": skipped.clone(),
-                "expected_m": 1,
-            }
-        local = ids.long()
-        if sh.expert_map is not None:
-            local = torch.where(local >= 0, sh.expert_map.long()[local.clamp(min=0)], -1)
-        flat = local.flatten()
-        one_hot = torch.nn.functional.one_hot(flat.clamp(min=0), e_l) * (flat >= 0).unsqueeze(1)
-        slot_of = (torch.cumsum(one_hot, dim=0) - one_hot).gather(1, flat.clamp(min=0)[:, None])
-        slot = torch.where(flat >= 0, slot_of.squeeze(1), -1).view_as(local)
-        masked_m = one_hot.sum(dim=0).to(torch.int32)
-        tokens = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(local)
-        live = slot >= 0
-        a_b = torch.zeros(e_l, t_max, a1q.shape[1], dtype=torch.uint8, device=a1q.device)
-        s_b = torch.zeros(e_l, t_max, a1q_scale.shape[1], dtype=a1q_scale.dtype, device=a1q.device)
-        a_b[local[live], slot[live]] = a1q.view(torch.uint8)[tokens[live]]
-        s_b[local[live], slot[live]] = a1q_scale[tokens[live]]
-        return {
-            "a_batched": a_b.view(torch.float8_e4m3fn),
-            "a_scale_batched": s_b,
-            "masked_m": masked_m,
-            "slot": slot.to(torch.int32),
-            "slot_expert": torch.where(live, local, -1).to(torch.int32),
-            "expected_m": max(1, -(-int(masked_m.sum()) // max(e_l, 1))),
-        }
+        q = upstream["quant_input"]
+        return batched_dispatch(
+            q["a1q"],
+            q["a1q_scale"],
+            upstream["route"]["topk_ids"],
+            sh.expert_map,
+            sh.num_local_experts,
+            problem.ll_max_tokens,
+        )
 
     def _batched_gemm(
         self,
@@ -417,16 +392,7 @@ class OptimizedBackend:
                 use_ue8m0=problem.scale_fmt.is_ue8m0,
             )
         else:
-            rows = torch.arange(t_max, device=a.device)[None, :]
-            m_indices = (
-                torch.where(
-                    rows < d["masked_m"][:, None],
-                    torch.arange(e_l, device=a.device, dtype=torch.int32)[:, None],
-                    -1,
-                )
-                .reshape(-1)
-                .to(torch.int32)
-            )
+            m_indices = batch_m_indices(d["masked_m"], t_max)
             out = grouped_gemm.grouped_gemm(
                 a.reshape(e_l * t_max, k),
                 a_scale.reshape(e_l * t_max, a_scale.shape[-1]),

@@ -416,6 +416,7 @@ def m_grouped_gemm(
     *,
     use_ue8m0: bool,
     use_psum_layout: bool = False,
+    validate: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """d = A @ B[e(r)]^T in bf16 through m_grouped_fp8(_fp4)_gemm_nt_contiguous.
@@ -428,17 +429,22 @@ def m_grouped_gemm(
     the gap rows; vLLM 0.32 passes neither `expected_m_for_psum_layout` nor
     `ensure_zero_padding`, and neither do we); `out`, when given, is a reused [M_sum, N] bf16
     workspace. DeepGEMM writes padding (-1) rows, and under psum gap rows, unspecified, and
-    leaves tail rows past the last segment unwritten."""
+    leaves tail rows past the last segment unwritten. validate: the host checks of
+    `validate_contiguous_call` (device syncs; False in production mode and under capture)."""
     # The flags first: a string such as 'no' is truthy, and DeepGEMM would take it as True.
     check_flag("deepgemm.m_grouped_gemm", "use_ue8m0", use_ue8m0)
     check_flag("deepgemm.m_grouped_gemm", "use_psum_layout", use_psum_layout)
+    check_flag("deepgemm.m_grouped_gemm", "validate", validate)
     dg = module()
     m_sum = a.shape[0]
     n = w.shape[1]
     d = output_buffer("deepgemm.m_grouped_gemm", "out", out, (m_sum, n), torch.bfloat16, a.device)
     if m_sum == 0:
         return d
-    validate_contiguous_call(a, a_scale, w, grouped_layout, alignment, use_ue8m0, use_psum_layout)
+    if validate:
+        validate_contiguous_call(
+            a, a_scale, w, grouped_layout, alignment, use_ue8m0, use_psum_layout
+        )
     b = w.q.view(torch.int8) if w.fp4 else w.q
     kwargs: dict[str, object] = {"disable_ue8m0_cast": not use_ue8m0}
     if w.fp4 or w.block != (128, 128):
@@ -471,13 +477,20 @@ def m_grouped_gemm_masked(
     expected_m: int,
     *,
     use_ue8m0: bool,
+    validate: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """d[e, :masked_m[e]] = A[e] @ B[e]^T through m_grouped_fp8_gemm_nt_masked."""
-    check_flag("deepgemm.m_grouped_gemm_masked", "use_ue8m0", use_ue8m0)
+    """d[e, :masked_m[e]] = A[e] @ B[e]^T through m_grouped_fp8_gemm_nt_masked. validate: the
+    host checks of `validate_masked_call` (device syncs; False in production mode); out: a
+    reused bf16 [G, M_max, N] workspace."""
+    fn = "deepgemm.m_grouped_gemm_masked"
+    check_flag(fn, "use_ue8m0", use_ue8m0)
+    check_flag(fn, "validate", validate)
     dg = module()
-    validate_masked_call(a, a_scale, w, masked_m, expected_m, use_ue8m0)
+    if validate:
+        validate_masked_call(a, a_scale, w, masked_m, expected_m, use_ue8m0)
     e, max_m, _ = a.shape
-    d = torch.empty(e, max_m, w.shape[1], dtype=torch.bfloat16, device=a.device)
+    d = output_buffer(fn, "out", out, (e, max_m, w.shape[1]), torch.bfloat16, a.device)
     dg.m_grouped_fp8_gemm_nt_masked(
         (a, a_scale), (w.q, w_scale), d, masked_m, expected_m, disable_ue8m0_cast=not use_ue8m0
     )
