@@ -177,6 +177,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+def cmd_graph(args: argparse.Namespace) -> int:
+    check_output_file("--json", args.json)
+    require_engine(args.engine)
+    from moe_verify.graph import default_replays, resolve_forward, verify_graph
+
+    problem = problem_from_args(args)
+    bound = args.bound if args.bound is not None else problem.tokens
+    replays = default_replays(bound, problem.seed)
+    if args.replays:
+        known = {r.name: r for r in replays}
+        wanted = [name.strip() for name in args.replays.split(",") if name.strip()]
+        unknown = [name for name in wanted if name not in known]
+        if unknown:
+            raise ValueError(f"--replays: unknown {unknown}; known: {list(known)}")
+        replays = [replays[0]] + [known[n] for n in wanted if n != replays[0].name]
+    report = verify_graph(
+        problem,
+        bound=bound,
+        replays=replays,
+        engine=args.engine,
+        forward=resolve_forward(args.forward),
+        capture=False if args.no_capture else None,
+    )
+    print(report.to_summary())
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+    return report.exit_code
+
+
 def cmd_audit_e8m0(args: argparse.Namespace) -> int:
     check_output_dir("--out", args.out)
     from moe_verify.audit import DEFAULT_MAX_RATIO, audit, write_report
@@ -315,6 +344,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time the suite's comparisons of rank 0 on the golden's device vs the host",
     )
     bn.set_defaults(func=cmd_bench)
+
+    gr = sub.add_parser(
+        "graph",
+        help="capture the production op once, replay it under changing routing, compare each "
+        "replay stage by stage",
+    )
+    add_problem_args(gr)
+    gr.add_argument(
+        "--bound", type=int, default=None, help="token bound of the capture (default: --tokens)"
+    )
+    gr.add_argument(
+        "--engine",
+        default=Engine.AUTO.value,
+        choices=[e.value for e in Engine],
+        help="GEMM engine of the production forward",
+    )
+    gr.add_argument(
+        "--forward",
+        default="optimized",
+        help="the production forward: optimized | module:Class (a subclass of "
+        "optimized.production.ProductionForward)",
+    )
+    gr.add_argument(
+        "--replays",
+        default=None,
+        help="comma-separated replay names to run after the capture's (default: all; "
+        "moe_verify/graph.py default_replays lists them)",
+    )
+    gr.add_argument(
+        "--no-capture",
+        action="store_true",
+        help="call the op eagerly on the static buffers even on a GPU (what a CPU does)",
+    )
+    gr.add_argument("--json", help="write the per-replay report as JSON here")
+    gr.set_defaults(func=cmd_graph)
 
     au = sub.add_parser(
         "audit-e8m0",

@@ -36,6 +36,8 @@ def _ep_gather_kernel(
     out_ptr,
     M,
     H,
+    M_SUM,
+    num_global,
     stride_am,
     stride_om,
     stride_it,
@@ -59,10 +61,15 @@ def _ep_gather_kernel(
     for k in tl.static_range(TOPK):
         eid = tl.load(ids_ptr + tokens * stride_it + k * stride_ik, mask=tok_ok, other=-1)
         if HAS_MAP:
-            # -1 stays -1 (no expert); any other id goes through the global -> local map.
-            eid = tl.load(map_ptr + eid, mask=tok_ok & (eid >= 0), other=-1)
+            # -1 stays -1 (no expert); an id inside the table goes through the global -> local
+            # map. A stale positive id (CUDA-graph padding rows) must never index past the table
+            # (vLLM test_expert_map_bounds): it is skipped.
+            in_map = tok_ok & (eid >= 0) & (eid < num_global)
+            eid = tl.load(map_ptr + tl.where(in_map, eid, 0), mask=in_map, other=-1)
         live = tok_ok & (eid >= 0)
-        row = tl.load(inv_ptr + tokens * stride_pt + k * stride_pk, mask=live, other=0)
+        row = tl.load(inv_ptr + tokens * stride_pt + k * stride_pk, mask=live, other=-1)
+        # A slot the permute skipped has no row (-1): without validation nothing else bounds it.
+        live = live & (row >= 0) & (row < M_SUM)
         w = tl.load(w_ptr + tokens * stride_wt + k * stride_wk, mask=live, other=0.0)
         src = mm2_ptr + row.to(tl.int64)[:, None] * stride_am + cols[None, :]
         mask = live[:, None] & col_ok[None, :]
@@ -98,8 +105,9 @@ def ep_gather(
     """mm2 bf16 [M_sum, H], topk_ids int32/int64 [M, k], topk_weights fp32 [M, k], inv_perm int32
     [M, k], expert_map int32 [E_g] (global -> local id, -1 = remote) or None -> out bf16 [M, H].
 
-    A slot is live iff its id (mapped through expert_map when given; -1 is never mapped) is >= 0;
-    inv_perm[t, k] of a live slot is the mm2 row holding that slot's expert output. With
+    A slot is live iff its id (mapped through expert_map when given; -1 and ids past the table
+    are never mapped) is >= 0 and its inv_perm entry is a row of mm2; inv_perm[t, k] of a live
+    slot is the mm2 row holding that slot's expert output. With
     `validate` (the default) the id range and every live inv_perm entry are checked on the host
     before launch (one device sync); pass False inside CUDA-graph capture or benchmarks.
     """
@@ -149,7 +157,7 @@ def ep_gather(
     has_map = expert_map is not None
     _ep_gather_kernel[grid](
         mm2, topk_ids, topk_weights, inv_perm, expert_map if has_map else topk_ids, out,
-        m, h, mm2.stride(0), out.stride(0),
+        m, h, m_sum, expert_map.shape[0] if has_map else 0, mm2.stride(0), out.stride(0),
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
         inv_perm.stride(0), inv_perm.stride(1),
         TOPK=topk, HAS_MAP=has_map, BLOCK_T=block_t, BLOCK_D=block_d,

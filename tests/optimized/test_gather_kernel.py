@@ -137,6 +137,32 @@ def test_ep_gather_validate_false_gives_the_same_output() -> None:
     assert torch.equal(checked.view(torch.int16), unchecked.view(torch.int16))
 
 
+
+# vLLM test_expert_map_bounds: CUDA-graph padding rows hold arbitrary positive ids (these two are
+# its bit patterns from torch.empty). Unvalidated, they must be skipped, never read past the
+# expert table or, without a table, through the -1 inv_perm entry the permute leaves for them.
+STALE_IDS = (123456789, 2071690107)
+
+
+@pytest.mark.parametrize("with_map", [True, False], ids=["expert-map", "no-map"])
+def test_ep_gather_skips_stale_positive_ids_unvalidated(with_map: bool) -> None:
+    inputs = make_inputs(CASES[4] if with_map else CASES[2])
+    ids, inv_perm = inputs["topk_ids"].clone(), inputs["inv_perm"].clone()
+    stale = torch.zeros_like(ids, dtype=torch.bool)
+    stale[-2:] = True  # two padding rows, every slot stale
+    ids[stale] = torch.tensor(STALE_IDS * ids.shape[1], dtype=ids.dtype)
+    inv_perm[stale] = -1
+    device = default_device()
+    on_device = {
+        n: (v.to(device) if v is not None else None)
+        for n, v in dict(inputs, topk_ids=ids, inv_perm=inv_perm).items()
+    }
+    out = ep_gather(**on_device, validate=False).cpu()
+    skipped = dict(inputs, topk_ids=torch.where(stale, -1, ids), inv_perm=inv_perm)
+    assert_same_bits(out, fp32_loop(**skipped), "stale ids skipped")
+    assert bool((out[-2:].view(torch.int16) == 0).all()), "a row of stale slots must be +0.0"
+
+
 # (case, mutation of the valid T9 inputs, what the message must say)
 def _bad(mutate) -> dict[str, torch.Tensor | None]:
     inputs = make_inputs(CASES[4])

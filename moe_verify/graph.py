@@ -1,0 +1,504 @@
+"""`moe-verify graph`: capture the production op once at a token bound, replay it with routing
+that changes between replays, and compare every replay, stage by stage, with the golden.
+
+What vLLM ships replays one CUDA graph per batch-size bucket: the per-expert counts, the live
+token count and the padding rows change under a graph whose shapes, workspaces and DeepGEMM
+scheduling were fixed at capture (seed article §2.8, §5). Bugs that live only there: an IMA only
+on a replay with a different expert distribution (DeepGEMM #444), stale positive ids in padding
+rows read past expert_map (vLLM test_expert_map_bounds), metadata of an earlier call reused.
+
+Each replay stages new inputs into the graph's static buffers (only the live rows: padding rows
+keep what the previous replay left there, as vLLM's do, plus planted stale positive ids), then:
+
+- poisons the workspace and NaN-fills the graph's output, so nothing an earlier replay wrote can
+  pass for this replay's result;
+- replays every rank's graph and reads the stage taps (the stage outputs captured as graph-resident
+  tensors, optimized/op.py `recording`), so a failing replay names its first divergent stage;
+- runs the golden on exactly the inputs the op saw (ids outside the expert table are skipped, as
+  the op must skip them) and compares each rank's taps in chained mode, and the ranks' sum;
+- guards, after FlashInfer's test_da_capture_rebinding: the golden is not degenerate, consecutive
+  replays differ, and a NaN-filled output of the warm-up call, kept alive with every earlier
+  allocation so no address is recycled, is never written again.
+
+Without a GPU there is no capture: every "replay" is an eager call of the op on the same static
+buffers, and the report says so. Everything else (staging, stale padding, taps, guards, the
+comparison) runs the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_verify.device import default_device
+from moe_verify.inputs import make_inputs
+from moe_verify.runner import RankRun
+from moe_verify.spec import (
+    Engine,
+    Mode,
+    MoEInputs,
+    MoEProblem,
+    Routing,
+    Stage,
+    TopologyKind,
+    Trace,
+    run_stages,
+)
+from moe_verify.verification import compare_reduce, has_reduce, rank_experts
+from optimized import op
+from optimized.production import (
+    ForwardConfig,
+    ProductionForward,
+    RankWeights,
+    prepare_rank_weights,
+    workspace_bytes,
+)
+from reference.moe import ReferenceBackend
+from tolerance.compare import compare
+from tolerance.report import Report
+
+# Stale positive ids planted in padding rows: vLLM's test_expert_map_bounds uses these two (they
+# come from torch.empty bit patterns); in-range ids are planted beside them.
+STALE_IDS = (123456789, 2071690107)
+# The workspace poison before each replay: 0xFF is NaN in bf16 and e4m3, -1 in int32.
+WORKSPACE_POISON = 0xFF
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One replay's inputs: `routing` over the first `live` tokens of the bound, a seed of its
+    own, and (when live < bound) stale positive ids planted in the padding rows."""
+
+    name: str
+    routing: Routing
+    live: int
+    seed: int
+
+    def describe(self, bound: int) -> str:
+        pad = f", {bound - self.live} padding rows with stale ids" if self.live < bound else ""
+        return f"{self.name}: {self.routing.value} on {self.live} of {bound} tokens{pad}"
+
+
+def default_replays(bound: int, seed: int = 0) -> list[Replay]:
+    """The replays `graph` runs: each changes what the previous one fixed.
+
+    The first is also the capture's input. Order matters: `one_expert` needs more rows in one
+    expert than any earlier replay gave it, `invalid_slots` follows it with -1 slots, the short
+    replays leave padding rows behind for the next one, and the last repeats the first routing
+    with new data (the output must still change).
+    """
+    half, one = max(1, bound // 2), 1
+    rows = [
+        ("capture-softmax", Routing.SOFTMAX, bound),  # the routing the graph was captured with
+        ("skew", Routing.SKEW, bound),  # a hot expert: per-expert counts change a lot
+        ("empty-middle", Routing.EMPTY_MIDDLE, bound),  # an expert that had rows gets none
+        ("one-expert", Routing.ONE_EXPERT, bound),  # one expert needs more rows than ever before
+        ("invalid-slots", Routing.INVALID_SLOTS, bound),  # -1 slots, some tokens with none
+        ("half-live", Routing.SOFTMAX, half),  # fewer live tokens: stale ids in padding rows
+        ("one-live", Routing.DUPLICATES, one),  # a single live token (decode), duplicate ids
+        ("softmax-again", Routing.SOFTMAX, bound),  # the first routing again, new data
+    ]
+    return [
+        Replay(name, routing, live, seed + 1 + i) for i, (name, routing, live) in enumerate(rows)
+    ]
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A replay-level check (not a stage's): its name, whether it held, and what it saw."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class ReplayResult:
+    replay: Replay
+    report: Report
+    guards: list[Guard]
+
+    @property
+    def passed(self) -> bool:
+        return self.report.passed and all(g.passed for g in self.guards)
+
+    @property
+    def first_failure(self) -> str | None:
+        """The first failing stage, else the first failing guard's name, else None."""
+        stage = self.report.first_failure
+        if stage is not None:
+            return str(stage)
+        return next((g.name for g in self.guards if not g.passed), None)
+
+
+@dataclass
+class GraphReport:
+    """Every replay of one captured graph (one per rank)."""
+
+    problem: MoEProblem
+    bound: int
+    captured: bool
+    capture_note: str
+    forward: str
+    engine: str
+    replays: list[ReplayResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.replays)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    def to_summary(self) -> str:
+        mode = "CUDA-graph replays" if self.captured else "eager replays"
+        lines = [
+            f"graph {self.problem.id}: {self.forward} forward, {self.engine} GEMMs, captured at "
+            f"{self.bound} tokens; {mode} ({self.capture_note})"
+        ]
+        for r in self.replays:
+            verdict = "PASS" if r.passed else f"FAIL at {r.first_failure}"
+            lines.append(f"  {verdict:<26} {r.replay.describe(self.bound)}")
+            if not r.passed:
+                for g in r.guards:
+                    if not g.passed:
+                        lines.append(f"      guard {g.name}: {g.detail}")
+                if r.report.first_failure is not None:
+                    lines.extend("      " + line for line in r.report.to_summary().splitlines())
+        failed = sum(not r.passed for r in self.replays)
+        lines.append(
+            f"{'PASS' if self.passed else 'FAIL'}: {len(self.replays) - failed} of "
+            f"{len(self.replays)} replays agree with the golden"
+        )
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "case": self.problem.id,
+                "bound": self.bound,
+                "captured": self.captured,
+                "capture_note": self.capture_note,
+                "forward": self.forward,
+                "engine": self.engine,
+                "passed": self.passed,
+                "replays": [
+                    {
+                        "name": r.replay.name,
+                        "routing": r.replay.routing.value,
+                        "live": r.replay.live,
+                        "passed": r.passed,
+                        "first_failure": r.first_failure,
+                        "guards": [dataclasses.asdict(g) for g in r.guards],
+                        "stages": json.loads(r.report.to_json()),
+                    }
+                    for r in self.replays
+                ],
+            },
+            indent=2,
+        )
+
+
+class _GivenRoute(ReferenceBackend):
+    """The golden, routed by the ids the op was given (physical, ids outside the expert table
+    skipped) instead of computing its own."""
+
+    def __init__(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        super().__init__()
+        self._ids, self._weights = ids, weights
+
+    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
+        return {"topk_ids": self._ids, "topk_weights": self._weights}
+
+
+def resolve_forward(spec: str) -> str:
+    """The registered forward `spec` names: a registered name ('optimized'), or 'module:Class'
+    for a `ProductionForward` subclass (your own kernels under capture), which is registered."""
+    module_name, sep, class_name = spec.partition(":")
+    if not sep:
+        op.registered_forward(spec)
+        return spec
+    if not module_name or not class_name:
+        raise ValueError(f"forward: expected a registered name or 'module:Class', got {spec!r}")
+    if os.getcwd() not in sys.path:  # a user's module in the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"forward {spec!r}: cannot load it ({exc})") from exc
+    if not (isinstance(cls, type) and issubclass(cls, ProductionForward)):
+        raise ValueError(
+            f"forward {spec!r}: expected a subclass of optimized.production.ProductionForward, "
+            f"got {cls!r}"
+        )
+    return op.register_forward(cls())
+
+
+def check_graphable(problem: MoEProblem) -> None:
+    """Refuse what production mode cannot capture, saying why."""
+    if problem.topology.kind is TopologyKind.EP_HT:
+        raise ValueError(
+            f"graph: {problem.topology} cannot be captured: the exact-count path reads the "
+            "per-expert counts on the host to size M_sum (vLLM runs DeepEP high-throughput "
+            "eagerly); use ep:N or ep:N+ll"
+        )
+    if problem.shared_experts:
+        raise ValueError(
+            "graph: shared experts run outside the fused MoE op in vLLM; verify them with "
+            f"`moe-verify run` (got shared_experts={problem.shared_experts})"
+        )
+
+
+@dataclass
+class _Rank:
+    """One rank's captured op: config, weights, workspace, and the graph's output and taps."""
+
+    cfg: ForwardConfig
+    weights: RankWeights
+    workspace: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None
+    taps: dict[str, dict[str, object]] = field(default_factory=dict)
+
+
+class GraphSession:
+    """The static buffers, one captured op per rank, and what each replay stages into them."""
+
+    def __init__(
+        self,
+        problem: MoEProblem,
+        bound: int,
+        engine: Engine | str = Engine.AUTO,
+        forward: str = "optimized",
+        device: torch.device | str | None = None,
+        capture: bool | None = None,
+    ) -> None:
+        check_graphable(problem)
+        if bound < 1:
+            raise ValueError(f"graph: bound must be >= 1 token, got {bound}")
+        op.registered_forward(forward)  # a clear error now rather than at capture
+        self.problem = dataclasses.replace(problem, tokens=bound)
+        self.bound = bound
+        self.forward = forward
+        self.device = torch.device(device) if device is not None else default_device()
+        cuda = self.device.type == "cuda"
+        self.capture = cuda if capture is None else capture
+        if self.capture and not cuda:
+            raise ValueError("graph: capture needs a CUDA device")
+        self.base = make_inputs(self.problem).to(self.device)
+        h, k = problem.hidden, problem.topk
+        self.hidden = torch.zeros(bound, h, dtype=torch.bfloat16, device=self.device)
+        self.ids = torch.full((bound, k), -1, dtype=torch.int32, device=self.device)
+        self.weights = torch.zeros(bound, k, dtype=torch.float32, device=self.device)
+        self.ranks = []
+        for rank in range(self.problem.topology.size):
+            cfg = ForwardConfig.for_problem(self.problem, rank, bound, engine)
+            w = prepare_rank_weights(cfg, self.problem, self.base.w13_q, self.base.w2_q, rank)
+            ws = torch.empty(workspace_bytes(cfg, bound), dtype=torch.uint8, device=self.device)
+            self.ranks.append(_Rank(cfg, w, ws))
+        self.engine = self.ranks[0].cfg.engine.value
+        # Every tensor any replay staged or returned, and the warm-up outputs: never freed, so
+        # no later allocation can take an address a stale pointer in the graph still holds.
+        self.keepalive: list[torch.Tensor] = []
+        self.sentinels: list[torch.Tensor] = []
+
+    @property
+    def num_experts_table(self) -> int:
+        """Ids at or past this are outside the expert table (physical experts under EPLB)."""
+        emap = self.ranks[0].weights.expert_map
+        return emap.numel() if emap is not None else self.problem.num_experts
+
+    # -- staging -------------------------------------------------------------------------------
+
+    def stage(self, replay: Replay) -> None:
+        """Write `replay`'s live rows into the static buffers; plant stale ids in the padding."""
+        if not 1 <= replay.live <= self.bound:
+            raise ValueError(f"replay {replay.name}: live must be in [1, {self.bound}]")
+        p = dataclasses.replace(
+            self.problem, tokens=replay.live, routing=replay.routing, seed=replay.seed
+        )
+        x = make_inputs(p).to(self.device)
+        route = ReferenceBackend().run_stage(Stage.ROUTE, p, x, Trace("golden"), 0)
+        live = replay.live
+        self.hidden[:live].copy_(x.hidden_states)
+        self.ids[:live].copy_(route["topk_ids"].to(torch.int32))
+        self.weights[:live].copy_(route["topk_weights"])
+        if live < self.bound:
+            plant = torch.tensor(
+                [*STALE_IDS, self.num_experts_table - 1, 0], dtype=torch.int32, device=self.device
+            )
+            pad = self.ids[live:].reshape(-1)
+            pad.copy_(plant.repeat(-(-pad.numel() // plant.numel()))[: pad.numel()])
+        self.keepalive.extend([x.hidden_states, route["topk_ids"], route["topk_weights"]])
+
+    def effective_route(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids and weights as the op must read them: ids outside the table are skipped."""
+        ids = self.ids.clone()
+        ids[(ids < 0) | (ids >= self.num_experts_table)] = -1
+        return ids, self.weights.clone()
+
+    # -- the op ----------------------------------------------------------------------------------
+
+    def _call(self, r: _Rank) -> torch.Tensor:
+        return op.call(r.cfg, self.hidden, self.ids, self.weights, r.weights, r.workspace,
+                       self.forward)  # fmt: skip
+
+    def warm_up_and_capture(self) -> str:
+        """One eager call per rank (JIT compiles happen outside capture), then the capture.
+        Returns how the replays will run."""
+        for r in self.ranks:
+            if self.capture:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    warm = self._call(r)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+            else:
+                warm = self._call(r)
+            warm.fill_(float("nan"))
+            self.sentinels.append(warm)
+            if self.capture:
+                r.graph = torch.cuda.CUDAGraph()
+                with op.recording(r.taps), torch.cuda.graph(r.graph):
+                    r.out = self._call(r)
+        if self.capture:
+            torch.cuda.synchronize(self.device)
+            return "captured once per rank with torch.cuda.graph"
+        return "no CUDA device: each replay is an eager op call on the static buffers"
+
+    def replay_rank(self, r: _Rank) -> tuple[torch.Tensor, Trace]:
+        """Poison, replay (or call), and read this rank's output and taps as a Trace."""
+        r.workspace.fill_(WORKSPACE_POISON)
+        if self.capture:
+            assert r.graph is not None and r.out is not None
+            r.out.fill_(float("nan"))
+            r.graph.replay()
+            torch.cuda.synchronize(self.device)
+            out, taps = r.out, r.taps
+        else:
+            taps: dict[str, dict[str, object]] = {}
+            with op.recording(taps):
+                out = self._call(r)
+        trace = Trace(f"{self.forward} (graph replay)")
+        for stage, outputs in taps.items():
+            if stage == Stage.ROUTE.value:
+                continue
+            trace.add(stage, {n: v.clone() if isinstance(v, torch.Tensor) else v
+                              for n, v in outputs.items()})  # fmt: skip
+        return out.clone(), trace
+
+
+def _golden(session: GraphSession, ids: torch.Tensor, weights: torch.Tensor) -> list[Trace]:
+    x = dataclasses.replace(session.base, hidden_states=session.hidden.clone())
+    golden = _GivenRoute(ids, weights)
+    return [run_stages(golden, session.problem, x, rank) for rank in range(len(session.ranks))]
+
+
+def _with_route(trace: Trace, golden: Trace) -> Trace:
+    """The tested trace with the route it was given (the op's input, not its output) first."""
+    routed = Trace(trace.backend)
+    routed.add(Stage.ROUTE, dict(golden[Stage.ROUTE]))
+    for stage in trace.stages:
+        routed.add(stage, dict(trace[stage]))
+    return routed
+
+
+def _guards(
+    session: GraphSession, outs: list[torch.Tensor], golden: list[Trace], previous: list | None
+) -> list[Guard]:
+    gold = torch.stack([g[Stage.GATHER]["out"].float() for g in golden]).to(outs[0].device)
+    degenerate = not bool(torch.isfinite(gold).all()) or not bool((gold != 0).any())
+    guards = [
+        Guard(
+            "golden-not-degenerate",
+            not degenerate,
+            "the golden's output is finite and not all zero"
+            if not degenerate
+            else "the golden's output is all zero or not finite: this replay proves nothing",
+        )
+    ]
+    if previous is not None:
+        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                   for a, b in zip(outs, previous, strict=True))  # fmt: skip
+        guards.append(
+            Guard(
+                "replays-differ",
+                not same,
+                "the output changed since the previous replay"
+                if not same
+                else "the output is bit for bit the previous replay's: the graph did not see "
+                "the new inputs (a stale input binding)",
+            )
+        )
+    written = [int((~torch.isnan(s.float())).sum()) for s in session.sentinels]
+    guards.append(
+        Guard(
+            "no-stale-writes",
+            not any(written),
+            "the warm-up call's NaN-filled output is untouched"
+            if not any(written)
+            else f"{sum(written)} elements of the warm-up call's output were written by a "
+            "replay: a kernel writes through a pointer of an earlier call",
+        )
+    )
+    return guards
+
+
+def verify_graph(
+    problem: MoEProblem,
+    *,
+    bound: int | None = None,
+    replays: Sequence[Replay] | None = None,
+    engine: Engine | str = Engine.AUTO,
+    forward: str = "optimized",
+    device: torch.device | str | None = None,
+    capture: bool | None = None,
+) -> GraphReport:
+    """Capture the production op of every rank at `bound` tokens (default: problem.tokens),
+    replay it under `replays` (default: `default_replays`), and compare each replay with the
+    golden of that replay's inputs, stage by stage (chained: the op runs end to end)."""
+    bound = problem.tokens if bound is None else bound
+    session = GraphSession(problem, bound, engine, forward, device, capture)
+    replays = list(replays) if replays is not None else default_replays(bound, problem.seed)
+    if not replays:
+        raise ValueError("graph: at least one replay")
+    session.stage(replays[0])
+    note = session.warm_up_and_capture()
+    report = GraphReport(session.problem, bound, session.capture, note, forward, session.engine)
+    previous = None
+    stages = [s for s in session.problem.stages if s is not Stage.ROUTE]
+    for replay in replays:
+        session.stage(replay)
+        ids, weights = session.effective_route()
+        golden = _golden(session, ids, weights)
+        outs, runs, results = [], [], []
+        for rank, r in enumerate(session.ranks):
+            out, taps = session.replay_rank(r)
+            tested = _with_route(taps, golden[rank])
+            outs.append(out)
+            runs.append(RankRun(rank, golden[rank], {Mode.CHAINED: tested}))
+            rank_results = compare(golden[rank], tested, session.problem, stages, mode=Mode.CHAINED)
+            if session.problem.topology.size > 1:
+                rank_results = [dataclasses.replace(x, rank=rank) for x in rank_results]
+            results.extend(rank_results)
+        if has_reduce(session.problem):
+            results.append(compare_reduce(session.problem, runs, Mode.CHAINED))
+        rep = Report(
+            session.problem,
+            f"{forward} (graph replay {replay.name})",
+            Mode.CHAINED,
+            chained=results,
+            rank_experts=rank_experts(session.problem),
+        )
+        report.replays.append(ReplayResult(replay, rep, _guards(session, outs, golden, previous)))
+        previous = outs
+        session.keepalive.extend(outs)
+    return report
