@@ -516,7 +516,8 @@ class Scattered:
     are named and meant as in the golden's permute plan (`reference.layout.PermutePlan`).
 
     a_perm        fp8 [m_sum, H]; padding rows are zero.
-    a_scale_perm  fp32 [m_sum, H/G] row-major, padding rows 0.0; or, for E8M0 input, int32
+    a_scale_perm  fp32 [m_sum, H/G] with strides (1, round_up(m_sum, 4)) (MN-major, TMA-aligned,
+                  as DeepGEMM reads it), padding rows 0.0; or, for E8M0 input, int32
                   [m_sum, ceil(H/32/4)] with strides (1, round_up(m_sum, 4)), byte j of word p =
                   group 4p + j, pad bytes and padding rows 0.
     m_indices     int32 [m_sum], local expert of each row, -1 on padding.
@@ -579,7 +580,10 @@ def ep_scatter(
         storage = torch.zeros((words, lead), dtype=torch.int32, device=device)
         a_scale_perm = storage.t()[:m_sum]
     else:
-        a_scale_perm = torch.zeros((m_sum, sk), dtype=torch.float32, device=device)
+        # MN-major with TMA-aligned columns: the layout DeepGEMM's SM90 GEMM reads, so it does
+        # not transpose the scales again on every call (the act_quant scales already are).
+        storage = torch.zeros((sk, _round_up(m_sum, 4)), dtype=torch.float32, device=device)
+        a_scale_perm = storage.t()[:m_sum]
     m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=device)
     inv_perm = torch.full((m, topk), -1, dtype=torch.int32, device=device)
     expert_start = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
