@@ -33,7 +33,7 @@ from moe_verify.args import (
     problem_from_args,
 )
 from moe_verify.contain import terminate_as_exit, terminated, user_interrupted, watch_interrupts
-from moe_verify.spec import MODE_CHOICES, Engine
+from moe_verify.spec import MODE_CHOICES, Engine, MoEProblem
 from tolerance.report import Report
 
 
@@ -163,18 +163,43 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     check_output_file("--out", args.out)
-    from moe_verify.bench import bench, compare_cost, to_markdown
-
     problem = problem_from_args(args)
-    engines = tuple(Engine(e) for e in args.engines.split(",") if e)
-    timings = bench(problem, engines=engines, repeats=args.repeats)
-    costs = compare_cost(problem) if args.compare_cost else None
-    text = to_markdown(problem, timings, costs)
+    if args.production:
+        if args.compare_cost:
+            raise ValueError(
+                "--compare-cost: times verification's comparisons, not with --production"
+            )
+        text = bench_production_tables(problem, args)
+    else:
+        given = {"--decode": args.decode or None, "--rank": args.rank, "--engine": args.engine}
+        unused = [flag for flag, value in given.items() if value is not None]
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: needs --production")
+        from moe_verify.bench import bench, compare_cost, to_markdown
+
+        engines = tuple(Engine(e) for e in args.engines.split(",") if e)
+        timings = bench(problem, engines=engines, repeats=args.repeats)
+        costs = compare_cost(problem) if args.compare_cost else None
+        text = to_markdown(problem, timings, costs)
     print(text)
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")
     return EXIT_PASS
+
+
+def bench_production_tables(problem: MoEProblem, args: argparse.Namespace) -> str:
+    """The production-mode tables of `moe-verify bench --production [--decode]`."""
+    from moe_verify.bench_production import bench_decode, bench_production
+
+    engine = args.engine or Engine.AUTO.value
+    require_engine(engine)
+    rank = 0 if args.rank is None else args.rank
+    text = bench_production(problem, rank=rank, engine=engine, repeats=args.repeats).to_markdown()
+    if args.decode:
+        decode = bench_decode(problem, rank=rank, engine=engine, repeats=args.repeats)
+        text += "\n" + decode.to_markdown()
+    return text
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
@@ -342,6 +367,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-cost",
         action="store_true",
         help="also time the suite's comparisons of rank 0 on the golden's device vs the host",
+    )
+    bn.add_argument(
+        "--production",
+        action="store_true",
+        help="time production mode instead: each stage and the whole forward graph-replayed "
+        "(no validation) beside DeepGEMM alone on the same operands and the byte floor at the "
+        "same-run copy bandwidth, with the launch count; verification mode's times apart",
+    )
+    bn.add_argument(
+        "--decode",
+        action="store_true",
+        help="with --production: also the decode sizes T = 1, 8, 32, 128 (latency, the two "
+        "GEMMs alone, launches, per-stage latency)",
+    )
+    bn.add_argument("--rank", type=int, default=None, help="with --production: the rank (0)")
+    bn.add_argument(
+        "--engine",
+        default=None,
+        choices=[e.value for e in Engine],
+        help="with --production: the GEMM engine (default auto; deepgemm puts DeepGEMM under "
+        "the GEMM stages, so they compare with it alone)",
     )
     bn.set_defaults(func=cmd_bench)
 

@@ -110,7 +110,7 @@ def _shapes(
 
 
 @torch.library.custom_op(
-    OP_NAME, mutates_args=("workspace",), tags=(torch.Tag.needs_fixed_stride_order,)
+    OP_NAME, mutates_args=("workspace",), tags=(torch.Tag.needs_exact_strides,)
 )
 def fused_moe(
     hidden_states: torch.Tensor,

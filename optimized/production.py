@@ -22,7 +22,9 @@ rewrites them, so reading them after a replay gives that replay's per-stage trac
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -249,6 +251,7 @@ class ProductionForward:
     """
 
     name = "optimized"
+    _workspace: tuple[WorkspaceLayout, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -275,16 +278,23 @@ class ProductionForward:
             else (Stage.QUANT_INPUT, Stage.ALIGN, Stage.PERMUTE, Stage.GEMM1, Stage.ACT_QUANT,
                   Stage.GEMM2)
         )  # fmt: skip
-        self._workspace = (layout, workspace)
-        try:
+        with self.bound(layout, workspace):
             for stage in stages:
                 up[stage.value] = getattr(self, stage.value)(cfg, hidden_states, weights, up)
             up[Stage.GATHER.value] = self.gather(cfg, hidden_states, weights, up)
-        finally:
-            self._workspace = None
         out = up[Stage.GATHER.value]["out"]
         assert isinstance(out, torch.Tensor)
         return out
+
+    @contextlib.contextmanager
+    def bound(self, layout: WorkspaceLayout, workspace: torch.Tensor) -> Iterator[None]:
+        """Within this block, stage methods carve their buffers from `workspace` (as `forward`
+        binds it for one call; a stage timed or replayed alone binds it the same way)."""
+        self._workspace = (layout, workspace)
+        try:
+            yield
+        finally:
+            self._workspace = None
 
     def buffers(self, rows: int) -> dict[str, torch.Tensor]:
         """This call's workspace views, `rows` rows each."""

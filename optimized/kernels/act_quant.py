@@ -114,6 +114,8 @@ def _silu_mul_quant_kernel(
     row_ok = rows < M
     if PSUM:  # gap and tail rows: nothing loaded, nothing stored
         row_ok = psum_row_experts(ends_ptr, rows, row_ok, num_experts, alignment, BLOCK_E) >= 0
+        if tl.max(row_ok.to(tl.int32), 0) == 0:
+            return  # a block of gap rows only (most of them at decode sizes): no work at all
         group_ok = group_ok & row_ok[:, None]
         mask = mask & row_ok[:, None, None]
     rows = rows.to(tl.int64)

@@ -153,19 +153,6 @@ def _count_kernel(
 
 
 @triton.jit
-def _zero_rows(out_ptr, stride_om, row_lo, row_hi, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[row_lo:row_hi, 0:H] = 0 (bytes)."""
-    zero = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.uint8)
-    for r0 in range(row_lo, row_hi, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        rmask = rows < row_hi
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-            tl.store(ptrs, zero, mask=rmask[:, None] & (cols < H)[None, :])
-
-
-@triton.jit
 def _segments_kernel(
     counts_ptr,
     start_ptr,
@@ -182,35 +169,40 @@ def _segments_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # Program e < E_l lays out expert e's segment (its start, its psum end start + count, and its
-    # m_indices rows); program E_l + j zeroes the j-th BLOCK_R rows
-    # of the buffer where they lie past the last segment (the tail can be E_l * (A - 1) rows:
-    # too much for one program). Every program recomputes the whole prefix sum from the counts
-    # and keeps only its own entry: no program reads what another one writes.
-    e = tl.program_id(0)
+    # Program e < E_l writes expert e's start, psum end (start + count) and row cursor. Program
+    # E_l + j lays out rows [j * BLOCK_R, (j + 1) * BLOCK_R): the m_indices of each (the expert
+    # whose live rows hold it, else -1) and zero bytes in a_perm for the dead ones (segment
+    # padding and the tail past the last segment). Spreading the rows over programs keeps one
+    # expert's padding (up to A - 1 rows of H bytes) off a single program's critical path. Every
+    # program recomputes the prefix sum from the counts: none reads what another one writes.
+    pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
+    real = experts < num_local
     # Clamps keep an unvalidated call (negative counts, segments past m_sum) inside the buffers.
-    counts = tl.maximum(tl.load(counts_ptr + experts, mask=experts < num_local, other=0), 0)
+    counts = tl.maximum(tl.load(counts_ptr + experts, mask=real, other=0), 0)
     padded = (counts + ALIGN - 1) // ALIGN * ALIGN
     starts = tl.cumsum(padded, 0) - padded
-    if e < num_local:
-        mine = experts == e
+    if pid < num_local:
+        mine = experts == pid
         start = tl.sum(tl.where(mine, starts, 0), 0)
         count = tl.sum(tl.where(mine, counts, 0), 0)
-        live_end = tl.minimum(start + count, m_sum)
-        seg_end = tl.minimum(start + tl.sum(tl.where(mine, padded, 0), 0), m_sum)
-        tl.store(start_ptr + e, start)
-        tl.store(ends_ptr + e, live_end)
-        tl.store(cursor_ptr + e, start)
-        fill = tl.full([BLOCK_R], 0, tl.int32) + e
-        for r0 in range(start, live_end, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            tl.store(m_indices_ptr + rows, fill, mask=rows < live_end)
-        _zero_rows(out_ptr, stride_om, live_end, seg_end, H, BLOCK_R, BLOCK_H)
+        tl.store(start_ptr + pid, start)
+        tl.store(ends_ptr + pid, tl.minimum(start + count, m_sum))
+        tl.store(cursor_ptr + pid, start)
     else:
-        lo = (e - num_local) * BLOCK_R
-        hi = tl.minimum(lo + BLOCK_R, m_sum)
-        _zero_rows(out_ptr, stride_om, tl.maximum(lo, tl.sum(padded, 0)), hi, H, BLOCK_R, BLOCK_H)
+        rows = (pid - num_local) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_buf = rows < m_sum
+        live_ends = tl.minimum(starts + counts, m_sum)
+        inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < live_ends[None, :])
+        expert = tl.max(tl.where(inside & real[None, :], experts[None, :], -1), 1)
+        tl.store(m_indices_ptr + rows, expert.to(tl.int32), mask=in_buf)
+        dead = in_buf & (expert < 0)
+        if tl.max(dead.to(tl.int32), 0) > 0:
+            zero = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.uint8)
+            row_base = out_ptr + rows.to(tl.int64)[:, None] * stride_om
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                tl.store(row_base + cols[None, :], zero, mask=dead[:, None] & (cols < H)[None, :])
 
 
 @triton.jit
@@ -593,6 +585,10 @@ def ep_scatter(
         a_perm.view(torch.uint8).zero_()
         return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start, expert_ends)
 
+    # The segments kernel writes every entry of these (m_indices for every row).
+    m_indices = torch.empty((m_sum,), dtype=torch.int32, device=device)
+    expert_start = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+    expert_ends = torch.empty_like(expert_start)
     a_bytes = a1q.view(torch.uint8)
     out_bytes = a_perm.view(torch.uint8)
     cursor = torch.empty_like(expert_start)
