@@ -51,7 +51,7 @@ from moe_verify.spec import (
     Trace,
     run_stages,
 )
-from moe_verify.verification import compare_reduce, has_reduce, rank_experts
+from moe_verify.verification import compare_reduce, engine_of, has_reduce, rank_experts
 from optimized import op
 from optimized.production import (
     ForwardConfig,
@@ -404,7 +404,7 @@ def _golden(session: GraphSession, ids: torch.Tensor, weights: torch.Tensor) -> 
 
 def _with_route(trace: Trace, golden: Trace) -> Trace:
     """The tested trace with the route it was given (the op's input, not its output) first."""
-    routed = Trace(trace.backend)
+    routed = Trace(trace.backend, golden.rank)
     routed.add(Stage.ROUTE, dict(golden[Stage.ROUTE]))
     for stage in trace.stages:
         routed.add(stage, dict(trace[stage]))
@@ -486,8 +486,11 @@ def verify_graph(
             outs.append(out)
             runs.append(RankRun(rank, golden[rank], {Mode.CHAINED: tested}))
             rank_results = compare(golden[rank], tested, session.problem, stages, mode=Mode.CHAINED)
-            if session.problem.topology.size > 1:
-                rank_results = [dataclasses.replace(x, rank=rank) for x in rank_results]
+            shown_rank = rank if session.problem.topology.size > 1 else None
+            rank_results = [
+                dataclasses.replace(x, rank=shown_rank, engine=engine_of(tested, x.stage))
+                for x in rank_results
+            ]
             results.extend(rank_results)
         if has_reduce(session.problem):
             results.append(compare_reduce(session.problem, runs, Mode.CHAINED))

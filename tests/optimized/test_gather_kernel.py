@@ -137,7 +137,6 @@ def test_ep_gather_validate_false_gives_the_same_output() -> None:
     assert torch.equal(checked.view(torch.int16), unchecked.view(torch.int16))
 
 
-
 # vLLM test_expert_map_bounds: CUDA-graph padding rows hold arbitrary positive ids (these two are
 # its bit patterns from torch.empty). Unvalidated, they must be skipped, never read past the
 # expert table or, without a table, through the -1 inv_perm entry the permute leaves for them.

@@ -1,0 +1,321 @@
+"""`moe-verify graph` on the CPU: everything but the capture itself.
+
+Without a GPU each "replay" is an eager op call on the graph's static buffers (the report says
+so), and the rest is what runs under a real capture (tests/gpu/test_sm90_graph.py): staging with
+stale padding rows, workspace poison, stage taps, the golden of each replay's inputs, the guards.
+The correct forward must pass every default replay; each wrong forward of
+tests/tester/production_wrong.py must fail at its stage or guard, on the replay it must, and pass
+on the others (so the checks discriminate).
+
+Problems are the smallest the kernels take: four experts, top-2, A = 32, one 128-column group.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_verify.cli import main
+from moe_verify.graph import (
+    STALE_IDS,
+    GraphReport,
+    GraphSession,
+    Replay,
+    _golden,
+    _guards,
+    default_replays,
+    resolve_forward,
+    verify_graph,
+)
+from moe_verify.spec import (
+    Engine,
+    GroupedLayout,
+    MoEProblem,
+    Recipe,
+    Routing,
+    ScaleFmt,
+    Stage,
+    Trace,
+)
+from optimized import op
+from reference import formats
+from tests.tester.production_wrong import CATCHES, Catch, ClampedStaleIds, StaleCounts
+from tolerance.report import Report
+
+pytestmark = pytest.mark.cpu
+
+BASE = MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=4, topk=2, alignment=32)
+BOUND = BASE.tokens
+REPLAYS = {r.name: r for r in default_replays(BOUND, BASE.seed)}
+TINY = ["-T", "8", "-H", "128", "-I", "128", "-E", "4", "-k", "2", "--alignment", "32"]
+CLI = ["graph", *TINY, "--engine", "triton"]
+GUARDS = ("golden-not-degenerate", "replays-differ", "no-stale-writes")
+
+CORRECT = [
+    BASE,  # one rank, no expert map: stale ids past E are skipped by range alone
+    # an expert map: stale positive ids must never index past it
+    BASE.replace(topology="ep:2", grouped_layout=GroupedLayout.M_INDICES),
+    BASE.replace(topology="ep:2", grouped_layout=GroupedLayout.PSUM),  # expert_ends, not m_indices
+    BASE.replace(scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0),  # SM90's power-of-two fp32 scales
+    BASE.replace(recipe=Recipe.MXFP8, scale_fmt=ScaleFmt.UE8M0_PACKED),  # 1x32 groups, packed
+    BASE.replace(recipe=Recipe.MXFP4_W4A8, scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0),  # E2M1 weights
+    BASE.replace(topology="ep:2+ll"),  # the masked (batched) layout: its own capture
+]
+
+
+def _recorded(report: GraphReport, record_report: Callable[[Report], Report]) -> None:
+    """Show every failing replay's stage table if the test fails."""
+    for r in report.replays:
+        if not r.passed:
+            record_report(r.report)
+
+
+@pytest.mark.parametrize("problem", CORRECT, ids=lambda p: p.id)
+def test_correct_forward_passes_every_default_replay(
+    problem: MoEProblem, record_report: Callable[[Report], Report]
+) -> None:
+    report = verify_graph(problem, engine=Engine.TRITON)
+    _recorded(report, record_report)
+    assert [r.replay.name for r in report.replays] == list(REPLAYS)
+    assert report.passed, report.to_summary()
+    assert report.exit_code == 0
+
+
+# A stale layout leaves claimed rows of the poisoned workspace unwritten: NaN reaches act_quant.
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+@pytest.mark.parametrize("catch", CATCHES, ids=lambda c: c.id)
+def test_wrong_forward_fails_where_it_must_and_passes_elsewhere(
+    catch: Catch, record_report: Callable[[Report], Report]
+) -> None:
+    forward = op.register_forward(catch.forward())  # fresh state: no earlier test's calls
+    replays = [REPLAYS[name] for name, _ in catch.replays]
+    report = verify_graph(
+        BASE.replace(topology=catch.topology),
+        replays=replays,
+        engine=Engine.TRITON,
+        forward=forward,
+    )
+    _recorded(report, record_report)
+    got = [(r.replay.name, r.first_failure) for r in report.replays]
+    assert got == list(catch.replays), report.to_summary()
+    assert report.exit_code == 1
+    for r in report.replays:
+        if r.first_failure in GUARDS:  # every value right: only the guard can see the bug
+            assert r.report.passed, r.replay.name
+    if catch.ranks is not None:
+        for r in report.replays:
+            failing = {x.rank for x in r.report.chained if x.status.failing}
+            assert failing == (set(catch.ranks) if not r.passed else set()), r.replay.name
+
+
+def test_a_failing_ranks_coordinates_name_it() -> None:
+    forward = op.register_forward(ClampedStaleIds())
+    replays = [REPLAYS["capture-softmax"], REPLAYS["half-live"]]
+    report = verify_graph(
+        BASE.replace(topology="ep:2"), replays=replays, engine=Engine.TRITON, forward=forward
+    )
+    culprit = report.replays[1].report.first_failing_result
+    assert culprit is not None and culprit.rank == 1
+    assert {c.worst.rank for c in culprit.failed_checks if c.worst is not None} == {1}
+
+
+# -- staging -----------------------------------------------------------------------------------
+
+
+def _staged(problem: MoEProblem, *names: str) -> tuple[GraphSession, torch.Tensor]:
+    """A session with `names` staged in order; the hidden rows before the last one."""
+    session = GraphSession(problem, BOUND, Engine.TRITON)
+    before = session.hidden.clone()
+    for name in names:
+        before = session.hidden.clone()
+        session.stage(REPLAYS[name])
+    return session, before
+
+
+def test_padding_rows_keep_the_previous_replays_hidden_rows() -> None:
+    session, before = _staged(BASE, "capture-softmax", "half-live")
+    live = REPLAYS["half-live"].live
+    assert live < BOUND
+    assert torch.equal(session.hidden[live:], before[live:])
+    assert not torch.equal(session.hidden[:live], before[:live])
+
+
+@pytest.mark.parametrize("topology", ["tp:1", "ep:2"])
+def test_padding_rows_hold_stale_ids_the_op_must_skip(topology: str) -> None:
+    session, _ = _staged(BASE.replace(topology=topology), "capture-softmax", "one-live")
+    live, table = REPLAYS["one-live"].live, session.num_experts_table
+    planted = set(session.ids[live:].flatten().tolist())
+    assert planted == {*STALE_IDS, table - 1, 0}  # positive ids past the table, and in range
+    ids, weights = session.effective_route()
+    outside = session.ids >= table
+    assert outside[live:].any() and not outside[:live].any()
+    assert (ids[outside] == -1).all()
+    assert torch.equal(ids[~outside], session.ids[~outside])
+    assert torch.equal(weights, session.weights)
+
+
+def test_the_golden_runs_on_the_ops_inputs() -> None:
+    """Its route is the effective route, its input the static buffer (padding rows too), and a
+    padding token whose ids all lie past the expert map contributes nothing."""
+    session, _ = _staged(BASE.replace(topology="ep:2"), "capture-softmax", "half-live")
+    ids, weights = session.effective_route()
+    golden = _golden(session, ids, weights)
+    quantized, _ = formats.quantize_fp8_groups(session.hidden, 128, BASE.scale_fmt)
+    for trace in golden:
+        assert torch.equal(trace[Stage.ROUTE]["topk_ids"], ids)
+        assert torch.equal(trace[Stage.QUANT_INPUT]["a1q"].view(torch.uint8),
+                           quantized.view(torch.uint8))  # fmt: skip
+    out = sum(trace[Stage.GATHER]["out"].float() for trace in golden)
+    live = REPLAYS["half-live"].live
+    # The plant repeats (STALE_IDS..., E-1, 0) over the k slots of the padding rows.
+    assert session.ids[live].tolist() == list(STALE_IDS)
+    assert not out[live].any() and out[live + 1].any()
+
+
+def test_stage_refuses_a_live_count_outside_the_bound() -> None:
+    session = GraphSession(BASE, BOUND, Engine.TRITON)
+    with pytest.raises(ValueError, match=r"live must be in \[1, 8\]"):
+        session.stage(Replay("none-live", Routing.SOFTMAX, 0, 1))
+
+
+# -- guards ------------------------------------------------------------------------------------
+
+
+def test_identical_inputs_twice_trip_replays_differ() -> None:
+    first = REPLAYS["capture-softmax"]
+    report = verify_graph(BASE, replays=[first, first], engine=Engine.TRITON)
+    assert [r.first_failure for r in report.replays] == [None, "replays-differ"]
+    assert report.replays[1].report.passed  # every stage right: only the guard can see it
+
+
+def _golden_out(value: float) -> list[Trace]:
+    trace = Trace("golden")
+    trace.add(Stage.GATHER, {"out": torch.full((BOUND, BASE.hidden), value)})
+    return [trace]
+
+
+@pytest.mark.parametrize(
+    ("value", "degenerate"),
+    [(0.0, True), (float("nan"), True), (float("inf"), True), (0.5, False)],
+    ids=["zero", "nan", "inf", "finite"],
+)
+def test_golden_not_degenerate_guard(value: float, degenerate: bool) -> None:
+    session = GraphSession(BASE, BOUND, Engine.TRITON)
+    out = torch.zeros(BOUND, BASE.hidden, dtype=torch.bfloat16)
+    guards = {g.name: g for g in _guards(session, [out], _golden_out(value), None)}
+    assert guards["golden-not-degenerate"].passed is not degenerate
+    assert "replays-differ" not in guards  # the first replay has nothing to differ from
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same", "changed"])
+def test_replays_differ_guard_compares_bits(same: bool) -> None:
+    session = GraphSession(BASE, BOUND, Engine.TRITON)
+    previous = torch.full((BOUND, BASE.hidden), 1.0, dtype=torch.bfloat16)
+    out = previous.clone()
+    if not same:
+        out[BOUND - 1, BASE.hidden - 1] = torch.nextafter(out[-1, -1], out.new_tensor(2.0))
+    guards = {g.name: g for g in _guards(session, [out], _golden_out(0.5), [previous])}
+    assert guards["replays-differ"].passed is not same
+
+
+def test_no_stale_writes_guard_counts_written_elements() -> None:
+    session = GraphSession(BASE, BOUND, Engine.TRITON)
+    sentinel = torch.full((BOUND, BASE.hidden), float("nan"), dtype=torch.bfloat16)
+    session.sentinels.append(sentinel)
+    out = torch.zeros_like(sentinel)
+    assert {g.name: g.passed for g in _guards(session, [out], _golden_out(0.5), None)}[
+        "no-stale-writes"
+    ]
+    sentinel[0, :3] = 0
+    (guard,) = [g for g in _guards(session, [out], _golden_out(0.5), None) if not g.passed]
+    assert guard.name == "no-stale-writes" and guard.detail.startswith("3 elements")
+
+
+# -- capture on a CPU --------------------------------------------------------------------------
+
+
+def test_capture_needs_cuda_and_a_cpu_replays_eagerly() -> None:
+    """The capture itself is the GPU tier's (tests/gpu/test_sm90_graph.py); here it is refused
+    with the reason, and the default runs eager replays and says so."""
+    with pytest.raises(ValueError, match="capture needs a CUDA device"):
+        GraphSession(BASE, BOUND, Engine.TRITON, capture=True)
+    report = verify_graph(BASE, replays=[REPLAYS["capture-softmax"]], engine=Engine.TRITON)
+    assert not report.captured and "eager" in report.capture_note
+    assert "eager replays" in report.to_summary().splitlines()[0]
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("problem", "bound", "match"),
+    [
+        (BASE.replace(topology="ep:2+ht"), BOUND, "reads the per-expert counts on the host"),
+        (BASE.replace(shared_experts=1), BOUND, "shared experts run outside the fused MoE op"),
+        (BASE, 0, "bound must be >= 1 token, got 0"),
+    ],
+    ids=["ep2-ht", "shared-experts", "bound-0"],
+)
+def test_graph_refuses_what_it_cannot_capture(problem: MoEProblem, bound: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        verify_graph(problem, bound=bound, engine=Engine.TRITON)
+
+
+def test_graph_refuses_no_replays() -> None:
+    with pytest.raises(ValueError, match="at least one replay"):
+        verify_graph(BASE, replays=[], engine=Engine.TRITON)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("nope", "no production forward named 'nope'"),
+        ("optimized.backend:OptimizedBackend", "expected a subclass of optimized.production"),
+        ("tests.tester.production_wrong:Nope", "cannot load it"),
+        (":StaleCounts", "expected a registered name or 'module:Class'"),
+    ],
+    ids=["unregistered", "not-a-production-forward", "missing-class", "no-module"],
+)
+def test_resolve_forward_refuses(spec: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        resolve_forward(spec)
+
+
+def test_resolve_forward_registers_a_production_forward_class() -> None:
+    name = resolve_forward("tests.tester.production_wrong:StaleCounts")
+    assert name == StaleCounts.name and isinstance(op.registered_forward(name), StaleCounts)
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+
+def test_cli_graph_passes_the_correct_forward(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*CLI, "--replays", "skew"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: 2 of 2 replays agree with the golden" in out
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_cli_graph_fails_a_stale_counts_forward_and_writes_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "graph.json"
+    forward = "tests.tester.production_wrong:StaleCounts"
+    assert main([*CLI, "--replays", "skew", "--forward", forward, "--json", str(path)]) == 1
+    assert "FAIL at permute" in capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert not report["passed"] and report["forward"] == StaleCounts.name
+    first, skew = report["replays"]
+    assert first["passed"] and first["first_failure"] is None
+    assert skew["name"] == "skew" and skew["first_failure"] == "permute"
+    assert skew["stages"]["first_failure"] == "permute"
+
+
+def test_cli_graph_refuses_unknown_replay_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*CLI, "--replays", "skew,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--replays: unknown ['nope']" in err and "half-live" in err
