@@ -2,11 +2,12 @@
 
 `torch.ops.moe_verify.fused_moe` is registered through `torch.library` with a fake (meta)
 implementation for tracing and torch.compile, `workspace` declared as the one argument it
-mutates, and the `needs_fixed_stride_order` tag, so Inductor hands every tensor over with the
+mutates, and the `needs_exact_strides` tag, so Inductor hands every tensor over with the
 strides eager mode would (vLLM #49928: Inductor rewrote a TMA-aligned scale's strides, and the
-kernel read out of bounds). The real implementation is `ProductionForward.forward`: no host syncs
-(the exact-count path reads the counts once), workspaces sized for the token bound, DeepGEMM's
-alignment scope set inside the op.
+kernel read out of bounds). `needs_fixed_stride_order`, vLLM's default, keeps only the order: an
+MN-major scale built in the graph loses its TMA padding (tests/optimized/test_op.py). The real
+implementation is `ProductionForward.forward`: no host syncs (the exact-count path reads the
+counts once), workspaces sized for the token bound, DeepGEMM's alignment scope set inside the op.
 
 Which forward runs is a registered name (`register_forward`), so a kernel developer's subclass,
 or a deliberately wrong one, runs under capture and compile exactly as ours does. `recording`
