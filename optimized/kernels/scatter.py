@@ -161,6 +161,9 @@ def _segments_kernel(
     m_indices_ptr,
     out_ptr,
     stride_om,
+    scale_ptr,
+    lead,
+    scale_cols,
     H,
     m_sum,
     num_local,
@@ -168,13 +171,16 @@ def _segments_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     # Program e < E_l writes expert e's start, psum end (start + count) and row cursor. Program
     # E_l + j lays out rows [j * BLOCK_R, (j + 1) * BLOCK_R): the m_indices of each (the expert
-    # whose live rows hold it, else -1) and zero bytes in a_perm for the dead ones (segment
-    # padding and the tail past the last segment). Spreading the rows over programs keeps one
-    # expert's padding (up to A - 1 rows of H bytes) off a single program's critical path. Every
-    # program recomputes the prefix sum from the counts: none reads what another one writes.
+    # whose live rows hold it, else -1) and zeros for the dead ones (segment padding and the
+    # tail past the last segment) in a_perm and in the MN-major scale storage (int32 words,
+    # [scale_cols, lead]: its TMA tail rows m_sum..lead-1 too). Spreading the rows over
+    # programs keeps one expert's padding (up to A - 1 rows of H bytes) off a single program's
+    # critical path. Every program recomputes the prefix sum from the counts: none reads what
+    # another one writes.
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     real = experts < num_local
@@ -196,6 +202,12 @@ def _segments_kernel(
         inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < live_ends[None, :])
         expert = tl.max(tl.where(inside & real[None, :], experts[None, :], -1), 1)
         tl.store(m_indices_ptr + rows, expert.to(tl.int32), mask=in_buf)
+        scale_dead = (rows < lead) & (expert < 0)
+        for c0 in range(0, scale_cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            words = scale_ptr + c.to(tl.int64)[None, :] * lead + rows[:, None]
+            zeros = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+            tl.store(words, zeros, mask=scale_dead[:, None] & (c < scale_cols)[None, :])
         dead = in_buf & (expert < 0)
         if tl.max(dead.to(tl.int32), 0) > 0:
             zero = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.uint8)
@@ -564,39 +576,43 @@ def ep_scatter(
     sk = a1q_scale.shape[1]
 
     a_perm = output_buffer("ep_scatter", "a_perm_out", a_perm_out, (m_sum, h), a1q.dtype, device)
-    if pack:
-        words = triton.cdiv(sk, _GROUPS_PER_WORD)
-        lead = _round_up(m_sum, 4)
-        # Full [words, lead] storage, zeroed: the TMA tail rows m_sum..lead-1 exist and are 0
-        # (empty_strided would allocate only up to the last logical element).
-        storage = torch.zeros((words, lead), dtype=torch.int32, device=device)
-        a_scale_perm = storage.t()[:m_sum]
-    else:
-        # MN-major with TMA-aligned columns: the layout DeepGEMM's SM90 GEMM reads, so it does
-        # not transpose the scales again on every call (the act_quant scales already are).
-        storage = torch.zeros((sk, _round_up(m_sum, 4)), dtype=torch.float32, device=device)
-        a_scale_perm = storage.t()[:m_sum]
-    m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=device)
-    inv_perm = torch.full((m, topk), -1, dtype=torch.int32, device=device)
-    expert_start = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
-    expert_ends = torch.zeros_like(expert_start)
+    # Scales MN-major with TMA-aligned columns over a full [columns, round_up(m_sum, 4)] storage:
+    # the layout DeepGEMM reads (packed UE8M0 on SM100; fp32 on SM90, which then does not
+    # transpose them again on every call). The TMA tail rows m_sum..lead-1 exist too.
+    lead = _round_up(m_sum, 4)
+    scale_cols = triton.cdiv(sk, _GROUPS_PER_WORD) if pack else sk
+    storage_dtype = torch.int32 if pack else torch.float32
     if m_sum == 0 or num_local_experts == 0:
         # No rows, or only padding rows (a rank that hosts no expert): every slot is skipped.
+        storage = torch.zeros((scale_cols, lead), dtype=storage_dtype, device=device)
         a_perm.view(torch.uint8).zero_()
-        return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start, expert_ends)
+        return Scattered(
+            a_perm,
+            storage.t()[:m_sum],
+            torch.full((m_sum,), -1, dtype=torch.int32, device=device),
+            torch.full((m, topk), -1, dtype=torch.int32, device=device),
+            torch.zeros(num_local_experts, dtype=torch.int32, device=device),
+            torch.zeros(num_local_experts, dtype=torch.int32, device=device),
+        )
 
-    # The segments kernel writes every entry of these (m_indices for every row).
+    # Written in full by the kernels: the segments kernel every m_indices entry, every start and
+    # end, and the scales of every dead row (padding, tail, TMA tail); the scatter kernel every
+    # inv_perm entry and the scales of every live row. No prefill launch.
+    storage = torch.empty((scale_cols, lead), dtype=storage_dtype, device=device)
+    a_scale_perm = storage.t()[:m_sum]
     m_indices = torch.empty((m_sum,), dtype=torch.int32, device=device)
+    inv_perm = torch.empty((m, topk), dtype=torch.int32, device=device)
     expert_start = torch.empty(num_local_experts, dtype=torch.int32, device=device)
     expert_ends = torch.empty_like(expert_start)
     a_bytes = a1q.view(torch.uint8)
     out_bytes = a_perm.view(torch.uint8)
+    scale_words = storage.view(torch.int32)
     cursor = torch.empty_like(expert_start)
     interp = interpreter_mode()
     zero_cols = min(triton.next_power_of_2(max(h, 1)), 4096 if interp else 1024)
     launch = _copy_launch(m, max(h, 1), device)
     block_r = 256 if interp else 32
-    _segments_kernel[(num_local_experts + triton.cdiv(m_sum, block_r),)](
+    _segments_kernel[(num_local_experts + triton.cdiv(lead, block_r),)](
         counts,
         expert_start,
         expert_ends,
@@ -604,6 +620,9 @@ def ep_scatter(
         m_indices,
         out_bytes,
         out_bytes.stride(0),
+        scale_words,
+        lead,
+        scale_cols,
         h,
         m_sum,
         num_local_experts,
@@ -611,9 +630,11 @@ def ep_scatter(
         BLOCK_E=max(16, triton.next_power_of_2(num_local_experts)),
         BLOCK_R=block_r,
         BLOCK_H=zero_cols,
+        BLOCK_C=max(2, triton.next_power_of_2(min(scale_cols, 64))),
         num_warps=4,
     )
     if m == 0 or h == 0:
+        inv_perm.fill_(-1)  # no scatter kernel runs to write it
         return Scattered(a_perm, a_scale_perm, m_indices, inv_perm, expert_start, expert_ends)
 
     if pack:

@@ -304,6 +304,42 @@ def test_hand_computed_layout() -> None:
     assert torch.equal(out.a_perm.view(torch.uint8)[inv_perm[2, 1]], a1q.view(torch.uint8)[2])
 
 
+@pytest.mark.parametrize("scale", ["fp32", "e8m0"])
+def test_every_output_is_written_over_garbage_memory(scale: str, monkeypatch) -> None:
+    """ep_scatter allocates its outputs uninitialised (no prefill launch): every m_indices and
+    inv_perm entry, every start and end, and the scales of every row, dead rows and the TMA tail
+    rows of the storage included, must be written by its kernels. Fresh allocations are filled
+    with 0xFF here so an unwritten element cannot pass as a zero."""
+    real_empty = torch.empty
+
+    def garbage_empty(*args, **kwargs) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        t.view(-1).view(torch.uint8).fill_(0xFF)  # NaN as fp32, -1 as int32
+        return t
+
+    topk_ids = torch.tensor([[0, 2], [2, -1], [1, 2]], dtype=torch.int32)
+    counts = count_expert_tokens(topk_ids, 3)
+    a1q = torch.arange(3 * 128, dtype=torch.uint8).view(3, 128).view(torch.float8_e4m3fn)
+    if scale == "fp32":
+        a1q_scale = torch.tensor([[1.0], [2.0], [3.0]])
+    else:
+        a1q_scale = torch.tensor([[127, 128, 129, 130]] * 3, dtype=torch.uint8)
+    m_sum = 14  # not a multiple of 4: the storage has two TMA tail rows
+    monkeypatch.setattr(torch, "empty", garbage_empty)
+    out = ep_scatter(a1q, a1q_scale, topk_ids, counts, 3, 2, m_sum)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert out.m_indices.tolist() == [0, -1, 1, -1, 2, 2, 2, -1, -1, -1, -1, -1, -1, -1]
+    assert out.expert_start.tolist() == [0, 2, 4] and out.expert_ends.tolist() == [1, 3, 7]
+    live = out.inv_perm[[0, 0, 1, 2, 2], [0, 1, 0, 0, 1]]
+    assert out.inv_perm[1, 1] == -1 and bool((live >= 0).all())
+    words = out.a_scale_perm.view(torch.int32) if scale == "fp32" else out.a_scale_perm
+    dead = out.m_indices < 0
+    assert bool((words[dead] == 0).all()), "dead rows' scales must be 0"
+    storage = torch.as_strided(words, (words.shape[1], 16), (16, 1))
+    assert bool((storage[:, m_sum:] == 0).all()), "the TMA tail rows of the storage must be 0"
+    assert bool((words[~dead] != 0).all()), "live rows carry their token's scales"
+
+
 @pytest.mark.parametrize(
     "tokens,topk,experts,alignment",
     [
