@@ -44,7 +44,7 @@ from optimized import deepgemm
 from optimized.deepgemm import choose_engine, choose_grouped_layout
 from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter
 from optimized.kernels._validate import fail
-from optimized.topology import shard
+from optimized.topology import hosted_experts, shard
 
 Outputs = dict[str, object]
 Taps = dict[str, Outputs]
@@ -102,7 +102,7 @@ class ForwardConfig:
             layout = BATCHED
         else:
             layout = choose_grouped_layout(problem).layout.value
-        hosted = len(shard_experts(problem, rank))
+        hosted = len(hosted_experts(problem, rank))
         return cls(
             recipe=problem.recipe,
             scale_fmt=problem.scale_fmt,
@@ -132,12 +132,6 @@ class ForwardConfig:
         return scatter.aligned_m_sum_upper_bound(
             num_tokens, self.topk, self.num_local_experts, self.alignment
         )
-
-
-def shard_experts(problem: MoEProblem, rank: int) -> tuple[int, ...]:
-    from optimized.topology import hosted_experts
-
-    return tuple(hosted_experts(problem, rank))
 
 
 @dataclass(frozen=True)
