@@ -393,8 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gr = sub.add_parser(
         "graph",
-        help="capture the production op once, replay it under changing routing, compare each "
-        "replay stage by stage",
+        help="replay the production op's CUDA graph under changing routing, vs the golden",
     )
     add_problem_args(gr)
     gr.add_argument(
