@@ -393,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gr = sub.add_parser(
         "graph",
-        help="replay the production op's CUDA graph under changing routing, vs the golden",
+        help="replay the op's CUDA graph under new routings, vs the golden",
     )
     add_problem_args(gr)
     gr.add_argument(
