@@ -114,12 +114,13 @@ TOPOLOGY: list[MoEProblem] = [
     P(**_T, topology=Topology.parse("ep:2+ht"), shared_experts=1),  # combine reduced: shared apart
 ]
 
-# GPU nightly: the shapes vLLM runs (issue 3), FP8 block through DeepGEMM, both SM90 formats.
+# The GPU pipeline list: the shapes vLLM runs (issue 3), FP8 block through DeepGEMM, both SM90
+# formats (tests/gpu/test_sm90_pipeline.py; the nightly preset is moe_verify/nightly.py).
 DSV3_LOCAL: dict[str, Any] = dict(hidden=7168, intermediate=2048, num_experts=32, topk=8)
 QWEN3: dict[str, Any] = dict(hidden=4096, intermediate=1536, num_experts=128, topk=8)
 
 
-def nightly() -> list[MoEProblem]:
+def pipeline() -> list[MoEProblem]:
     cases: list[MoEProblem] = []
     for fmt in (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0):
         for tokens in (1, 7, 128, 1000, 4096):  # decode .. prefill, DeepSeek-V3 EP8-local
@@ -183,10 +184,18 @@ def dsv3_ep8() -> list[MoEProblem]:
     ]
 
 
+def nightly() -> list[MoEProblem]:
+    """The nightly preset: the covering design of moe_verify/nightly.py."""
+    from moe_verify.nightly import nightly_cases
+
+    return [c.problem for c in nightly_cases()]
+
+
 PRESETS = {
     "smoke": lambda: list(SMOKE),
     "topology": lambda: list(TOPOLOGY),
     "nightly": nightly,
+    "pipeline": pipeline,
     "dsv3-ep8": dsv3_ep8,
 }
 
@@ -195,3 +204,14 @@ def preset(name: str) -> list[MoEProblem]:
     if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
     return PRESETS[name]()
+
+
+def preset_edges(name: str) -> dict[str, str]:
+    """Case id -> the edge it exercises, for presets that carry it as data (the nightly design;
+    the other lists say it in their source comments)."""
+    preset(name)  # the same error for an unknown name
+    if name != "nightly":
+        return {}
+    from moe_verify.nightly import nightly_cases
+
+    return {c.problem.id: c.edge for c in nightly_cases()}

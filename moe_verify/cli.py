@@ -109,6 +109,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    if args.list:
+        return list_cases(args)
     check_output_dir("--out", args.out)
     check_output_dir("--plot", args.plot)
     require_engine(args.engine)
@@ -125,9 +127,30 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         isolate=not args.in_process,
         filter_text=args.filter,
         case_timeout_s=args.case_timeout or None,
+        shard=args.shard,
         **plots,
     )
     return summary.exit_code
+
+
+def list_cases(args: argparse.Namespace) -> int:
+    """`sweep --list`: the cases a sweep with these flags would run, one line each (id, edge),
+    then their count and the distinct DeepGEMM GEMM shapes among them; nothing runs."""
+    from moe_verify.cases import preset_edges
+    from moe_verify.nightly import gemm_shapes
+    from moe_verify.sweep import select_cases
+
+    chosen = select_cases(args.preset, args.filter, args.shard)
+    edges = preset_edges(args.preset)
+    width = max(len(p.id) for p in chosen)
+    for p in chosen:
+        print(f"{p.id:<{width}}  {edges.get(p.id, '')}".rstrip())
+    shard = f" (shard {args.shard})" if args.shard else ""
+    print(
+        f"{len(chosen)} cases of {args.preset}{shard}; "
+        f"{len(gemm_shapes(chosen))} distinct fp8_block GEMM shapes (N, K, local experts)"
+    )
+    return EXIT_PASS
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -305,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     sw = sub.add_parser("sweep", help="run a preset's cases; junit XML, JSON, markdown")
-    sw.add_argument("--preset", default="smoke", help="smoke | topology | nightly | dsv3-ep8")
+    sw.add_argument(
+        "--preset", default="smoke", help="smoke | topology | nightly | pipeline | dsv3-ep8"
+    )
     sw.add_argument("--out", default="moe-verify-out", help="directory for the summaries")
     containment = sw.add_mutually_exclusive_group()
     containment.add_argument(
@@ -321,6 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
         "access ends the whole sweep",
     )
     sw.add_argument("--filter", default=None, help="only cases whose id contains this text")
+    sw.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run the I-th of N interleaved shards of the cases (CI splits a preset over jobs)",
+    )
+    sw.add_argument(
+        "--list",
+        action="store_true",
+        help="print the cases (id and the edge each exercises), their count and distinct GEMM "
+        "shapes, and exit without running",
+    )
     add_case_timeout_arg(sw)
     add_plot_arg(sw)
     add_backend_args(sw)

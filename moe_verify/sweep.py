@@ -408,6 +408,25 @@ def write_summaries(summary: SweepSummary, name: str, out_dir: Path) -> None:
     write_atomic(out_dir / "summary.md", markdown_matrix(summary, name))
 
 
+def select_cases(
+    cases: str | list[MoEProblem], filter_text: str | None = None, shard: str | None = None
+) -> list[MoEProblem]:
+    """A preset's cases (by name) or the given ones, those whose id contains `filter_text`, then
+    the shard 'i/n' of them (case j goes to shard j % n + 1: every shard gets a mix)."""
+    name = cases if isinstance(cases, str) else "cases"
+    chosen = preset(cases) if isinstance(cases, str) else list(cases)
+    chosen = [c for c in chosen if not filter_text or filter_text in c.id]
+    if not chosen:
+        raise ValueError(f"sweep: no case of {name!r} matches the filter {filter_text!r}")
+    if shard is not None:
+        from moe_verify.nightly import shard as take_shard
+
+        chosen = take_shard(chosen, shard)
+        if not chosen:
+            raise ValueError(f"--shard {shard}: this shard of {name!r} holds no case")
+    return chosen
+
+
 def sweep(
     cases: str | list[MoEProblem],
     backend: str = "optimized",
@@ -418,17 +437,18 @@ def sweep(
     filter_text: str | None = None,
     case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S,
     plot_dir: Path | None = None,
+    shard: str | None = None,
 ) -> SweepSummary:
     """Run a preset (by name) or the given cases; see the module docstring. `case_timeout_s`
     bounds each case (None or 0: no limit); `plot_dir` gets a heatmap of each failing stage
-    (moe_verify/plot.py). The summaries go to `out_dir`, which must be writable. SIGINT or
+    (moe_verify/plot.py); `shard` 'i/n' runs the i-th of n interleaved shards of the chosen
+    cases (`select_cases`). The summaries go to `out_dir`, which must be writable. SIGINT or
     SIGTERM kill the case in flight and end the sweep (KeyboardInterrupt or SystemExit
     propagates), the finished cases' summaries already written."""
     name = cases if isinstance(cases, str) else "cases"
-    chosen = preset(cases) if isinstance(cases, str) else list(cases)
-    chosen = [c for c in chosen if not filter_text or filter_text in c.id]
-    if not chosen:
-        raise ValueError(f"sweep: no case of {name!r} matches the filter {filter_text!r}")
+    chosen = select_cases(cases, filter_text, shard)
+    if shard:
+        name = f"{name} shard {shard}"
     if case_timeout_s is not None and case_timeout_s < 0:
         raise ValueError(f"case_timeout_s: expected >= 0 (0: no limit), got {case_timeout_s!r}")
     out_dir = Path(out_dir)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.cases import nightly
+from moe_verify.cases import pipeline
 from moe_verify.spec import MoEProblem, Recipe
 from moe_verify.verification import verify
 
 pytestmark = pytest.mark.sm90
 
-CASES = nightly()
+CASES = pipeline()
 
 
 def _engines(problem: MoEProblem) -> list[str]:
