@@ -139,6 +139,14 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
         "0); twice for a two-poison run, whose two runs must also agree bit for bit",
     )
     run.add_argument(
+        "--invariance",
+        default=None,
+        choices=["alignment", "m_sum", "expected_m", "num_sms"],
+        help="run the tested side a second time with only this setting changed (alignment 64 "
+        "vs 128; upper-bound vs exact M_sum; DeepGEMM's expected_m or SM count): every stage "
+        "must also agree bit for bit between the two runs",
+    )
+    run.add_argument(
         "--strict", action="store_true", help="a skipped stage fails the run too (exit 1)"
     )
     run.add_argument(

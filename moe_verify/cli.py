@@ -73,7 +73,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_output_dir("--plot", args.plot)
     require_engine(args.engine)
     if args.launcher == "torchrun":
-        given = {"--workspace": args.workspace, "--poison": args.poison, "--plot": args.plot}
+        given = {
+            "--workspace": args.workspace,
+            "--poison": args.poison,
+            "--plot": args.plot,
+            "--invariance": args.invariance,
+        }
         unsupported = [flag for flag, value in given.items() if value]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}: not supported with --launcher torchrun")
@@ -82,9 +87,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         return launch_from_args(args)
     if args.nproc is not None:
         raise ValueError("--nproc needs --launcher torchrun")
-    from moe_verify.verification import verify
+    from moe_verify.verification import verify, verify_invariance
 
     problem = problem_from_args(args)
+    if args.invariance:
+        given = {"--workspace": args.workspace, "--poison": args.poison, "--plot": args.plot,
+                 "--dump-dir": args.dump_dir}  # fmt: skip
+        unsupported = [flag for flag, value in given.items() if value]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not supported with --invariance")
+        report = verify_invariance(
+            problem,
+            args.invariance,
+            backend=args.backend,
+            mode=args.mode,
+            engine=args.engine,
+            case_timeout_s=args.case_timeout or None,
+        )
+        print(report.to_table() if args.verbose else report.to_summary())
+        print(f"invariance {report.files['invariance'][0]}: every stage compared bit for bit")
+        return report.exit_code
     report = verify(
         problem,
         backend=args.backend,

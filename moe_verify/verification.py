@@ -40,9 +40,20 @@ from moe_verify.spec import (
 )
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
-from tolerance.invariance import poison_agreement
+from tolerance.invariance import INVARIANCES, Invariance, agreement
 from tolerance.provenance import with_provenance
 from tolerance.report import Report
+
+
+@dataclass(frozen=True)
+class Twin:
+    """The tested side's second run of a metamorphic pair: its backend and problem (the same
+    problem, or one that differs only in the setting), the pair's label and the invariance."""
+
+    backend: Backend
+    problem: MoEProblem
+    label: str
+    invariance: Invariance
 
 
 @dataclass
@@ -174,11 +185,12 @@ def verify(
     steps = problem.topology.size * len(problem.stages) * sides
     where = lambda: f"{problem.id}, {progress.where()}"  # what a timeout names
     with deadline(case_timeout_s, where), progress.case_bar(problem.id, steps):
+        label = " vs ".join(f"0x{b:02x}" for b in poisons)
         report, runs, maps = _verify_ranks(
             problem,
             inputs,
             tested,
-            (twin, " vs ".join(f"0x{b:02x}" for b in poisons)) if twin is not None else None,
+            Twin(twin, problem, label, INVARIANCES["poison"]) if twin is not None else None,
             golden,
             modes,
             dump_dir,
@@ -213,7 +225,7 @@ def _verify_ranks(
     problem: MoEProblem,
     inputs: MoEInputs,
     tested: Backend,
-    poisoned_twin: tuple[Backend, str] | None,
+    twin: Twin | None,
     golden: Backend,
     modes: tuple[Mode, ...],
     dump_dir: Path | None,
@@ -221,7 +233,8 @@ def _verify_ranks(
     compare_device: torch.device | str | None,
 ) -> tuple[Report, list[RankRun], list]:
     """Every rank verified, then the reduce; the report, the kept runs and the plots' data.
-    `poisoned_twin`: the tested backend under the second poison, and the pair's label."""
+    `twin`: the tested side's second run of a metamorphic pair, every stage of which must agree
+    bit for bit with the first."""
     # Rank by rank: compare, then keep only what the reduce needs (every trace when dumping),
     # so memory holds one rank's intermediates at a time.
     runs: list[RankRun] = []
@@ -231,14 +244,15 @@ def _verify_ranks(
         verdict = verify_rank(
             problem, inputs, tested, golden, rank, modes, compare_device=compare_device
         )
-        if poisoned_twin is not None:
-            twin, twin_label = poisoned_twin
-            other = run_rank(problem, inputs, twin, golden, rank, modes, verdict.run.golden)
+        if twin is not None:
+            # A twin on the same problem reads the same golden; on a variant, its own.
+            same = twin.problem == problem
+            other = run_rank(
+                twin.problem, inputs, twin.backend, golden, rank, modes,
+                verdict.run.golden if same else None,
+            )  # fmt: skip
             verdict.results.update(
-                {
-                    m: with_poison_agreement(verdict.results[m], verdict.run, other, m, twin_label)
-                    for m in modes
-                }
+                {m: with_agreement(verdict.results[m], verdict.run, other, m, twin) for m in modes}
             )
         if plot_dir is not None:
             from moe_verify.plot import error_maps
@@ -272,16 +286,16 @@ def _verify_ranks(
     return report, runs, maps
 
 
-def with_poison_agreement(
-    results: list[StageResult], first: RankRun, second: RankRun, mode: Mode, label: str
+def with_agreement(
+    results: list[StageResult], first: RankRun, second: RankRun, mode: Mode, twin: Twin
 ) -> list[StageResult]:
-    """`results` with each stage's two-poison agreement check added (a stage whose two runs
-    disagree fails, even where each run alone was within its tolerance of the golden)."""
+    """`results` with each stage's agreement check of the metamorphic pair added (a stage whose
+    two runs disagree fails, even where each run alone was within its tolerance of the golden)."""
     a, b = first.tested[mode], second.tested[mode]
     layouts = (a, b) if mode is Mode.CHAINED else (first.golden, second.golden)
     out = []
     for r in results:
-        check = poison_agreement(r.stage, a, b, label, layouts)
+        check = agreement(r.stage, a, b, twin.label, layouts, twin.invariance)
         if check is not None:
             status = r.status
             if not check.passed and status in (Status.PASS, Status.SKIP):
@@ -289,6 +303,87 @@ def with_poison_agreement(
             r = dataclasses.replace(r, checks=[*r.checks, check], status=status)
         out.append(r)
     return out
+
+
+def invariance_pair(
+    problem: MoEProblem, kind: str, backend: str, engine: Engine | str
+) -> tuple[Backend, Backend, MoEProblem, str]:
+    """The two tested backends and the second run's problem of the invariance `kind`
+    (tolerance/invariance.py INVARIANCES), and the pair's label; a ValueError saying why where
+    the setting has no second legal value here."""
+    if kind not in INVARIANCES or kind == "poison":
+        known = [k for k in INVARIANCES if k != "poison"]
+        raise ValueError(
+            f"invariance: expected one of {known} (two poisons: --workspace --poison A "
+            f"--poison B), got {kind!r}"
+        )
+    from optimized import OptimizedBackend
+
+    first = resolve_backend(backend, engine)
+    if not isinstance(first, OptimizedBackend):
+        raise ValueError(
+            f"invariance {kind}: its settings are the optimized backend's (or a module:Class "
+            f"subclass of it), got backend {backend!r}"
+        )
+    cls = type(first)
+    deepgemm_only = kind in ("expected_m", "num_sms")
+    if deepgemm_only and Engine(engine) is not Engine.DEEPGEMM:
+        raise ValueError(f"invariance {kind}: a hint of DeepGEMM's, so it needs --engine deepgemm")
+    if kind == "alignment":
+        other = {128: 64, 64: 128}.get(problem.alignment)
+        if other is None:
+            raise ValueError(
+                f"invariance alignment: pairs 64 with 128 (both legal SM90 BLOCK_Ms); the "
+                f"problem's alignment is {problem.alignment}"
+            )
+        second = dataclasses.replace(problem, alignment=other)
+        return first, cls(engine=engine), second, f"{problem.alignment} vs {other}"
+    if kind == "m_sum":
+        if problem.topology.kind in (TopologyKind.EP_HT, TopologyKind.EP_LL):
+            raise ValueError(
+                f"invariance m_sum: {problem.topology} has no upper-bound M_sum to compare "
+                "(ep:N+ht is exact, ep:N+ll batched)"
+            )
+        return first, cls(engine=engine, exact_m_sum=True), problem, "upper bound vs exact"
+    if kind == "expected_m":
+        if problem.topology.kind is not TopologyKind.EP_LL:
+            raise ValueError("invariance expected_m: the masked GEMM's hint needs ep:N+ll")
+        hint = max(1, problem.tokens)
+        return first, cls(engine=engine, expected_m=hint), problem, f"mean batch vs {hint}"
+    return first, cls(engine=engine, num_sms=100), problem, "all SMs vs 100"
+
+
+def verify_invariance(
+    problem: MoEProblem,
+    kind: str,
+    backend: str = "optimized",
+    mode: Mode | str = "isolated",
+    *,
+    engine: Engine | str = Engine.AUTO,
+    inputs: MoEInputs | None = None,
+    device: torch.device | str | None = None,
+    case_timeout_s: float | None = None,
+) -> Report:
+    """Verify `backend` against the golden on `problem`, and run it a second time with only the
+    setting `kind` changed: every stage must also agree bit for bit between the two runs, a check
+    named after the setting and the pair (tolerance/invariance.py). A setting of the tested side
+    alone (m_sum, expected_m, num_sms) reaches the later stages in chained mode; in isolated mode
+    each stage reads the golden's upstream, so only the stage that the setting changes sees it."""
+    modes = Mode.select(mode)
+    tested, second, second_problem, label = invariance_pair(problem, kind, backend, engine)
+    golden = resolve_backend("golden")
+    if inputs is None:
+        preflight(problem, device if device is not None else default_device())
+        inputs = make_inputs(problem, device)
+    else:
+        check_inputs(problem, inputs)
+    twin = Twin(second, second_problem, label, INVARIANCES[kind])
+    steps = problem.topology.size * len(problem.stages) * (1 + 2 * len(modes))
+    where = lambda: f"{problem.id}, {progress.where()}"  # what a timeout names
+    with deadline(case_timeout_s, where), progress.case_bar(problem.id, steps):
+        report, _, _ = _verify_ranks(problem, inputs, tested, twin, golden, modes, None, None, None)
+    report.files["invariance"] = [f"{kind}: {label}"]
+    return report
 
 
 def _poisons(poison: int | Sequence[int] | None) -> tuple[int, ...]:

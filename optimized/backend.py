@@ -53,14 +53,33 @@ class OptimizedBackend:
     name = "optimized"
 
     def __init__(
-        self, engine: Engine | str = Engine.AUTO, workspace: bool = False, poison: int | None = None
+        self,
+        engine: Engine | str = Engine.AUTO,
+        workspace: bool = False,
+        poison: int | None = None,
+        *,
+        exact_m_sum: bool = False,
+        expected_m: int | None = None,
+        num_sms: int | None = None,
     ) -> None:
         """workspace: kernels write into buffers allocated once per (name, shape) and reused
         across calls, as vLLM's workspaces are; stage outputs are then copies. Each workspace
         sits between two guard bands of a canary pattern, checked after every stage, so a kernel
         writing past either end of its output fails that stage by name. poison: fill each
         workspace with this byte before every use, so an element a kernel leaves unwritten shows
-        up (the same case under two poisons must agree bitwise on everything it promises)."""
+        up (the same case under two poisons must agree bitwise on everything it promises).
+
+        The settings that must not change any output (tolerance/invariance.py): exact_m_sum
+        sizes the permuted buffer from the counts on every topology (a host read), not only on
+        ep:N+ht; expected_m replaces the masked GEMM's scheduling hint; num_sms caps the SMs
+        DeepGEMM's GEMMs may use (deep_gemm.set_num_sms)."""
+        if expected_m is not None and (isinstance(expected_m, bool) or expected_m < 1):
+            raise ValueError(f"expected_m: an int >= 1 or None, got {expected_m!r}")
+        if num_sms is not None and (isinstance(num_sms, bool) or num_sms < 1):
+            raise ValueError(f"num_sms: an int >= 1 or None, got {num_sms!r}")
+        self.exact_m_sum = bool(exact_m_sum)
+        self.expected_m = expected_m
+        self.num_sms = num_sms
         self.engine = as_engine(engine)
         self.workspaces = Workspaces(workspace, poison)
         # Per-rank weights (and DeepGEMM's scale layouts) of the inputs object last seen; held,
@@ -161,7 +180,7 @@ class OptimizedBackend:
         sh = self.shard(problem, inputs, rank)
         ids = upstream["route"]["topk_ids"]
         counts = scatter.count_expert_tokens(ids, sh.num_local_experts, sh.expert_map)
-        if problem.topology.kind is TopologyKind.EP_HT:
+        if problem.topology.kind is TopologyKind.EP_HT or self.exact_m_sum:
             m_sum = scatter.aligned_m_sum_exact(counts, problem.alignment)
         else:
             m_sum = scatter.aligned_m_sum_upper_bound(
@@ -382,15 +401,16 @@ class OptimizedBackend:
         sh = self.shard(problem, inputs, rank)
         w = sh.w13 if which == "w13" else sh.w2
         if choice.engine is Engine.DEEPGEMM:
-            out = deepgemm.m_grouped_gemm_masked(
-                a,
-                a_scale,
-                w,
-                self._deepgemm_weight_scales(problem, inputs, rank, which, w),
-                d["masked_m"],
-                int(d["expected_m"]),
-                use_ue8m0=problem.scale_fmt.is_ue8m0,
-            )
+            with deepgemm.sm_count_scope(self.num_sms):
+                out = deepgemm.m_grouped_gemm_masked(
+                    a,
+                    a_scale,
+                    w,
+                    self._deepgemm_weight_scales(problem, inputs, rank, which, w),
+                    d["masked_m"],
+                    self.expected_m or int(d["expected_m"]),
+                    use_ue8m0=problem.scale_fmt.is_ue8m0,
+                )
         else:
             m_indices = batch_m_indices(d["masked_m"], t_max)
             out = grouped_gemm.grouped_gemm(
@@ -434,16 +454,17 @@ class OptimizedBackend:
                 use_psum_layout=psum, out=out,
             )  # fmt: skip
         else:
-            d = deepgemm.m_grouped_gemm(
-                a,
-                a_scale,
-                group,
-                w,
-                self._deepgemm_weight_scales(problem, inputs, rank, which, w),
-                grouped,
-                alignment,
-                use_ue8m0=problem.scale_fmt.is_ue8m0,
-                use_psum_layout=psum,
-                out=out,
-            )
+            with deepgemm.sm_count_scope(self.num_sms):
+                d = deepgemm.m_grouped_gemm(
+                    a,
+                    a_scale,
+                    group,
+                    w,
+                    self._deepgemm_weight_scales(problem, inputs, rank, which, w),
+                    grouped,
+                    alignment,
+                    use_ue8m0=problem.scale_fmt.is_ue8m0,
+                    use_psum_layout=psum,
+                    out=out,
+                )
         return self.workspaces.own(d)

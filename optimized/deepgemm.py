@@ -249,6 +249,22 @@ def alignment_scope(value: int) -> Iterator[None]:
         dg.set_mk_alignment_for_contiguous_layout(previous)
 
 
+@contextlib.contextmanager
+def sm_count_scope(num_sms: int | None) -> Iterator[None]:
+    """Let DeepGEMM use `num_sms` SMs for the calls inside (deep_gemm.set_num_sms, a
+    process-global); None leaves it as it is. Always restores the previous count."""
+    if num_sms is None:
+        yield
+        return
+    dg = module()
+    previous = dg.get_num_sms()
+    dg.set_num_sms(num_sms)
+    try:
+        yield
+    finally:
+        dg.set_num_sms(previous)
+
+
 def current_alignment() -> int:
     value = module().get_mk_alignment_for_contiguous_layout()
     return int(value[0] if isinstance(value, (tuple, list)) else value)

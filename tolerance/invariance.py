@@ -1,14 +1,20 @@
 """Metamorphic checks: two runs of one backend that differ only in something that must not matter
-(here the poison byte of its workspaces) agree bit for bit on everything the stage promises.
+agree bit for bit on everything the stage promises (a check kind of its own, named after the
+setting and the pair of values: "invariance alignment: 64 vs 128").
 
-A correct kernel writes every element it promises, so the poison cannot reach its outputs; a
-kernel that leaves a promised element unwritten, or reads a stale one, passes one poison by luck
-and fails the other (vLLM's NaN-poisoned workspace check, ref/anchors.md #2, #8). The golden is
-not involved: the two traces are compared with each other, live rows keyed by (token, k) through
-each run's own inv_perm, since a permuted row's position is not deterministic.
+The settings (`INVARIANCES`): the workspace poison byte (a kernel that leaves a promised element
+unwritten passes one poison by luck and fails the other: vLLM's NaN-poisoned workspace check,
+ref/anchors.md #2, #8), the segment alignment where both are legal, the permuted buffer's
+capacity (the upper-bound vs the exact M_sum: DeepGEMM #331's output changed with capacity
+alone), and DeepGEMM's performance hints (expected_m of the masked
+GEMM, the number of SMs). The golden is not involved: the two traces are compared with each
+other, live rows keyed by (token, k) through the permute each run read, since a permuted row's
+position is not deterministic.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,10 +22,47 @@ from moe_verify.spec import Stage, Trace
 from tolerance.context import live_slots
 from tolerance.results import CheckResult, ContractError, Worst
 
-POISON_REASON = (
-    "a run under another workspace poison must agree bit for bit on every promised element "
-    "(docs/tolerance.md, 'Poisoned workspaces')"
-)
+
+@dataclass(frozen=True)
+class Invariance:
+    """A setting that must not change any promised output, and the reason it must not."""
+
+    kind: str
+    reason: str
+
+    def name(self, pair: str) -> str:
+        return f"invariance {self.kind}: {pair}"
+
+
+INVARIANCES = {
+    inv.kind: inv
+    for inv in (
+        Invariance(
+            "poison",
+            "a run under another workspace poison must agree bit for bit on every promised "
+            "element (docs/tolerance.md, 'Poisoned workspaces')",
+        ),
+        Invariance(
+            "alignment",
+            "the segment alignment only places rows (where both values are legal BLOCK_Ms): "
+            "every live row's value must not move",
+        ),
+        Invariance(
+            "m_sum",
+            "the permuted buffer's capacity (upper-bound vs exact M_sum) only adds padding "
+            "rows: DeepGEMM #331 changed live outputs with capacity alone",
+        ),
+        Invariance(
+            "expected_m",
+            "expected_m is a scheduling hint of DeepGEMM's masked GEMM, not part of the math",
+        ),
+        Invariance(
+            "num_sms",
+            "the SMs DeepGEMM may use change its schedule (deep_gemm.set_num_sms), not its math",
+        ),
+    )
+}
+POISON_REASON = INVARIANCES["poison"].reason
 
 # Permuted outputs: one row per live (token, k) slot, padding rows unpromised.
 _PERMUTED = {
@@ -40,12 +83,18 @@ def _rows_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (_bits(a) != _bits(b)).reshape(a.shape[0], -1).any(dim=1)
 
 
-def poison_agreement(
-    stage: str, first: Trace, second: Trace, label: str, layouts: tuple[Trace, Trace]
+def agreement(
+    stage: str,
+    first: Trace,
+    second: Trace,
+    label: str,
+    layouts: tuple[Trace, Trace],
+    invariance: Invariance = INVARIANCES["poison"],
 ) -> CheckResult | None:
-    """`stage` of two runs that differ only in their poison (`label`, e.g. '0x00 vs 0xff'); None
-    when the stage did not run in both or has nothing to compare (its outputs are host values
-    or layouts whose padding is unpromised and not keyed here).
+    """`stage` of two runs that differ only in `invariance`'s setting (`label` names the pair,
+    e.g. '0x00 vs 0xff', '64 vs 128'); None when the stage did not run in both or has nothing to
+    compare (its outputs are host values or layouts whose padding is unpromised and not keyed
+    here).
 
     `layouts`: the traces whose permute each run's `stage` read its rows from: each run's own
     when chained, the golden's (both) when isolated. A run's own permute keys its own permute
@@ -53,7 +102,7 @@ def poison_agreement(
     through the permute that placed it, never by its position."""
     if first.failure(stage) is not None or second.failure(stage) is not None:
         return None
-    name = f"poison {label}"
+    name = f"poison {label}" if invariance.kind == "poison" else invariance.name(label)
     if stage == Stage.PERMUTE:
         layouts = (first, second)
     if stage in _PERMUTED and all(Stage.PERMUTE in t for t in layouts):
@@ -90,5 +139,5 @@ def poison_agreement(
         return None
     if total == 0:
         return None
-    detail = f"{bad} of {total} {what} differ between the two poisons"
-    return CheckResult(name, bad == 0, bad, 0, POISON_REASON, worst, detail)
+    detail = f"{bad} of {total} {what} differ between {invariance.kind} {label}"
+    return CheckResult(name, bad == 0, bad, 0, invariance.reason, worst, detail)
