@@ -1,0 +1,443 @@
+"""The field's new bug classes (ref/anchors-2026-12.md §5, N1..N26) as wrong backends.
+
+Each class is the optimized path (`OptimizedBackend`, or `ProductionForward` for a bug that lives
+only under graph replay) with ONE stage method overridden, the way the field bug sat in a real
+kernel or its host code; the docstring names the bug (its N row and thread), what it does wrong
+and the stage that must catch it. `CATCHES` says, per class, the problem and inputs that reach
+the bug and where the suite must catch it, so the GPU tier can reuse the table.
+
+Three classes need inputs `make_inputs` does not draw, built here rather than in moe_verify/:
+
+- `tiny_token`: one token whose every group's amax is below 448 * 2^-127, so its MXFP8 scale is
+  E8M0 byte 0 (2^-127), the code Triton's decoder read as zero (N24);
+- `poison_padding`: padding rows of the permuted activations at the largest e4m3 code and, where
+  the layout leaves them unspecified (psum gap and tail rows), their scales at the largest fp32,
+  so a GEMM that computes padding rows overflows to Inf there (N17: random inputs hid it, since
+  every padding row of a fresh scatter is zero). `verify_poisoned_padding` runs an isolated
+  verification whose golden upstream carries that poison;
+- the stale ids of N1 come from `moe_verify.graph` (its padded replays plant them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moe_verify.inputs import make_inputs
+from moe_verify.runner import resolve_backend
+from moe_verify.spec import (
+    ActQuantRecipe,
+    GroupedLayout,
+    Mode,
+    MoEInputs,
+    MoEProblem,
+    QuantizedWeight,
+    Recipe,
+    ScaleFmt,
+    Topology,
+    Trace,
+)
+from moe_verify.verification import compare_reduce, has_reduce, rank_experts, verify_rank
+from optimized.backend import OptimizedBackend
+from optimized.kernels import scatter
+from optimized.production import ForwardConfig, Outputs, ProductionForward, RankWeights, Taps
+from reference.formats import dequantize_fp8_blocks
+from tests.tester.recipe_backends import bf16_steps
+from tests.tester.wrong_backends import _with
+from tolerance.report import Report
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX_CODE = 0x7E  # e4m3 448, the largest finite code (0x7F is NaN)
+FP32_MAX = torch.finfo(torch.float32).max
+TINY_AMAX = 2.0**-119  # amax / 448 = 2^-127.8 <= 2^-127: E8M0 byte 0 for MXFP8's 1x32 groups
+
+
+def _fp32_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def _from_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _packed_bytes(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """int32 packed UE8M0 [M, P] (any strides; group 4p + j in byte j of word p) -> int32 [M, G]."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    parts = [(words >> (8 * j)) & 0xFF for j in range(4)]
+    return torch.stack(parts, dim=-1).reshape(packed.shape[0], -1)[:, :groups].to(torch.int32)
+
+
+# -- inputs --------------------------------------------------------------------------------------
+
+
+def tiny_token(problem: MoEProblem, token: int = 0) -> MoEInputs:
+    """`make_inputs(problem)` with token `token`'s hidden row rescaled so its |max| is exactly
+    TINY_AMAX (2^-119): every MXFP8 group of it then has SF = amax / 448 <= 2^-127, E8M0 byte 0
+    (2^-127, the fp32 subnormal 0x00400000), and codes up to 256 (x * 2^127), not zeros."""
+    x = make_inputs(problem, "cpu")
+    row = x.hidden_states[token].float()
+    hidden = x.hidden_states.clone()
+    hidden[token] = (row / row.abs().max() * TINY_AMAX).to(torch.bfloat16)
+    return dataclasses.replace(x, hidden_states=hidden)
+
+
+def poison_padding(up: Trace, problem: MoEProblem) -> Trace:
+    """A copy of `up` whose permute padding rows (m_indices -1) hold the largest e4m3 code, and,
+    under the psum layout (whose gap and tail scales are unspecified, docs/tolerance.md "Permute
+    and padding"), the largest fp32 scale: stale memory that drives a padding row's accumulator
+    to Inf. Under m_indices the padding scales stay +0.0 (the contract fixes them)."""
+    perm = up["permute"]
+    pad = perm["m_indices"] == -1
+    a_perm = perm["a_perm"].clone()
+    a_perm.view(torch.uint8)[pad] = FP8_MAX_CODE
+    entries: dict[str, object] = {"a_perm": a_perm}
+    if problem.grouped_layout is GroupedLayout.PSUM:
+        scale = perm["a_scale_perm"].clone()
+        # packed UE8M0: byte 254 (2^127) in every slot, the word 0xFEFEFEFE as an int32
+        scale[pad] = -0x01010102 if scale.dtype == torch.int32 else FP32_MAX
+        entries["a_scale_perm"] = scale
+    return _with(up, "permute", **entries)
+
+
+def verify_poisoned_padding(problem: MoEProblem, backend: OptimizedBackend) -> Report:
+    """Isolated verification of `backend` on `problem`, the golden's permute padding poisoned by
+    `poison_padding` before any tested stage reads it (the golden's own later stages never read
+    padding rows, so its trace stays right). One report, as `verify` makes it."""
+    inputs = make_inputs(problem, "cpu")
+    golden = resolve_backend("golden")
+    runs, results = [], []
+    for rank in range(problem.topology.size):
+        clean = golden.run(problem, inputs, rank)
+        poisoned = poison_padding(clean, problem)
+        verdict = verify_rank(
+            problem, inputs, backend, golden, rank, (Mode.ISOLATED,), golden_trace=poisoned
+        )
+        runs.append(verdict.run)
+        results.extend(verdict.results[Mode.ISOLATED])
+    if has_reduce(problem):
+        results.append(compare_reduce(problem, runs, Mode.ISOLATED))
+    return Report(
+        problem,
+        backend.name,
+        Mode.ISOLATED,
+        isolated=results,
+        golden=golden.name,
+        rank_experts=rank_experts(problem),
+    )
+
+
+# -- quant_input ---------------------------------------------------------------------------------
+
+
+class CeilScaleAfterQuant(OptimizedBackend):
+    """quant_input (N20, SGLang PRs #28418/#28307): the group is quantized against its plain fp32
+    scale amax/448, and the scale is ceiled to a power of two only afterwards; the codes are
+    never requantized against the ceiled scale.
+
+    Every dequantized value comes out ceil(s)/s times too large (SGLang measured a mean of 1.31,
+    max 1.99, on DeepSeek-V4's wo_a: quantization error x14.1). The scales alone look right: they
+    are the golden's bit for bit (a power-of-two check such as SGLANG_DEEPGEMM_SANITY_CHECK
+    passes), so only quant_input's codes can catch it.
+    """
+
+    name = "ceil_scale_after_quant"
+
+    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        out = super().quant_input(p.replace(scale_fmt=ScaleFmt.FLOAT32), x, up, rank)
+        bits = _fp32_bits(out["a1q_scale"])
+        exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        out["a1q_scale"] = _from_bits((exponent + (mantissa != 0).to(torch.int32)) << 23)
+        return out
+
+
+class NonPow2ScalesIntoUe8m0(OptimizedBackend):
+    """quant_input (N19, SGLang #39193): the non-UE8M0 branch (DEEPGEMM_SCALE_UE8M0 false) hands
+    a UE8M0 consumer plain fp32 scales amax/448, which are not powers of two.
+
+    The consumer keeps only their exponent field (DeepGEMM's fp32 -> UE8M0 transform, or this
+    suite's packer once its host check is off, as in production mode): the mantissa is truncated,
+    every value shrinks by 2^floor(log2 s)/s (silently ~25% wrong, as reported). The stage that
+    breaks the contract is quant_input, whose UE8M0 scales must be powers of two; the golden's
+    are 2^ceil(log2 s), one exponent step above the truncated ones.
+    """
+
+    name = "non_pow2_scales_into_ue8m0"
+
+    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        return super().quant_input(p.replace(scale_fmt=ScaleFmt.FLOAT32), x, up, rank)
+
+
+# -- gemm1 ---------------------------------------------------------------------------------------
+
+
+def decode_e8m0_zero_as_zero(byte: torch.Tensor) -> torch.Tensor:
+    """Triton's old `_e8m0_to_f32` (#11624): fp32 bits = byte << 23, so byte 0 gives +0.0 where
+    it means 2^-127 (the subnormal 0x00400000), and 255 gives +Inf where it means NaN."""
+    return _from_bits(byte.to(torch.int32) << 23)
+
+
+class E8m0ZeroByteAsZero(OptimizedBackend):
+    """gemm1 (N24, Triton PRs #11624 / #11737): the GEMM decodes the activations' E8M0 scale bytes
+    with a shift into the exponent field, which reads byte 0 (2^-127) as 0.0, as `tl.dot_scaled`
+    and the interpreter's `_e8m0_to_f32` did.
+
+    Any MX path (MXFP8's 1x32 E8M0 activation scales here) with a group whose amax / 448 is at
+    most 2^-127 has byte 0: that group's products all vanish. Random data never gets there
+    (amax ~ 1); a token of tiny activations (`tiny_token`) does, and its every mm1 element comes
+    out zero. gemm1 is the first stage that decodes the bytes, so it must catch it, naming the
+    token. The decoded scales are handed to the same GEMM as fp32 (exact: powers of two).
+    """
+
+    name = "e8m0_zero_byte_as_zero"
+
+    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        packed = up["permute"]["a_scale_perm"]
+        byte = _packed_bytes(packed, p.hidden // p.recipe.act_group)
+        decoded = decode_e8m0_zero_as_zero(byte)
+        return super().gemm1(p, x, _with(up, "permute", a_scale_perm=decoded), rank)
+
+
+def scale_bytes_as_numbers(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 power-of-two scales as a loader writes them after byte-viewing their float8_e8m0fnu
+    checkpoint tensor into an fp32 destination: each exponent byte copied as a number (2^-7,
+    byte 120, becomes 120.0)."""
+    return ((_fp32_bits(scale) >> 23) & 0xFF).float().view_as(scale)
+
+
+class E8m0BytesCopiedAsNumbers(OptimizedBackend):
+    """gemm1 (N4, vLLM #43416, fix PR #51946): the FP8 experts' fp32 block scales were loaded by
+    `copy_` from a byte view of the checkpoint's float8_e8m0fnu scales, so each holds its
+    exponent byte as a number (120.0 for 2^-7) instead of the power of two it encodes.
+
+    DeepSeek-V4-Flash on SM90 (fp32 scales, ceil-UE8M0 format) gave garbled text and raised
+    nothing. The load writes every expert scale so; gemm1 is the first stage that reads one
+    (w13), and must catch it on every live row, naming the experts. The right decoder existed
+    but was reachable from an SM100 branch only.
+    """
+
+    name = "e8m0_bytes_copied_as_numbers"
+
+    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        w = x.w13_q
+        loaded = QuantizedWeight(w.q, scale_bytes_as_numbers(w.scale), w.block)
+        return super().gemm1(p, dataclasses.replace(x, w13_q=loaded), up, rank)
+
+
+def accumulators(
+    a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, group: int
+) -> torch.Tensor:
+    """fp32 [rows, N]: sum over K groups of (codes @ weight^T) x the row's scale of that group,
+    the scale applied after each partial dot as DeepGEMM promotes; fp32 a_scale [rows, K/group],
+    dequantized weight fp32 [N, K]."""
+    acc = torch.zeros(a.shape[0], weight.shape[0])
+    for g in range(a.shape[1] // group):
+        cols = slice(g * group, (g + 1) * group)
+        acc += (a[:, cols].float() @ weight[:, cols].T) * a_scale[:, g : g + 1]
+    return acc
+
+
+class PaddingInfBleedsIntoTile(OptimizedBackend):
+    """gemm1 (N17, FlashInfer PR #3650): the grouped GEMM computes each expert's padding rows too
+    (every row of its last aligned tile), its epilogue zeroes them by multiplying with their 0
+    gate, and the persistent epilogue's shared staging tile adds that product into the tile's
+    live rows: harmless while a padding accumulator is finite, NaN (0 x Inf) in every column
+    where it overflowed.
+
+    Qwen3.5-397B FP8 (H100) "token salad", GSM8K 1.14%: padding rows accumulated over stale FP8
+    input until Inf. Random synthetic inputs never trip it (a fresh scatter's padding rows are
+    zero); under `poison_padding` (stale 448 codes and huge psum gap scales) gemm1 must catch it,
+    as NaN in live rows of the experts whose segment has padding. The correct GEMM never reads a
+    psum gap row and computes a -1 row as zero, so it passes under the same poison.
+    """
+
+    name = "padding_inf_bleeds_into_tile"
+
+    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        if p.recipe is not Recipe.FP8_BLOCK:
+            raise ValueError(f"{self.name} models fp8_block scales only, got {p.recipe}")
+        out = super().gemm1(p, x, up, rank)
+        mm1 = out["mm1"].clone()
+        perm, align = up["permute"], up["align"]
+        w = self.shard(p, x, rank).w13
+        weights = dequantize_fp8_blocks(w.q, w.scale, w.block)
+        group = p.recipe.act_group
+        tile = align["alignment"]
+        for e, count in enumerate(align["counts"].tolist()):
+            start = int(perm["expert_start"][e])
+            end, stop = start + count, start + -(-count // tile) * tile
+            if end == stop:  # a full last tile: no padding row shares it
+                continue
+            rows = slice(end, stop)
+            acc = accumulators(perm["a_perm"][rows], perm["a_scale_perm"][rows], weights[e], group)
+            bleed = (acc * 0.0).sum(dim=0)  # the epilogue's gate, through the shared tile
+            live = slice(stop - tile, end)
+            mm1[live] = (mm1[live].float() + bleed).to(torch.bfloat16)
+        out["mm1"] = mm1
+        return out
+
+
+# -- act_quant -----------------------------------------------------------------------------------
+
+
+class ScaleFmtFromArch(OptimizedBackend):
+    """act_quant (N8, vLLM PR #28358, review P1): the scale format is taken from the GPU arch
+    (`DeepGemmQuantScaleFMT.from_target_arch()`: SM100 means packed UE8M0) instead of the E8M0
+    switch (`is_deep_gemm_e8m0_used()`), so with VLLM_USE_DEEP_GEMM_E8M0=0 on Blackwell act_quant
+    emits int32 packed scales where GEMM2 expects fp32.
+
+    `arch` is the (major, minor) this kernel believes it runs on. act_quant must catch it: its
+    a2q_scale breaks the stage contract of the problem's format (int32 where fp32 is due).
+    """
+
+    name = "scale_fmt_from_arch"
+    arch = (10, 0)
+
+    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        fmt = ScaleFmt.UE8M0_PACKED if self.arch[0] >= 10 else ScaleFmt.FLOAT32_CEIL_UE8M0
+        return super().act_quant(p.replace(scale_fmt=fmt), x, up, rank)
+
+
+WARPS = 8  # the LL kernel's warps for H >= 4096 (vLLM PR #28366)
+MANY_WARPS_FROM = 4096 // 128  # groups from which it launches WARPS warps
+
+
+class LlActQuantWarpRemainder(OptimizedBackend):
+    """act_quant (N7, vLLM PR #28366): the low-latency kernel persistent_masked_m_silu_mul_quant
+    (bf16 steps, anchors-2026-12.md §1.3) launches 8 warps from H >= 4096 on and gives each warp
+    G // 8 of a row's G groups, assuming they split evenly: with G = 33 (E, T, H) = (8, 128,
+    128 * 33), group 32 of every row is never computed and keeps what its buffer held (zero here,
+    a fresh page).
+
+    Reached on the batched layout (ep:N+ll) with I = 128 * 33; act_quant must catch it, naming
+    the rows and the unwritten columns 4096..4223. Below 32 groups (one warp) it is right.
+    """
+
+    name = "ll_act_quant_warp_remainder"
+
+    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        q, s = bf16_steps(up["gemm1"]["mm1"], p.scale_fmt)
+        groups = s.shape[-1]
+        if groups >= MANY_WARPS_FROM:
+            done = groups // WARPS * WARPS
+            q.view(torch.uint8)[..., done * 128 :] = 0
+            s[..., done:] = 0.0
+        return {"a2q": q, "a2q_scale": s, "recipe": ActQuantRecipe.BF16_STEPS.value}
+
+
+# -- production (graph replay) -------------------------------------------------------------------
+
+
+class LocalCountBoundsIds(ProductionForward):
+    """align (N1, vLLM test_expert_map_bounds, PR #41834): the count kernel guards its expert_map
+    read with the one expert count it is given, the LOCAL one (`0 <= id < E_l`), instead of the
+    table size: stale positive ids (123456789 in CUDA-graph padding rows) are skipped, but so is
+    every valid global id >= E_l.
+
+    vLLM's fix bounds by the global count "because the local count is not a safe bound under EP".
+    Without an expert map (TP) local and global ids coincide and every replay passes, stale ones
+    included; under EP (linear) rank 0 hosts ids < E_l and stays right, and every replay must
+    fail at `align` on rank 1, whose experts all lose their tokens.
+    """
+
+    name = "local_count_bounds_ids"
+
+    def align(self, cfg: ForwardConfig, hidden: torch.Tensor, w: RankWeights, up: Taps) -> Outputs:
+        out = super().align(cfg, hidden, w, up)
+        ids = up["route"]["topk_ids"]
+        bounded = torch.where((ids >= 0) & (ids < cfg.num_local_experts), ids, -1)
+        out["counts"] = scatter.count_expert_tokens(
+            bounded, cfg.num_local_experts, w.expert_map, validate=False
+        )
+        return out
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+# Four experts, top-2, A = 32, one 128-column group per row (as tests/tester/test_wrong_backends).
+BASE = MoEProblem(tokens=16, hidden=128, intermediate=128, num_experts=4, topk=2, alignment=32)
+MXFP8 = BASE.replace(recipe=Recipe.MXFP8, scale_fmt=ScaleFmt.UE8M0_PACKED)
+CEIL = BASE.replace(scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0)
+PACKED = BASE.replace(scale_fmt=ScaleFmt.UE8M0_PACKED)
+PSUM = BASE.replace(grouped_layout=GroupedLayout.PSUM)  # vLLM's SM90 layout for fp8_block
+# The LL layout with vLLM #28366's 33 groups of 128; one rank and one expert (the bug is per row,
+# and each expert's batch is 128 rows of an 8448-column GEMM1, the interpreter's costliest call).
+LL_33_GROUPS = BASE.replace(
+    tokens=4, num_experts=1, topk=1, intermediate=128 * 33, topology=Topology.parse("ep:1+ll")
+)
+
+Inputs = Callable[[MoEProblem], MoEInputs]
+
+
+@dataclass(frozen=True)
+class Catch:
+    """A wrong backend, its field bug (N row of anchors-2026-12.md §5 and its thread), the case
+    and inputs that reach it, and the stage isolated mode must name. `inputs` None: the
+    problem's own; `poisoned`: the golden's permute padding poisoned (`verify_poisoned_padding`).
+    `names`: text the failure messages must contain (the rows, columns or entry blamed)."""
+
+    backend: type[OptimizedBackend]
+    bug: str
+    problem: MoEProblem
+    stage: str
+    names: tuple[str, ...] = ()
+    inputs: Inputs | None = None
+    poisoned: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.backend.name
+
+
+CATCHES: tuple[Catch, ...] = (
+    Catch(E8m0ZeroByteAsZero, "N24 Triton #11624", MXFP8, "gemm1", ("token 0",), tiny_token),
+    # ^ token 0's four 1x32 groups have E8M0 byte 0
+    Catch(E8m0BytesCopiedAsNumbers, "N4 vLLM #43416", CEIL, "gemm1", ("expert",)),
+    # ^ SM90's fp32 power-of-two weight scales, as DeepSeek-V4's FP8 experts load them
+    Catch(CeilScaleAfterQuant, "N20 SGLang #28418", CEIL, "quant_input", ("token",)),
+    Catch(NonPow2ScalesIntoUe8m0, "N19 SGLang #39193", PACKED, "quant_input", ("token",)),
+    # ^ packed UE8M0: the permute's packer keeps only the exponent field
+    Catch(ScaleFmtFromArch, "N8 vLLM #28358", BASE, "act_quant", ("a2q_scale", "int32")),
+    # ^ E8M0 off (float32 scales), on what the kernel takes for an SM100
+    Catch(
+        LlActQuantWarpRemainder, "N7 vLLM #28366", LL_33_GROUPS, "act_quant", ("column 4", "token")
+    ),
+    Catch(PaddingInfBleedsIntoTile, "N17 FlashInfer #3650", PSUM, "gemm1", ("NaN",), poisoned=True),
+    # ^ ~8 live rows per 32-row segment: every expert has gap rows in its last tile
+)
+
+
+@dataclass(frozen=True)
+class GraphCatch:
+    """A wrong production forward, its field bug, the topology, and per default replay (names
+    from `moe_verify.graph.default_replays`) the first failure `verify_graph` must report, or
+    None where that replay must pass; `ranks` the ranks whose stage fails."""
+
+    forward: type[ProductionForward]
+    bug: str
+    topology: str
+    replays: tuple[tuple[str, str | None], ...]
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.forward.name}-{self.topology}"
+
+
+GRAPH_CATCHES: tuple[GraphCatch, ...] = (
+    GraphCatch(
+        LocalCountBoundsIds,
+        "N1 vLLM test_expert_map_bounds",
+        "tp:1",  # no expert map: the local count is the table size, stale ids are skipped
+        (("capture-softmax", None), ("one-live", None)),  # one-live: 7 rows of stale ids
+    ),
+    GraphCatch(
+        LocalCountBoundsIds,
+        "N1 vLLM test_expert_map_bounds",
+        "ep:2",  # rank 1 hosts experts 2, 3: global ids >= E_l = 2
+        (("capture-softmax", "align"), ("half-live", "align")),  # with and without stale ids
+        ranks=(1,),
+    ),
+)
