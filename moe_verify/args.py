@@ -27,6 +27,8 @@ from tolerance.report import EXIT_CODES
 # report those signals.
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = (EXIT_CODES[s] for s in (Status.PASS, Status.FAIL, Status.ERROR))
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+# compute-sanitizer's tools that `run --sanitize` takes (moe_verify/sanitize.py).
+SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 
 
 def seconds(text: str) -> float:
@@ -166,6 +168,15 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--nproc", type=int, default=None, help="torchrun processes (default and only value: ranks)"
+    )
+    run.add_argument(
+        "--sanitize",
+        choices=SANITIZER_TOOLS,
+        default=None,
+        metavar="TOOL",
+        help="run the case in a subprocess under compute-sanitizer (memcheck | racecheck | "
+        "initcheck | synccheck) and report its first error with kernel, stage and case, and "
+        "how much slower it ran (docs/sanitize.md)",
     )
     run.add_argument(
         "--compare-on",

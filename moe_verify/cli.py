@@ -71,6 +71,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_output_file("--markdown", args.markdown)
     check_output_dir("--dump-dir", args.dump_dir)
     check_output_dir("--plot", args.plot)
+    if args.sanitize:  # the same flags, run again in a child under the sanitizer
+        from moe_verify.sanitize import run_sanitized
+
+        return run_sanitized(args.sanitize, args.argv[1:], args.case_timeout or None, args.launcher)
     require_engine(args.engine)
     if args.launcher == "torchrun":
         given = {
@@ -287,6 +291,7 @@ def cmd_audit_e8m0(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
         max_ratio=DEFAULT_MAX_RATIO if args.max_ratio is None else args.max_ratio,
+        activations=args.activations,
     )
     files = write_report(report, Path(args.out))
     print(f"verdict {report.verdict}: {report.reason}")
@@ -500,6 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--seed", type=int, default=0)
     au.add_argument("--device", default=None, help="default: the GPU when there is one")
     au.add_argument(
+        "--activations",
+        default=None,
+        metavar="PATH",
+        help="activation dumps (a .safetensors file or a directory of them, one [T, K] input per "
+        "linear layer) used in place of the synthetic probes; docs/audit-e8m0.md gives the naming",
+    )
+    au.add_argument(
         "--max-ratio",
         type=float,
         default=None,
@@ -526,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["run", *argv]  # `moe-verify` alone runs the small default case
     args = parser.parse_args(argv)
+    args.argv = argv  # `run --sanitize` passes the run's own flags on to its child
     debug = getattr(args, "verbose", False) or os.environ.get("MOE_VERIFY_DEBUG") == "1"
     # Inside the watchers: whose interrupt or exit it was is known only while they are active.
     with watch_interrupts(), terminate_as_exit():

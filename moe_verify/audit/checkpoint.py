@@ -1,11 +1,16 @@
 """Reading an FP8 block-scaled checkpoint (HF safetensors shards) for `moe-verify audit-e8m0`:
-its e4m3 weights with their block scales, one tensor or one expert at a time, and a clear error
-naming the file or tensor for anything malformed.
+its e4m3 weights with their block scales, one tensor or one expert at a time.
 
 A checkpoint is untrusted input: config.json, the index and every shard are read through
 moe_verify.safe_io, so only regular files inside the checkpoint directory are opened, every
 safetensors header is checked before a tensor is read, and a bad file is an UntrustedFileError
-naming it (a ValueError, as AuditError is)."""
+naming it (a ValueError, as AuditError is).
+
+What is wrong with the checkpoint as a whole (a path leading out of it, a FIFO among its shards,
+a bad config.json or index, a tensor in two shards) stops the audit. What is wrong with one tensor
+(a scale of the wrong shape or dtype, a zero/negative/NaN scale, a weight without a scale, a NaN
+code) or one shard's contents (a truncated or corrupt header) is a Skipped entry: listed in the
+report, left out of every figure, and the rest is audited."""
 
 from __future__ import annotations
 
@@ -38,6 +43,14 @@ class AuditError(ValueError):
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """A malformed tensor (or an unreadable shard) the audit left out, and why."""
+
+    name: str  # the weight tensor's key, or the shard's file name
+    reason: str
+
+
+@dataclass(frozen=True)
 class FP8Weight:
     """One block-scaled FP8 linear weight of the checkpoint (a 3-D tensor holds all experts)."""
 
@@ -50,6 +63,12 @@ class FP8Weight:
     layer: int | None
     kind: str  # "expert", "shared_expert", "mlp", "attention" or "other"
     expert: int | None = None  # a 2-D routed expert's id (a 3-D tensor's experts: its rows)
+
+    @property
+    def family(self) -> str:
+        """The kind and the projection, e.g. "attention.o_proj", "expert.down_proj": the layer
+        families the published requantization figures are flat across."""
+        return f"{self.kind}.{self.name.rsplit('.', 1)[-1]}"
 
 
 def _root(checkpoint: Path) -> Path:
@@ -149,15 +168,24 @@ def _index(checkpoint: Path) -> dict[str, Path] | None:
     return {key: files[file] for key, file in weight_map.items()}
 
 
-def find_fp8_weights(checkpoint: Path) -> tuple[list[FP8Weight], list[str]]:
+def find_fp8_weights(checkpoint: Path) -> tuple[list[FP8Weight], list[str], list[Skipped]]:
     """Every FP8 (e4m3) `<module>.weight` of the checkpoint with its block scale tensor (which a
-    sharded checkpoint may keep in another file), and the FP8 tensors that are not such weights,
-    each with why (listed in the report, never dropped silently)."""
+    sharded checkpoint may keep in another file); the FP8 tensors that are not such weights, each
+    with why; and the weights and shards skipped as malformed (both lists go in the report,
+    nothing is dropped silently)."""
     index = _index(checkpoint)
     where: dict[str, Path] = {}
     dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    skipped: list[Skipped] = []
+    unreadable: dict[Path, str] = {}
     for path in _files(checkpoint):
-        with _open(path) as f:
+        try:
+            shard = _open(path)
+        except UntrustedFileError as exc:
+            unreadable[path] = str(exc).removeprefix(f"{path}: ")
+            skipped.append(Skipped(path.name, f"shard not read: {unreadable[path]}"))
+            continue
+        with shard as f:
             for key, info in f.tensors.items():
                 if index is not None and index.get(key) != path:
                     continue  # the index names another file (e.g. a consolidated copy)
@@ -176,22 +204,21 @@ def find_fp8_weights(checkpoint: Path) -> tuple[list[FP8Weight], list[str]]:
         if dtype.startswith("F8_") and k not in weights and not _is_scale(k)
     ]
     if not weights:
+        read = "" if not skipped else " in the shards it could read"
         raise AuditError(
-            f"{checkpoint} holds no FP8 (float8_e4m3fn) '*.weight' tensors: nothing to audit"
+            f"{checkpoint} holds no FP8 (float8_e4m3fn) '*.weight' tensors{read}: nothing to "
+            "audit" + "".join(f"; skipped {s.name}: {s.reason}" for s in skipped)
         )
     found = []
     for key in sorted(weights, key=_natural):
         module, shape = key[: -len(".weight")], weights[key]
         scale = next((f"{module}.{s}" for s in SCALE_SUFFIXES if f"{module}.{s}" in where), None)
         if scale is None:
-            raise AuditError(
-                f"{where[key].name}: FP8 weight {key} has no block scale "
-                f"(looked for {' or '.join(f'{module}.{s}' for s in SCALE_SUFFIXES)})"
-            )
+            skipped.append(Skipped(key, _no_scale(module, index, unreadable)))
+            continue
         if len(shape) not in (2, 3):
-            raise AuditError(
-                f"{where[key].name}: FP8 weight {key} is {shape}, not [N, K] or [E, N, K]"
-            )
+            skipped.append(Skipped(key, f"FP8 weight {key} is {shape}, not [N, K] or [E, N, K]"))
+            continue
         layer, expert = _LAYER.search(module), _EXPERT.search(module + ".")
         found.append(
             FP8Weight(
@@ -206,7 +233,17 @@ def find_fp8_weights(checkpoint: Path) -> tuple[list[FP8Weight], list[str]]:
                 int(expert.group(1)) if expert else None,
             )
         )
-    return found, unaudited
+    return found, unaudited, skipped
+
+
+def _no_scale(module: str, index: dict[str, Path] | None, unreadable: dict[Path, str]) -> str:
+    """Why `<module>.weight` has no block scale: none in the checkpoint, or its index puts the
+    scale in a shard that could not be read."""
+    names = [f"{module}.{s}" for s in SCALE_SUFFIXES]
+    lost = next((n for n in names if index is not None and index.get(n) in unreadable), None)
+    if lost is not None and index is not None:
+        return f"its block scale {lost} is in {index[lost].name}, which could not be read"
+    return f"no block scale (looked for {' or '.join(names)})"
 
 
 def _is_scale(key: str) -> bool:
