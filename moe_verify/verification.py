@@ -176,11 +176,7 @@ def verify(
         else None
     )
     golden = resolve_backend("golden")
-    if inputs is None:
-        preflight(problem, device if device is not None else default_device())
-        inputs = make_inputs(problem, device)
-    else:
-        check_inputs(problem, inputs)
+    inputs = case_inputs(problem, inputs, device)
     sides = 1 + len(modes) * (2 if twin is not None else 1)
     steps = problem.topology.size * len(problem.stages) * sides
     where = lambda: f"{problem.id}, {progress.where()}"  # what a timeout names
@@ -219,6 +215,18 @@ def verify(
         )
         report.files["dump"] = [str(where)]
     return report
+
+
+def case_inputs(
+    problem: MoEProblem, inputs: MoEInputs | None, device: torch.device | str | None
+) -> MoEInputs:
+    """The given inputs once checked against the problem, else new ones from its seed after a
+    memory pre-flight."""
+    if inputs is not None:
+        check_inputs(problem, inputs)
+        return inputs
+    preflight(problem, device if device is not None else default_device())
+    return make_inputs(problem, device)
 
 
 def _verify_ranks(
@@ -372,11 +380,7 @@ def verify_invariance(
     modes = Mode.select(mode)
     tested, second, second_problem, label = invariance_pair(problem, kind, backend, engine)
     golden = resolve_backend("golden")
-    if inputs is None:
-        preflight(problem, device if device is not None else default_device())
-        inputs = make_inputs(problem, device)
-    else:
-        check_inputs(problem, inputs)
+    inputs = case_inputs(problem, inputs, device)
     twin = Twin(second, second_problem, label, INVARIANCES[kind])
     steps = problem.topology.size * len(problem.stages) * (1 + 2 * len(modes))
     where = lambda: f"{problem.id}, {progress.where()}"  # what a timeout names
