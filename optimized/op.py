@@ -103,7 +103,7 @@ def _config(
 
 
 def _shapes(
-    recipe: str, hidden_states: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor
+    hidden_states: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor
 ) -> tuple[int, int, int, int]:
     """(E_l, H, I, k) read from the tensors' shapes (E2M1 weights hold two codes a byte)."""
     e_l, two_i, _ = w13.shape
@@ -144,7 +144,7 @@ def fused_moe(
     expert_map int32 [E_global] or None; workspace uint8, `production.workspace_bytes` for T.
     The rest is the `ForwardConfig` (limit None: no clamp) and the registered forward's name.
     """
-    e_l, h, i, k = _shapes(recipe, hidden_states, topk_ids, w13)
+    e_l, h, i, k = _shapes(hidden_states, topk_ids, w13)
     cfg = _config(
         recipe, scale_fmt, activation, alpha, beta, limit, alignment, layout, engine,
         e_l, h, i, k, exact_m_sum, ll_max_tokens,
@@ -190,6 +190,27 @@ def op_args(cfg: ForwardConfig, forward: str = "optimized") -> dict[str, object]
     }
 
 
+def tensor_args(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: RankWeights,
+    workspace: torch.Tensor,
+) -> tuple[torch.Tensor | None, ...]:
+    """The op's tensor arguments, in its schema's order."""
+    return (
+        hidden_states,
+        topk_ids,
+        topk_weights,
+        weights.w13.q,
+        weights.w13_scale,
+        weights.w2.q,
+        weights.w2_scale,
+        weights.expert_map,
+        workspace,
+    )
+
+
 def call(
     cfg: ForwardConfig,
     hidden_states: torch.Tensor,
@@ -200,15 +221,5 @@ def call(
     forward: str = "optimized",
 ) -> torch.Tensor:
     """`torch.ops.moe_verify.fused_moe` with `cfg` and `weights` spelled out as its arguments."""
-    return torch.ops.moe_verify.fused_moe(
-        hidden_states,
-        topk_ids,
-        topk_weights,
-        weights.w13.q,
-        weights.w13_scale,
-        weights.w2.q,
-        weights.w2_scale,
-        weights.expert_map,
-        workspace,
-        **op_args(cfg, forward),
-    )
+    args = tensor_args(hidden_states, topk_ids, topk_weights, weights, workspace)
+    return torch.ops.moe_verify.fused_moe(*args, **op_args(cfg, forward))

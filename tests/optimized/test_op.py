@@ -94,17 +94,8 @@ class OpCall:
 
     def args(self, workspace: torch.Tensor) -> tuple:
         """The op's tensor arguments, in schema order."""
-        w = self.weights
-        return (
-            self.hidden_states,
-            self.topk_ids,
-            self.topk_weights,
-            w.w13.q,
-            w.w13_scale,
-            w.w2.q,
-            w.w2_scale,
-            w.expert_map,
-            workspace,
+        return op.tensor_args(
+            self.hidden_states, self.topk_ids, self.topk_weights, self.weights, workspace
         )
 
     def run(
