@@ -201,8 +201,11 @@ _GEMM_CHAINED = Check(
         "still O(1) (docs/tolerance.md#chained-gemm)",
     ),
     calc_diff=Limit(
-        2e-4,
-        "chained: the 5e-5 sanity ceiling with about 4x the noise, so 2e-4 "
+        1e-3,
+        "chained: one act_quant scale flipped by tl.exp (a factor 2 on a UE8M0 group) requantizes "
+        "its group at twice the step (rms ~2^-4/sqrt(3)), so a tensor of one or a few tokens "
+        "reaches calc_diff ~ rms^2/2 ~ 6e-4: measured up to 5.1e-4 on the H200 (nightly, T=1), "
+        "hence 1e-3 as for the recipe rows; per token and per element still localize "
         "(docs/tolerance.md#calc_diff)",
     ),
 )

@@ -62,12 +62,21 @@ def _bf16(x):
 
 
 @triton.jit
+def _gate(g, alpha):
+    """g * sigmoid(alpha * g) in fp32: the one non-IEEE step (tl.exp, the approximate division).
+
+    Both roundings below call it, and so does `gate_table`'s kernel, so the table recorded from
+    the hardware is the value the act_quant kernel computes for that bf16 gate."""
+    return g / (1.0 + tl.exp(-g * alpha))
+
+
+@triton.jit
 def _glu_fp32(g, u, alpha, beta, limit, HAS_LIMIT: tl.constexpr):
     """§5.1: clamp, activation and product in fp32, then one bf16 rounding of y."""
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    glu = g / (1.0 + tl.exp(-g * alpha))
+    glu = _gate(g, alpha)
     return _bf16((u + beta) * glu)
 
 
@@ -77,7 +86,7 @@ def _glu_bf16_steps(g, u, alpha, beta, limit, HAS_LIMIT: tl.constexpr):
     if HAS_LIMIT:
         g = _bf16(tl.minimum(g, limit))
         u = _bf16(tl.minimum(tl.maximum(u, -limit), limit))
-    glu = _bf16(g / (1.0 + tl.exp(-g * alpha)))
+    glu = _bf16(_gate(g, alpha))
     up = _bf16(u + beta)
     return _bf16(glu * up)
 
@@ -213,3 +222,27 @@ def silu_mul_quant(
         BLOCK_E=block_experts(0 if expert_ends is None else expert_ends.numel()), num_warps=4,
     )  # fmt: skip
     return q, scale
+
+
+@triton.jit
+def _gate_table_kernel(g_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _gate(g, alpha), mask=ok)
+
+
+def gate_table(alpha: float, device: torch.device | str = "cuda") -> torch.Tensor:
+    """fp32 [65536]: the kernels' gate g * sigmoid(alpha * g) for every bf16 bit pattern g (entry
+    i is the gate of the bf16 whose bits are i, NaN patterns included), as this machine's
+    compiled Triton computes it. The act_quant stage's only non-IEEE step is this function of one
+    bf16 value, so the table lets the golden reproduce the kernel bit for bit (reference
+    `gate_from_table`)."""
+    fn = "gate_table"
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        fail(fn, f"alpha must be a float, got {alpha!r}")
+    g = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(torch.bfloat16)
+    out = torch.empty(g.numel(), dtype=torch.float32, device=device)
+    grid = (triton.cdiv(g.numel(), 1024),)
+    _gate_table_kernel[grid](g, out, g.numel(), float(alpha), BLOCK=1024)
+    return out
