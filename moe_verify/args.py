@@ -20,6 +20,7 @@ from moe_verify.spec import (
     ScaleFmt,
     Status,
 )
+from tolerance.invariance import INVARIANCES
 from tolerance.report import EXIT_CODES
 
 # 0 every check passed, 1 a check failed, 2 an error (bad arguments, crash, missing dependency, a
@@ -96,6 +97,22 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
         default=d.grouped_layout.value,
         help="the grouped GEMMs' layout: per-row m_indices, per-expert psum ends, or as vLLM picks",
     )
+    p.add_argument(
+        "--ll-capacity",
+        type=int,
+        default=d.ll_capacity,
+        metavar="ROWS",
+        help="ep:N+ll: rows of each expert's batch (DeepEP's max_tokens), a multiple of 128 "
+        "(default 0: the tokens rounded up to 128-row blocks)",
+    )
+    p.add_argument(
+        "--tiny-tokens",
+        type=int,
+        default=d.tiny_tokens,
+        metavar="N",
+        help="rescale the first N tokens to |max| 2^-119, so every MXFP8 group of them has E8M0 "
+        "scale byte 0 (2^-127; Triton #11624 decoded it as zero)",
+    )
 
 
 def add_backend_args(p: argparse.ArgumentParser, modes: bool = True) -> None:
@@ -141,12 +158,20 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
         "0); twice for a two-poison run, whose two runs must also agree bit for bit",
     )
     run.add_argument(
+        "--poison-padding",
+        action="store_true",
+        help="isolated mode: the golden's padding rows (permute; ep:N+ll: the batches past "
+        "masked_m) hold the largest e4m3 code, and the largest scale where the layout leaves "
+        "padding scales unspecified, so a GEMM that lets padding reach live rows fails "
+        "(FlashInfer #3650); chained mode is unaffected",
+    )
+    run.add_argument(
         "--invariance",
         default=None,
-        choices=["alignment", "m_sum", "expected_m", "num_sms"],
+        choices=[kind for kind in INVARIANCES if kind != "poison"],
         help="run the tested side a second time with only this setting changed (alignment 64 "
-        "vs 128; upper-bound vs exact M_sum; DeepGEMM's expected_m or SM count): every stage "
-        "must also agree bit for bit between the two runs",
+        "vs 128; upper-bound vs exact M_sum; the ep:N+ll batch capacity doubled; DeepGEMM's "
+        "expected_m or SM count): every stage must also agree bit for bit between the two runs",
     )
     run.add_argument(
         "--strict", action="store_true", help="a skipped stage fails the run too (exit 1)"
@@ -268,4 +293,6 @@ def problem_from_args(args: argparse.Namespace) -> MoEProblem:
         topk_group=args.topk_group,
         shared_experts=args.shared_experts,
         grouped_layout=args.grouped_layout,
+        ll_capacity=args.ll_capacity,
+        tiny_tokens=args.tiny_tokens,
     )

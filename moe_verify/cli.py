@@ -80,6 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         given = {
             "--workspace": args.workspace,
             "--poison": args.poison,
+            "--poison-padding": args.poison_padding,
             "--plot": args.plot,
             "--invariance": args.invariance,
         }
@@ -96,7 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     problem = problem_from_args(args)
     if args.invariance:
         given = {"--workspace": args.workspace, "--poison": args.poison, "--plot": args.plot,
-                 "--dump-dir": args.dump_dir}  # fmt: skip
+                 "--dump-dir": args.dump_dir, "--poison-padding": args.poison_padding}  # fmt: skip
         unsupported = [flag for flag, value in given.items() if value]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}: not supported with --invariance")
@@ -122,6 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         plot_dir=Path(args.plot) if args.plot else None,
         workspace=args.workspace,
         poison=args.poison,
+        padding_poison=args.poison_padding,
     )
     print(report.to_table() if args.verbose else report.to_summary())
     print_files(report, args)

@@ -18,6 +18,10 @@ from tolerance.provenance import tag_hidden_states
 # A logit offset large enough that softmax/top-k never picks (or always picks) an expert.
 _NEVER = -1.0e4
 _HOT = 8.0
+# |max| of a tiny token (MoEProblem.tiny_tokens): every 1x32 group's amax / 448 is then at most
+# 2^-119 / 448 = 2^-127.8, so its MXFP8 scale is E8M0 byte 0 (2^-127), the code Triton's decoder
+# read as zero (Triton #11624, anchors-2026-12.md N24); its codes stay up to 256, not zeros.
+TINY_AMAX = 2.0**-119
 
 
 def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -> MoEInputs:
@@ -49,6 +53,8 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
     hidden_states = randn(t, h).to(torch.bfloat16)
     if p.provenance:
         hidden_states = tag_hidden_states(hidden_states)
+    if p.tiny_tokens:
+        hidden_states = shrink_tokens(hidden_states, p.tiny_tokens)
     router_logits = randn(t, e)
     score_bias = randn(e, scale=0.1) if p.routing is Routing.GROUPED else None
     w13 = weight_stack(2 * i, h)
@@ -79,6 +85,17 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
         shared_w13=shared_w13,
         shared_w2=shared_w2,
     )
+
+
+def shrink_tokens(hidden: torch.Tensor, n: int) -> torch.Tensor:
+    """bf16 [T, H] -> a copy whose first `n` rows are rescaled so each row's |max| is exactly
+    TINY_AMAX (a row of zeros stays zero). No random draw: the other rows, the routing and the
+    weights are those of the same problem without tiny tokens."""
+    out = hidden.clone()
+    rows = hidden[:n].float()
+    amax = rows.abs().amax(dim=1, keepdim=True)
+    out[:n] = torch.where(amax > 0, rows / amax * TINY_AMAX, rows).to(torch.bfloat16)
+    return out
 
 
 def _device(device: object) -> torch.device:

@@ -115,7 +115,8 @@ _OLD_LOC = re.compile(r"(?P<loc>[^\s:]+:\d+):(?P<fn>.+)")
 _THREAD = re.compile(r"by thread \((?P<t>[\d, ]+)\) in block \((?P<b>[\d, ]+)\)")
 _HAZARD_THREAD = re.compile(r"(?:Read|Write) Thread \((?P<t>[\d, ]+)\)")
 _HAZARD_BLOCK = re.compile(r"in block \((?P<b>[\d, ]+)\)")
-_ADDRESS = re.compile(r"\bAddress (?P<a>0x[0-9a-fA-F]+(?: .+)?)$")
+# "Address 0x7f.. is out of bounds" (CUDA 12); CUDA 13 writes "... to 0x7f.. is out of bounds".
+_ADDRESS = re.compile(r"\b(?:Address|to) (?P<a>0x[0-9a-fA-F]+(?: .+)?)$")
 _SHARED_ADDRESS = re.compile(r"at (?P<a>__shared__ 0x[0-9a-fA-F]+)")
 
 

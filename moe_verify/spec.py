@@ -229,6 +229,11 @@ class Engine(enum.StrEnum):
 # ep:N+ll batches hold whole blocks of this many rows (the masked GEMM's largest BLOCK_M).
 LL_BLOCK_ROWS = 128
 
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 
@@ -515,7 +520,9 @@ class MoEProblem:
 
     `alignment` is the per-expert row padding A of the contiguous layout (DeepGEMM's BLOCK_M);
     `provenance` replaces random values with tagged ones that survive quantization, so a wrong
-    row names the token and expert it came from.
+    row names the token and expert it came from. `ll_capacity` sizes the batches of the ep:N+ll
+    layout (`ll_max_tokens`); `tiny_tokens` makes the first tokens tiny enough that every MXFP8
+    group of them gets E8M0 byte 0 (moe_verify/inputs.py).
     """
 
     tokens: int = 64
@@ -537,6 +544,8 @@ class MoEProblem:
     topk_group: int = 1
     shared_experts: int = 0  # DeepSeek-style shared experts: a dense MLP every token passes
     grouped_layout: GroupedLayout = GroupedLayout.AUTO
+    ll_capacity: int = 0  # ep:N+ll rows per expert batch (DeepEP's max_tokens); 0: ll_max_tokens
+    tiny_tokens: int = 0  # the first N tokens rescaled to |max| 2^-119 (inputs.py TINY_AMAX)
 
     def __post_init__(self) -> None:
         # Enum fields also take their exact strings (CLI, JSON round trips).
@@ -623,6 +632,16 @@ class MoEProblem:
             "shared_experts",
             check_int("MoEProblem.shared_experts", self.shared_experts, 0, MAX_SHARED_EXPERTS),
         )
+        put("ll_capacity", check_int("MoEProblem.ll_capacity", self.ll_capacity, 0, MAX_TOKENS))
+        put(
+            "tiny_tokens",
+            check_int(
+                f"MoEProblem.tiny_tokens (at most tokens={self.tokens})",
+                self.tiny_tokens,
+                0,
+                self.tokens,
+            ),
+        )
 
     def _validate(self) -> None:
         """The fields together: combinations no backend can run, or that one would ignore."""
@@ -685,6 +704,13 @@ class MoEProblem:
                 f"topology {self.topology}: ep+ll (BatchedDeepGemmExperts) supports activation "
                 f"silu only, got {self.activation.tag}",
             )
+        if self.ll_capacity:
+            self._validate_ll_capacity()
+        need(
+            not (self.tiny_tokens and self.provenance),
+            f"tiny_tokens={self.tiny_tokens} with provenance: rescaling a token to 2^-119 would "
+            "erase the tags that name it",
+        )
         if self.topology.placement is Placement.EXPLICIT:
             hosted = {e for r in self.topology.explicit or () for e in r}
             missing = sorted(set(range(self.num_experts)) - hosted)
@@ -694,6 +720,26 @@ class MoEProblem:
                 f"topology: explicit placement must host every expert 0..{self.num_experts - 1} "
                 f"and no other, got {list(self.topology.explicit or ())} (missing {missing}, "
                 f"beyond num_experts {extra})",
+            )
+
+    def _validate_ll_capacity(self) -> None:
+        """A given batch capacity: ep:N+ll only, whole 128-row blocks, room for every token."""
+        cap, least = self.ll_capacity, _round_up(self.tokens, LL_BLOCK_ROWS)
+        if self.topology.kind is not TopologyKind.EP_LL:
+            raise ValueError(
+                f"MoEProblem.ll_capacity: the batch capacity of the ep:N+ll layout (DeepEP's "
+                f"max_tokens); topology {self.topology} has no batches, got ll_capacity={cap} "
+                "(leave it 0)"
+            )
+        if cap % LL_BLOCK_ROWS:
+            raise ValueError(
+                f"MoEProblem.ll_capacity: expected a multiple of the {LL_BLOCK_ROWS}-row block "
+                f"(DeepGEMM's masked GEMM reads whole blocks, `ll_max_tokens`), got {cap}"
+            )
+        if cap < least:
+            raise ValueError(
+                f"MoEProblem.ll_capacity: expected at least {least} (tokens={self.tokens} rounded "
+                f"up to {LL_BLOCK_ROWS}-row blocks: every token may reach one expert), got {cap}"
             )
 
     def _validate_routing(self) -> None:
@@ -746,11 +792,12 @@ class MoEProblem:
 
         DeepEP sizes its low-latency receive buffers from a configured capacity (vLLM: its DP
         chunk, 256 tokens by default, times the ranks), not from the batch at hand; here the
-        tokens rounded up to whole 128-row blocks. DeepGEMM's masked GEMM needs whole blocks: it
-        views the batches as one [E_l * M_max] matrix, so a block running past M_max reads and
-        overwrites the next expert's rows (seen on the H200 at M_max = 20, docs/gpu-results.md).
+        tokens rounded up to whole 128-row blocks unless `ll_capacity` gives one (validated: whole
+        blocks, at least that). DeepGEMM's masked GEMM needs whole blocks: it views the batches as
+        one [E_l * M_max] matrix, so a block running past M_max reads and overwrites the next
+        expert's rows (seen on the H200 at M_max = 20, docs/gpu-results.md).
         """
-        return -(-self.tokens // LL_BLOCK_ROWS) * LL_BLOCK_ROWS
+        return self.ll_capacity or _round_up(self.tokens, LL_BLOCK_ROWS)
 
     @property
     def intermediate_per_rank(self) -> int:
@@ -784,6 +831,10 @@ class MoEProblem:
             parts.append(f"sh{self.shared_experts}")
         if self.grouped_layout is not GroupedLayout.AUTO:
             parts.append(str(self.grouped_layout))
+        if self.ll_capacity:
+            parts.append(f"cap{self.ll_capacity}")
+        if self.tiny_tokens:
+            parts.append(f"tiny{self.tiny_tokens}")
         if self.provenance:
             parts.append("prov")
         if self.seed:
@@ -820,12 +871,18 @@ class MoEProblem:
             "topk_group": self.topk_group,
             "shared_experts": self.shared_experts,
             "grouped_layout": self.grouped_layout.value,
+            "ll_capacity": self.ll_capacity,
+            "tiny_tokens": self.tiny_tokens,
         }
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> MoEProblem:
         """The inverse of `to_dict` (a dump's problem.json, --problem-json): every key present,
-        no other; the values are checked as the constructor checks them."""
+        no other; the values are checked as the constructor checks them. A key added after
+        problems were first written (`_LATER_KEYS`) may be absent: a file without it was written
+        when its default was the only behaviour."""
+        if isinstance(d, Mapping):
+            d = {**{k: v for k, v in _LATER_KEYS.items() if k not in d}, **d}
         d = dict(_exact_keys("problem", d, [f.name for f in dataclasses.fields(MoEProblem)]))
         # A hand-written file may also give the topology and activation as strings ('ep:4').
         if not isinstance(d["topology"], str):
@@ -844,6 +901,7 @@ class MoEProblem:
 
 
 _TOPOLOGY_KEYS = ("kind", "size", "placement", "explicit")
+_LATER_KEYS: dict[str, object] = {"ll_capacity": 0, "tiny_tokens": 0}
 _ACTIVATION_KEYS = tuple(f.name for f in dataclasses.fields(Activation))
 
 

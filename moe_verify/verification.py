@@ -24,9 +24,11 @@ from moe_verify.contain import deadline
 from moe_verify.device import default_device
 from moe_verify.dump import dump_case, load_case
 from moe_verify.inputs import check_inputs, make_inputs
+from moe_verify.poison import poison_padding
 from moe_verify.preflight import preflight
-from moe_verify.runner import RankRun, resolve_backend, run_rank
+from moe_verify.runner import RankRun, resolve_backend, run_golden, run_rank
 from moe_verify.spec import (
+    LL_BLOCK_ROWS,
     Backend,
     Engine,
     Mode,
@@ -37,6 +39,7 @@ from moe_verify.spec import (
     Status,
     TopologyKind,
     Trace,
+    check_bool,
 )
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
@@ -147,6 +150,7 @@ def verify(
     plot_dir: Path | None = None,
     workspace: bool = False,
     poison: int | Sequence[int] | None = None,
+    padding_poison: bool = False,
 ) -> Report:
     """Verify `backend` against the golden on `problem`; see the module docstring for modes.
 
@@ -159,8 +163,17 @@ def verify(
     whole case (moe_verify/contain.py). `workspace` and `poison` build the optimized backend with
     reused, poisoned workspaces; two poison bytes run the tested side once under each, and every
     stage must also agree bit for bit between the two (tolerance/invariance.py).
+
+    `padding_poison`: the golden's padding rows (permute, or the batches past masked_m under
+    ep:N+ll) hold stale worst-case values (moe_verify/poison.py `poison_padding`) before any
+    isolated stage reads them, so a GEMM that lets padding reach live rows fails (FlashInfer
+    #3650). It changes what isolated mode feeds the tested stages only: chained mode runs the
+    tested side on its own outputs and is unaffected, so mode "chained" alone is refused.
     """
     modes = Mode.select(mode)
+    padding_poison = check_bool("padding_poison", padding_poison)
+    if padding_poison:
+        _check_padding_poison(modes, dump_dir)
     poisons = _poisons(poison)
     if not isinstance(backend, str) and (workspace or poisons):
         raise ValueError(
@@ -192,9 +205,13 @@ def verify(
             dump_dir,
             plot_dir,
             compare_device,
+            padding_poison=padding_poison,
         )
     if poisons:
         report.files["poison"] = [f"0x{b:02x}" for b in poisons]
+    if padding_poison:
+        padded = Stage.DISPATCH if problem.topology.kind is TopologyKind.EP_LL else Stage.PERMUTE
+        report.files["padding_poison"] = [str(padded)]
     if plot_dir is not None and maps:
         from moe_verify.plot import write_plots
 
@@ -215,6 +232,20 @@ def verify(
         )
         report.files["dump"] = [str(where)]
     return report
+
+
+def _check_padding_poison(modes: tuple[Mode, ...], dump_dir: Path | None) -> None:
+    """The padding poison needs isolated mode, and cannot be dumped yet."""
+    if Mode.ISOLATED not in modes:
+        raise ValueError(
+            "padding_poison: it poisons the golden's upstream, which only isolated mode feeds to "
+            "the tested stages; mode 'chained' would run unpoisoned (use 'isolated' or 'both')"
+        )
+    if dump_dir is not None:
+        raise ValueError(
+            "padding_poison with dump_dir: a dump does not record the padding poison, so "
+            "`moe-verify replay` would run the case unpoisoned"
+        )
 
 
 def case_inputs(
@@ -239,19 +270,28 @@ def _verify_ranks(
     dump_dir: Path | None,
     plot_dir: Path | None,
     compare_device: torch.device | str | None,
+    *,
+    padding_poison: bool = False,
 ) -> tuple[Report, list[RankRun], list]:
     """Every rank verified, then the reduce; the report, the kept runs and the plots' data.
     `twin`: the tested side's second run of a metamorphic pair, every stage of which must agree
-    bit for bit with the first."""
+    bit for bit with the first. `padding_poison`: each rank's golden with its padding rows
+    poisoned (`poison_padding`), the one golden both the tested side and a twin read."""
     # Rank by rank: compare, then keep only what the reduce needs (every trace when dumping),
     # so memory holds one rank's intermediates at a time.
     runs: list[RankRun] = []
     per_rank: list[dict[Mode, list[StageResult]]] = []
     maps: list = []
     for rank in range(problem.topology.size):
-        verdict = verify_rank(
-            problem, inputs, tested, golden, rank, modes, compare_device=compare_device
+        poisoned = (
+            poison_padding(run_golden(golden, problem, inputs, rank), problem)
+            if padding_poison
+            else None
         )
+        verdict = verify_rank(
+            problem, inputs, tested, golden, rank, modes,
+            golden_trace=poisoned, compare_device=compare_device,
+        )  # fmt: skip
         if twin is not None:
             # A twin on the same problem reads the same golden; on a variant, its own.
             same = twin.problem == problem
@@ -353,6 +393,16 @@ def invariance_pair(
                 "(ep:N+ht is exact, ep:N+ll batched)"
             )
         return first, cls(engine=engine, exact_m_sum=True), problem, "upper bound vs exact"
+    if kind == "ll_capacity":
+        if problem.topology.kind is not TopologyKind.EP_LL:
+            raise ValueError(
+                f"invariance ll_capacity: the batch capacity (DeepEP's max_tokens) of the "
+                f"ep:N+ll layout; topology {problem.topology} has no batches"
+            )
+        rows = problem.ll_max_tokens
+        doubled = 2 * max(rows, LL_BLOCK_ROWS)
+        second = dataclasses.replace(problem, ll_capacity=doubled)
+        return first, cls(engine=engine), second, f"{rows} vs {doubled} rows"
     if kind == "expected_m":
         if problem.topology.kind is not TopologyKind.EP_LL:
             raise ValueError("invariance expected_m: the masked GEMM's hint needs ep:N+ll")
@@ -376,7 +426,9 @@ def verify_invariance(
     setting `kind` changed: every stage must also agree bit for bit between the two runs, a check
     named after the setting and the pair (tolerance/invariance.py). A setting of the tested side
     alone (m_sum, expected_m, num_sms) reaches the later stages in chained mode; in isolated mode
-    each stage reads the golden's upstream, so only the stage that the setting changes sees it."""
+    each stage reads the golden's upstream, so only the stage that the setting changes sees it.
+    A setting of the problem (alignment, ll_capacity) gives the second run its own golden, whose
+    upstream its isolated stages read."""
     modes = Mode.select(mode)
     tested, second, second_problem, label = invariance_pair(problem, kind, backend, engine)
     golden = resolve_backend("golden")

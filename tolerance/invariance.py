@@ -6,10 +6,11 @@ The settings (`INVARIANCES`): the workspace poison byte (a kernel that leaves a 
 unwritten passes one poison by luck and fails the other: vLLM's NaN-poisoned workspace check,
 ref/anchors.md #2, #8), the segment alignment where both are legal, the permuted buffer's
 capacity (the upper-bound vs the exact M_sum: DeepGEMM #331's output changed with capacity
-alone), and DeepGEMM's performance hints (expected_m of the masked
-GEMM, the number of SMs). The golden is not involved: the two traces are compared with each
-other, live rows keyed by (token, k) through the permute each run read, since a permuted row's
-position is not deterministic.
+alone), the batch capacity of the low-latency layout (DeepEP's max_tokens), and DeepGEMM's
+performance hints (expected_m of the masked GEMM, the number of SMs). The golden is not
+involved: the two traces are compared with each other, live rows keyed by (token, k) through the
+permute each run read, since a permuted row's position is not deterministic; a batched (ep:N+ll)
+trace is read as a contiguous one (`flatten_batched`), its dispatch as the permute.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from moe_verify.spec import Stage, Trace
 from tolerance.context import live_slots
+from tolerance.layouts import flatten_batched
 from tolerance.results import CheckResult, ContractError, Worst
 
 
@@ -53,6 +55,11 @@ INVARIANCES = {
             "rows: DeepGEMM #331 changed live outputs with capacity alone",
         ),
         Invariance(
+            "ll_capacity",
+            "the batch capacity of the ep:N+ll layout (DeepEP's max_tokens) only adds rows past "
+            "masked_m, which the masked GEMM never reads: every live row's value must not move",
+        ),
+        Invariance(
             "expected_m",
             "expected_m is a scheduling hint of DeepGEMM's masked GEMM, not part of the math",
         ),
@@ -64,9 +71,11 @@ INVARIANCES = {
 }
 POISON_REASON = INVARIANCES["poison"].reason
 
-# Permuted outputs: one row per live (token, k) slot, padding rows unpromised.
+# Permuted outputs: one row per live (token, k) slot, padding rows unpromised. A batched trace's
+# dispatch is compared as the permute `flatten_batched` makes of it: its batches' rows and scales.
 _PERMUTED = {
     Stage.PERMUTE: ("a_perm",),
+    Stage.DISPATCH: ("a_perm", "a_scale_perm"),
     Stage.GEMM1: ("mm1",),
     Stage.ACT_QUANT: ("a2q",),
     Stage.GEMM2: ("mm2",),
@@ -97,22 +106,30 @@ def agreement(
     here).
 
     `layouts`: the traces whose permute each run's `stage` read its rows from: each run's own
-    when chained, the golden's (both) when isolated. A run's own permute keys its own permute
-    stage. On a GPU two runs order a segment's rows differently (atomics), so a row is found
-    through the permute that placed it, never by its position."""
+    when chained, the golden's (both) when isolated. A run's own permute (or dispatch) keys its
+    own permute (dispatch) stage. On a GPU two runs order a segment's rows differently (atomics),
+    so a row is found through the permute that placed it, never by its position. Batched traces
+    are flattened first: a live slot's row is its expert's batch start plus its slot, so two
+    runs whose batches hold different capacities compare row for row."""
     if first.failure(stage) is not None or second.failure(stage) is not None:
         return None
     name = f"poison {label}" if invariance.kind == "poison" else invariance.name(label)
-    if stage == Stage.PERMUTE:
+    if stage in (Stage.PERMUTE, Stage.DISPATCH):
         layouts = (first, second)
+    try:
+        first, second = flatten_batched(first), flatten_batched(second)
+        layouts = (flatten_batched(layouts[0]), flatten_batched(layouts[1]))
+    except ContractError:  # a dispatch without the entries that key its rows
+        return None
     if stage in _PERMUTED and all(Stage.PERMUTE in t for t in layouts):
         try:
             slots = live_slots(*layouts)
         except ContractError:
             return None
+        outputs = Stage.PERMUTE if stage == Stage.DISPATCH else stage
         bad, total, worst = 0, 0, None
         for key in _PERMUTED[stage]:
-            a, b = first[stage].get(key), second[stage].get(key)
+            a, b = first[outputs].get(key), second[outputs].get(key)
             if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
                 continue
             rows_a, rows_b = a[slots.gold_rows], b[slots.other_rows.to(a.device)]

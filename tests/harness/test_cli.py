@@ -458,13 +458,30 @@ def _passing_report() -> Report:
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        ([], {"workspace": False, "poison": None, "case_timeout_s": 900.0, "plot_dir": None}),
+        (
+            [],
+            {
+                "workspace": False,
+                "poison": None,
+                "case_timeout_s": 900.0,
+                "plot_dir": None,
+                "padding_poison": False,
+            },
+        ),
         (["--workspace", "--poison", "0xFF"], {"workspace": True, "poison": [0xFF]}),
         (["--poison", "255", "--poison", "0"], {"poison": [255, 0]}),
         (["--case-timeout", "0"], {"case_timeout_s": None}),  # no limit
         (["--case-timeout", "2.5"], {"case_timeout_s": 2.5}),
+        (["--poison-padding"], {"padding_poison": True}),
     ],
-    ids=["defaults", "workspace-poison-0xFF", "two-poisons", "no-timeout", "timeout"],
+    ids=[
+        "defaults",
+        "workspace-poison-0xFF",
+        "two-poisons",
+        "no-timeout",
+        "timeout",
+        "poison-padding",
+    ],
 )
 def test_run_flags_reach_verify(
     flags: list[str], expected: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -478,6 +495,29 @@ def test_run_flags_reach_verify(
     monkeypatch.setattr(verification, "verify", stand_in)
     assert main(["run", *TINY, *flags]) == 0
     assert {k: seen[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], {"ll_capacity": 0, "tiny_tokens": 0}),
+        (["--tiny-tokens", "2"], {"tiny_tokens": 2}),
+        (["--topology", "ep:2+ll", "--ll-capacity", "256"], {"ll_capacity": 256}),
+    ],
+    ids=["defaults", "tiny-tokens", "ll-capacity"],
+)
+def test_run_problem_flags_reach_the_problem(
+    flags: list[str], expected: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[MoEProblem] = []
+
+    def stand_in(problem, **kwargs):
+        seen.append(problem)
+        return _passing_report()
+
+    monkeypatch.setattr(verification, "verify", stand_in)
+    assert main(["run", *TINY, *flags]) == 0
+    assert {k: getattr(seen[0], k) for k in expected} == expected
 
 
 def test_plot_dir_reaches_verify_and_is_named(
@@ -529,12 +569,13 @@ def test_replay_defaults_to_what_the_dump_recorded(
     assert seen == {"directory": tmp_path, "backend": None, "engine": None, "mode": None}
 
 
+@pytest.mark.parametrize("flags", [["--poison", "0xFF"], ["--poison-padding"]], ids=lambda f: f[0])
 def test_torchrun_refuses_the_flags_its_ranks_do_not_take(
-    capsys: pytest.CaptureFixture[str],
+    flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["run", "--launcher", "torchrun", "--topology", "ep:2", "--poison", "0xFF"]
+    argv = ["run", "--launcher", "torchrun", "--topology", "ep:2", *flags]
     assert main(argv) == 2
-    assert "--poison: not supported with --launcher torchrun" in capsys.readouterr().err
+    assert f"{flags[0]}: not supported with --launcher torchrun" in capsys.readouterr().err
 
 
 def test_the_parser_has_one_case_timeout_default() -> None:

@@ -3,35 +3,32 @@
 Each class is the optimized path (`OptimizedBackend`, or `ProductionForward` for a bug that lives
 only under graph replay) with ONE stage method overridden, the way the field bug sat in a real
 kernel or its host code; the docstring names the bug (its N row and thread), what it does wrong
-and the stage that must catch it. `CATCHES` says, per class, the problem and inputs that reach
-the bug and where the suite must catch it, so the GPU tier can reuse the table.
+and the stage that must catch it. `CATCHES` says, per class, the problem (and poison) that
+reaches the bug and where the suite must catch it, so the GPU tier can reuse the table.
 
-Three classes need inputs `make_inputs` does not draw, built here rather than in moe_verify/:
+Three classes need inputs that random draws never reach, all made by the product:
 
-- `tiny_token`: one token whose every group's amax is below 448 * 2^-127, so its MXFP8 scale is
-  E8M0 byte 0 (2^-127), the code Triton's decoder read as zero (N24);
-- `poison_padding`: padding rows of the permuted activations at the largest e4m3 code and, where
-  the layout leaves them unspecified (psum gap and tail rows), their scales at the largest fp32,
-  so a GEMM that computes padding rows overflows to Inf there (N17: random inputs hid it, since
-  every padding row of a fresh scatter is zero). `verify_poisoned_padding` runs an isolated
-  verification whose golden upstream carries that poison;
+- `MoEProblem.tiny_tokens` (moe_verify/inputs.py): tokens whose every group's amax is below
+  448 * 2^-127, so their MXFP8 scale is E8M0 byte 0 (2^-127), the code Triton's decoder read as
+  zero (N24);
+- `verify(..., padding_poison=True)` (moe_verify/poison.py `poison_padding`): padding rows of
+  the golden's permuted activations at the largest e4m3 code and, where the layout leaves them
+  unspecified (psum gap and tail rows), their scales at the largest fp32, so a GEMM that computes
+  padding rows overflows to Inf there (N17: random inputs hid it, since every padding row of a
+  fresh scatter is zero);
 - the stale ids of N1 come from `moe_verify.graph` (its padded replays plant them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import resolve_backend
 from moe_verify.spec import (
     ActQuantRecipe,
     GroupedLayout,
-    Mode,
     MoEInputs,
     MoEProblem,
     QuantizedWeight,
@@ -40,19 +37,12 @@ from moe_verify.spec import (
     Topology,
     Trace,
 )
-from moe_verify.verification import compare_reduce, has_reduce, rank_experts, verify_rank
 from optimized.backend import OptimizedBackend
 from optimized.kernels import scatter
 from optimized.production import ForwardConfig, Outputs, ProductionForward, RankWeights, Taps
 from reference.formats import dequantize_fp8_blocks
 from tests.tester.recipe_backends import bf16_steps
 from tests.tester.wrong_backends import _with
-from tolerance.report import Report
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX_CODE = 0x7E  # e4m3 448, the largest finite code (0x7F is NaN)
-FP32_MAX = torch.finfo(torch.float32).max
-TINY_AMAX = 2.0**-119  # amax / 448 = 2^-127.8 <= 2^-127: E8M0 byte 0 for MXFP8's 1x32 groups
 
 
 def _fp32_bits(x: torch.Tensor) -> torch.Tensor:
@@ -68,65 +58,6 @@ def _packed_bytes(packed: torch.Tensor, groups: int) -> torch.Tensor:
     words = packed.to(torch.int64) & 0xFFFFFFFF
     parts = [(words >> (8 * j)) & 0xFF for j in range(4)]
     return torch.stack(parts, dim=-1).reshape(packed.shape[0], -1)[:, :groups].to(torch.int32)
-
-
-# -- inputs --------------------------------------------------------------------------------------
-
-
-def tiny_token(problem: MoEProblem, token: int = 0) -> MoEInputs:
-    """`make_inputs(problem)` with token `token`'s hidden row rescaled so its |max| is exactly
-    TINY_AMAX (2^-119): every MXFP8 group of it then has SF = amax / 448 <= 2^-127, E8M0 byte 0
-    (2^-127, the fp32 subnormal 0x00400000), and codes up to 256 (x * 2^127), not zeros."""
-    x = make_inputs(problem, "cpu")
-    row = x.hidden_states[token].float()
-    hidden = x.hidden_states.clone()
-    hidden[token] = (row / row.abs().max() * TINY_AMAX).to(torch.bfloat16)
-    return dataclasses.replace(x, hidden_states=hidden)
-
-
-def poison_padding(up: Trace, problem: MoEProblem) -> Trace:
-    """A copy of `up` whose permute padding rows (m_indices -1) hold the largest e4m3 code, and,
-    under the psum layout (whose gap and tail scales are unspecified, docs/tolerance.md "Permute
-    and padding"), the largest fp32 scale: stale memory that drives a padding row's accumulator
-    to Inf. Under m_indices the padding scales stay +0.0 (the contract fixes them)."""
-    perm = up["permute"]
-    pad = perm["m_indices"] == -1
-    a_perm = perm["a_perm"].clone()
-    a_perm.view(torch.uint8)[pad] = FP8_MAX_CODE
-    entries: dict[str, object] = {"a_perm": a_perm}
-    if problem.grouped_layout is GroupedLayout.PSUM:
-        scale = perm["a_scale_perm"].clone()
-        # packed UE8M0: byte 254 (2^127) in every slot, the word 0xFEFEFEFE as an int32
-        scale[pad] = -0x01010102 if scale.dtype == torch.int32 else FP32_MAX
-        entries["a_scale_perm"] = scale
-    return _with(up, "permute", **entries)
-
-
-def verify_poisoned_padding(problem: MoEProblem, backend: OptimizedBackend) -> Report:
-    """Isolated verification of `backend` on `problem`, the golden's permute padding poisoned by
-    `poison_padding` before any tested stage reads it (the golden's own later stages never read
-    padding rows, so its trace stays right). One report, as `verify` makes it."""
-    inputs = make_inputs(problem, "cpu")
-    golden = resolve_backend("golden")
-    runs, results = [], []
-    for rank in range(problem.topology.size):
-        clean = golden.run(problem, inputs, rank)
-        poisoned = poison_padding(clean, problem)
-        verdict = verify_rank(
-            problem, inputs, backend, golden, rank, (Mode.ISOLATED,), golden_trace=poisoned
-        )
-        runs.append(verdict.run)
-        results.extend(verdict.results[Mode.ISOLATED])
-    if has_reduce(problem):
-        results.append(compare_reduce(problem, runs, Mode.ISOLATED))
-    return Report(
-        problem,
-        backend.name,
-        Mode.ISOLATED,
-        isolated=results,
-        golden=golden.name,
-        rank_experts=rank_experts(problem),
-    )
 
 
 # -- quant_input ---------------------------------------------------------------------------------
@@ -186,9 +117,10 @@ class E8m0ZeroByteAsZero(OptimizedBackend):
 
     Any MX path (MXFP8's 1x32 E8M0 activation scales here) with a group whose amax / 448 is at
     most 2^-127 has byte 0: that group's products all vanish. Random data never gets there
-    (amax ~ 1); a token of tiny activations (`tiny_token`) does, and its every mm1 element comes
-    out zero. gemm1 is the first stage that decodes the bytes, so it must catch it, naming the
-    token. The decoded scales are handed to the same GEMM as fp32 (exact: powers of two).
+    (amax ~ 1); a token of tiny activations (`MoEProblem.tiny_tokens`) does, and its every mm1
+    element comes out zero. gemm1 is the first stage that decodes the bytes, so it must catch
+    it, naming the token. The decoded scales are handed to the same GEMM as fp32 (exact: powers
+    of two).
     """
 
     name = "e8m0_zero_byte_as_zero"
@@ -232,7 +164,7 @@ def accumulators(
     """fp32 [rows, N]: sum over K groups of (codes @ weight^T) x the row's scale of that group,
     the scale applied after each partial dot as DeepGEMM promotes; fp32 a_scale [rows, K/group],
     dequantized weight fp32 [N, K]."""
-    acc = torch.zeros(a.shape[0], weight.shape[0])
+    acc = torch.zeros(a.shape[0], weight.shape[0], device=a.device)
     for g in range(a.shape[1] // group):
         cols = slice(g * group, (g + 1) * group)
         acc += (a[:, cols].float() @ weight[:, cols].T) * a_scale[:, g : g + 1]
@@ -248,7 +180,8 @@ class PaddingInfBleedsIntoTile(OptimizedBackend):
 
     Qwen3.5-397B FP8 (H100) "token salad", GSM8K 1.14%: padding rows accumulated over stale FP8
     input until Inf. Random synthetic inputs never trip it (a fresh scatter's padding rows are
-    zero); under `poison_padding` (stale 448 codes and huge psum gap scales) gemm1 must catch it,
+    zero); under the padding poison (`verify(..., padding_poison=True)`: stale 448 codes and huge
+    psum gap scales) gemm1 must catch it,
     as NaN in live rows of the experts whose segment has padding. The correct GEMM never reads a
     psum gap row and computes a -1 row as zero, so it passes under the same poison.
     """
@@ -359,6 +292,7 @@ class LocalCountBoundsIds(ProductionForward):
 # Four experts, top-2, A = 32, one 128-column group per row (as tests/tester/test_wrong_backends).
 BASE = MoEProblem(tokens=16, hidden=128, intermediate=128, num_experts=4, topk=2, alignment=32)
 MXFP8 = BASE.replace(recipe=Recipe.MXFP8, scale_fmt=ScaleFmt.UE8M0_PACKED)
+TINY = MXFP8.replace(tiny_tokens=1)  # token 0's four 1x32 groups have E8M0 byte 0
 CEIL = BASE.replace(scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0)
 PACKED = BASE.replace(scale_fmt=ScaleFmt.UE8M0_PACKED)
 PSUM = BASE.replace(grouped_layout=GroupedLayout.PSUM)  # vLLM's SM90 layout for fp8_block
@@ -368,22 +302,19 @@ LL_33_GROUPS = BASE.replace(
     tokens=4, num_experts=1, topk=1, intermediate=128 * 33, topology=Topology.parse("ep:1+ll")
 )
 
-Inputs = Callable[[MoEProblem], MoEInputs]
-
 
 @dataclass(frozen=True)
 class Catch:
     """A wrong backend, its field bug (N row of anchors-2026-12.md §5 and its thread), the case
-    and inputs that reach it, and the stage isolated mode must name. `inputs` None: the
-    problem's own; `poisoned`: the golden's permute padding poisoned (`verify_poisoned_padding`).
-    `names`: text the failure messages must contain (the rows, columns or entry blamed)."""
+    that reaches it, and the stage isolated mode must name. `poisoned`: the golden's permute
+    padding poisoned (`verify(..., padding_poison=True)`). `names`: text the failure messages
+    must contain (the rows, columns or entry blamed)."""
 
     backend: type[OptimizedBackend]
     bug: str
     problem: MoEProblem
     stage: str
     names: tuple[str, ...] = ()
-    inputs: Inputs | None = None
     poisoned: bool = False
 
     @property
@@ -392,8 +323,7 @@ class Catch:
 
 
 CATCHES: tuple[Catch, ...] = (
-    Catch(E8m0ZeroByteAsZero, "N24 Triton #11624", MXFP8, "gemm1", ("token 0",), tiny_token),
-    # ^ token 0's four 1x32 groups have E8M0 byte 0
+    Catch(E8m0ZeroByteAsZero, "N24 Triton #11624", TINY, "gemm1", ("token 0",)),
     Catch(E8m0BytesCopiedAsNumbers, "N4 vLLM #43416", CEIL, "gemm1", ("expert",)),
     # ^ SM90's fp32 power-of-two weight scales, as DeepSeek-V4's FP8 experts load them
     Catch(CeilScaleAfterQuant, "N20 SGLang #28418", CEIL, "quant_input", ("token",)),

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from moe_verify.graph import default_replays, verify_graph
-from moe_verify.spec import STAGES, Engine, Stage, Trace
+from moe_verify.inputs import TINY_AMAX, make_inputs
+from moe_verify.poison import FP8_MAX_CODE, FP32_MAX, poison_padding
+from moe_verify.spec import STAGES, Engine, MoEProblem, Stage, Trace
 from moe_verify.verification import verify
 from optimized import op
 from optimized.backend import OptimizedBackend
@@ -28,10 +30,7 @@ REPLAYS = {r.name: r for r in default_replays(GRAPH_BASE.tokens, GRAPH_BASE.seed
 
 
 def _run(catch: fb.Catch, backend: OptimizedBackend) -> Report:
-    if catch.poisoned:
-        return fb.verify_poisoned_padding(catch.problem, backend)
-    inputs = catch.inputs(catch.problem) if catch.inputs is not None else None
-    return verify(catch.problem, backend=backend, mode="isolated", inputs=inputs)
+    return verify(catch.problem, backend=backend, mode="isolated", padding_poison=catch.poisoned)
 
 
 def test_every_field_bug_class_is_in_a_table() -> None:
@@ -74,8 +73,8 @@ def test_correct_backend_passes_the_same_inputs(catch: fb.Catch, record_report) 
 
 
 def test_tiny_token_has_e8m0_byte_zero_and_live_codes() -> None:
-    problem = fb.MXFP8
-    x = fb.tiny_token(problem)
+    problem = fb.TINY
+    x = make_inputs(problem, "cpu")
     out = ReferenceBackend().run_stage("quant_input", problem, x, Trace("golden"), 0)
     scale, codes = out["a1q_scale"], out["a1q"].float()
     assert scale.dtype == torch.uint8 and bool((scale[0] == 0).all()), scale[0]
@@ -83,15 +82,54 @@ def test_tiny_token_has_e8m0_byte_zero_and_live_codes() -> None:
     assert float(codes[0].abs().max()) >= 128  # x * 2^127: codes, not zeros
 
 
+@pytest.mark.parametrize("n", [1, 3, fb.TINY.tokens], ids=lambda n: f"tiny{n}")
+def test_tiny_tokens_rescale_only_the_first_tokens(n: int) -> None:
+    """Deterministic: the first n rows at |max| 2^-119, proportional to the rows they replace;
+    every other tensor is that of the problem without tiny tokens (no random draw moved)."""
+    plain, tiny = make_inputs(fb.MXFP8, "cpu"), make_inputs(fb.MXFP8.replace(tiny_tokens=n), "cpu")
+    rows = tiny.hidden_states[:n].float()
+    assert bool((rows.abs().amax(dim=1) == TINY_AMAX).all())
+    want = plain.hidden_states[:n].float()
+    want = (want / want.abs().amax(dim=1, keepdim=True) * TINY_AMAX).bfloat16()
+    assert torch.equal(tiny.hidden_states[:n], want)
+    assert torch.equal(tiny.hidden_states[n:], plain.hidden_states[n:])
+    for name in ("router_logits", "w13", "w2"):
+        assert torch.equal(getattr(tiny, name), getattr(plain, name)), name
+
+
+def test_the_optimized_path_takes_tiny_tokens_in_both_modes(record_report) -> None:
+    report = record_report(verify(fb.TINY, backend=OptimizedBackend(engine="triton"), mode="both"))
+    assert report.passed, report.summary_line()
+
+
+def test_tiny_tokens_name_the_case_and_round_trip() -> None:
+    assert fb.TINY.id == f"{fb.MXFP8.id}-tiny1" and "tiny" not in fb.MXFP8.id
+    assert MoEProblem.from_dict(fb.TINY.to_dict()) == fb.TINY
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(tiny_tokens=17), r"tiny_tokens \(at most tokens=16\)"),
+        (dict(tiny_tokens=-1), "MoEProblem.tiny_tokens"),
+        (dict(tiny_tokens=1, provenance=True), "erase the tags"),
+    ],
+    ids=["more-than-tokens", "negative", "with-provenance"],
+)
+def test_tiny_tokens_the_case_cannot_hold_are_refused(changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fb.MXFP8.replace(**changes)
+
+
 def test_poisoned_padding_drives_the_padding_accumulator_to_inf() -> None:
     problem = fb.PSUM
-    x = fb.make_inputs(problem, "cpu")
+    x = make_inputs(problem, "cpu")
     golden = ReferenceBackend().run(problem, x, 0)
-    perm = fb.poison_padding(golden, problem)["permute"]
+    perm = poison_padding(golden, problem)["permute"]
     pad = perm["m_indices"] == -1
     assert bool(pad.any())
-    assert bool((perm["a_perm"].view(torch.uint8)[pad] == fb.FP8_MAX_CODE).all())
-    assert bool((perm["a_scale_perm"][pad] == fb.FP32_MAX).all())
+    assert bool((perm["a_perm"].view(torch.uint8)[pad] == FP8_MAX_CODE).all())
+    assert bool((perm["a_scale_perm"][pad] == FP32_MAX).all())
     assert torch.equal(perm["a_perm"][~pad], golden["permute"]["a_perm"][~pad])
     weight = fb.dequantize_fp8_blocks(x.w13_q.q[0], x.w13_q.scale[0], x.w13_q.block)
     acc = fb.accumulators(perm["a_perm"][pad], perm["a_scale_perm"][pad], weight, 128)
