@@ -23,7 +23,11 @@ ALLOWED = {
     "optimized": ("optimized", "moe_verify.spec"),
     "tolerance": ("tolerance", "moe_verify.spec"),
 }
-FORBIDDEN_THIRD_PARTY = {"reference": ("triton", "deep_gemm"), "tolerance": ("triton", "deep_gemm")}
+# mmaemu is a test-only cross-check of the tensor-core recipe: the golden never depends on it.
+FORBIDDEN_THIRD_PARTY = {
+    "reference": ("triton", "deep_gemm", "mmaemu"),
+    "tolerance": ("triton", "deep_gemm", "mmaemu"),
+}
 
 
 def _module_name(path: Path) -> str:
