@@ -23,6 +23,7 @@ from tests.tolerance.synthetic import (
     tiny_problem,
 )
 from tolerance import StageResult, compare, compare_stage, policy_for
+from tolerance.metrics import fp32_ulp_distance
 from tolerance.policy import POLICY
 
 pytestmark = pytest.mark.cpu
@@ -577,3 +578,31 @@ def test_compare_subset_of_stages(golden: Trace, other: Trace, problem: MoEProbl
         "permute",
         "gather",
     ]
+
+
+# -- route weights under renormalization --------------------------------------------------------
+
+
+@pytest.mark.parametrize("topk", [3, 8])
+def test_renormalized_weights_in_two_sum_orders_stay_within_the_bound(topk: int) -> None:
+    """The bound's premise: the same k scores renormalized by sums in two orders (as the golden,
+    with its lowest-id tie order, and a kernel with torch.topk's) differ by at most the policy's
+    ulps. Many random tokens, so the check is not passed by luck; and the worst seen must be
+    within the bound, while the two orders really differ (two terms commute, three need not)."""
+    gen = torch.Generator().manual_seed(topk)
+    scores = torch.rand(20000, topk, generator=gen) ** 4  # spread exponents, as sigmoid tails do
+    ahead = scores / scores.sum(dim=-1, keepdim=True)
+    reverse = scores.flip(1)
+    behind = (reverse / reverse.cumsum(dim=-1)[:, -1:]).flip(1)
+    worst = int(fp32_ulp_distance(ahead, behind).max())
+    problem = MoEProblem(tokens=64, hidden=128, intermediate=128, num_experts=16, topk=topk)
+    limit = policy_for("route", problem).limit("ulp")
+    assert limit.value == 2 * topk + 1
+    assert 0 < worst <= limit.value, f"{worst} ulps between two sum orders at k={topk}"
+
+
+def test_weights_without_renormalization_keep_one_ulp() -> None:
+    problem = MoEProblem(
+        tokens=64, hidden=128, intermediate=128, num_experts=16, topk=8, renormalize=False
+    )
+    assert policy_for("route", problem).limit("ulp").value == 1
