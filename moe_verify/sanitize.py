@@ -591,7 +591,12 @@ class SanitizeReport:
             return f"The sanitized run took {self.wall_s:.1f} s."
         runs = f"{self.wall_s:.1f} s vs {self.baseline_s:.1f} s without it"
         if self.baseline_rc not in (None, self.child_rc):
-            runs += f", which ended with exit {self.baseline_rc}"
+            # The sanitized run stopped at the fault, so the two runs did different work.
+            return (
+                f"Under {self.tool} the case ended at the fault after {self.wall_s:.1f} s; without "
+                f"it the case ran to exit {self.baseline_rc} in {self.baseline_s:.1f} s (no "
+                "slowdown measured)."
+            )
         return f"Under {self.tool} the case ran {ratio:.1f}x slower ({runs})."
 
     def to_summary(self) -> str:

@@ -9,6 +9,7 @@ below are the guide's shapes with our kernels' names in them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -543,6 +544,17 @@ def test_the_same_case_without_the_sanitizer_measures_the_slowdown(fake: Fake) -
     assert report.baseline_rc == 0 and report.baseline_s is not None and report.baseline_s > 0
     assert report.slowdown == pytest.approx(report.wall_s / report.baseline_s)
     assert "x slower" in report.to_summary() and f"{report.baseline_s:.1f} s" in report.to_summary()
+
+
+def test_a_run_stopped_by_its_fault_gives_no_slowdown(fake: Fake) -> None:
+    """Seen on the H200: the sanitized run ended at the planted fault (exit 2) and the clean one
+    ran to exit 0, so a ratio of the two ("0.9x slower") would compare different work."""
+    fake.play([{"sleep": 0.2}, {"print": CLEAN}])
+    clean = fake.run(argv=[*FLAGS, "--backend", "golden", "--mode", "isolated"], baseline=True)
+    stopped = dataclasses.replace(clean, child_rc=2)
+    summary = stopped.to_summary()
+    assert "ended at the fault" in summary and "x slower" not in summary, summary
+    assert f"{clean.baseline_s:.1f} s" in summary and "exit 0" in summary
 
 
 def test_sanitize_run_without_a_gpu_says_so(fake: Fake) -> None:
