@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +27,9 @@ import torch
 
 from moe_verify.spec import QuantizedWeight, ScaleFmt
 from reference.formats import quantize_fp8_blocks, quantize_fp8_groups
+from reference.gate_table import GATE_FILE, gate_key
 
 GEMM_FILE = "sm90_deepgemm_gemm.safetensors"
-GATE_FILE = "sm90_triton_gate.safetensors"
 SEED = 20261201
 FORMATS = (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0)
 ALPHAS = (1.0, 1.702)  # silu; gpt-oss's swigluoai
@@ -100,7 +99,8 @@ def gemm_operands(shape: GemmShape, fmt: ScaleFmt) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run_deepgemm(shape: GemmShape, ops: dict[str, torch.Tensor]) -> torch.Tensor:
+def run_deepgemm(shape: GemmShape, ops: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`shape`'s GEMM through DeepGEMM on this GPU: bf16 output on the CPU."""
     from optimized import deepgemm
 
     dev = {k: v.cuda() for k, v in ops.items()}
@@ -152,7 +152,7 @@ def record_gemm_vectors(path: Path) -> int:
     for shape in SHAPES:
         for fmt in FORMATS:
             ops = gemm_operands(shape, fmt)
-            ops["out"] = _run_deepgemm(shape, ops)
+            ops["out"] = run_deepgemm(shape, ops)
             for name, x in ops.items():
                 tensors[f"{shape.layout}.{fmt}.{name}"] = _as_stored(x)
     save_file(tensors, str(path), metadata=versions())
@@ -183,13 +183,6 @@ def record_gate_tables(path: Path) -> int:
     torch.cuda.synchronize()
     save_file(tables, str(path), metadata=versions())
     return len(tables)
-
-
-def gate_key(alpha: float) -> str:
-    """The tensor name of alpha's table ('gate_alpha_1.702')."""
-    if not math.isfinite(alpha):
-        raise ValueError(f"alpha must be finite, got {alpha}")
-    return f"gate_alpha_{alpha!r}"
 
 
 def main(argv: list[str] | None = None) -> int:
