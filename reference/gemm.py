@@ -58,21 +58,34 @@ def grouped_gemm(
     """
     num_experts, n, k = w.shape
     require(a.shape[1] == k, "a", f"K = {k} columns (the weight's K)", f"{a.shape[1]}")
-    require(
-        m_indices.numel() == a.shape[0], "m_indices", f"{a.shape[0]} rows", f"{m_indices.numel()}"
-    )
     out = torch.zeros(a.shape[0], n, dtype=torch.bfloat16, device=a.device)
-    if a.shape[0] == 0:
+    groups = expert_rows(m_indices, num_experts, a.shape[0])
+    if not groups:
         return out
+    a_deq = dequantize_activations(a, a_scale, a_group)
+    for e, rows in groups:
+        b = dequantize_weight(w, e)
+        out[rows] = (a_deq[rows].to(precision) @ b.to(precision).T).to(torch.bfloat16)
+    return out
+
+
+def expert_rows(
+    m_indices: torch.Tensor, num_experts: int, m_sum: int
+) -> list[tuple[int, torch.Tensor]]:
+    """(expert, its row numbers) for every expert that owns rows of the grouped layout.
+
+    m_indices int32 [M_sum]: the expert of each row, -1 for padding; checked against M_sum rows
+    and the expert count, so every grouped GEMM recipe reads the layout the same way."""
+    require(m_indices.numel() == m_sum, "m_indices", f"{m_sum} rows", f"{m_indices.numel()}")
+    if m_sum == 0:
+        return []
     require(
         int(m_indices.max()) < num_experts and int(m_indices.min()) >= -1,
         "m_indices",
         f"values in [-1, {num_experts})",
         f"range [{int(m_indices.min())}, {int(m_indices.max())}]",
     )
-    a_deq = dequantize_activations(a, a_scale, a_group)
-    for e in torch.unique(m_indices[m_indices >= 0]).tolist():
-        rows = (m_indices == e).nonzero().squeeze(1)
-        b = dequantize_weight(w, e)
-        out[rows] = (a_deq[rows].to(precision) @ b.to(precision).T).to(torch.bfloat16)
-    return out
+    return [
+        (e, (m_indices == e).nonzero().squeeze(1))
+        for e in torch.unique(m_indices[m_indices >= 0]).tolist()
+    ]

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from moe_verify.spec import QuantizedWeight
+from reference.gemm import expert_rows
 from reference.validate import first_index, require, require_scale_values, require_tensor
 
 __all__ = [
@@ -348,20 +349,8 @@ def tensor_core_grouped_gemm(
     """
     _require_activations(a, a_scale, a_group, w, 2)
     num_experts, n, _ = w.shape
-    require(
-        m_indices.numel() == a.shape[0], "m_indices", f"{a.shape[0]} rows", f"{m_indices.numel()}"
-    )
     out = torch.zeros(a.shape[0], n, dtype=torch.bfloat16, device=a.device)
-    if a.shape[0] == 0:
-        return out
-    require(
-        int(m_indices.max()) < num_experts and int(m_indices.min()) >= -1,
-        "m_indices",
-        f"values in [-1, {num_experts})",
-        f"range [{int(m_indices.min())}, {int(m_indices.max())}]",
-    )
-    for e in torch.unique(m_indices[m_indices >= 0]).tolist():
-        rows = (m_indices == e).nonzero().squeeze(1)
+    for e, rows in expert_rows(m_indices, num_experts, a.shape[0]):
         out[rows] = tensor_core_gemm(a[rows], a_scale[rows], w.q[e], w.scale[e])
     return out
 
