@@ -13,6 +13,7 @@ from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S
 from moe_verify.spec import (
     MODE_CHOICES,
     Engine,
+    GemmRecipe,
     GroupedLayout,
     MoEProblem,
     Recipe,
@@ -164,6 +165,15 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
         "masked_m) hold the largest e4m3 code, and the largest scale where the layout leaves "
         "padding scales unspecified, so a GEMM that lets padding reach live rows fails "
         "(FlashInfer #3650); chained mode is unaffected",
+    )
+    run.add_argument(
+        "--gemm-recipe",
+        choices=[r.value for r in GemmRecipe],
+        default=None,
+        help="what isolated gemm1/gemm2 are held to; default: bit for bit to the golden's "
+        "tensor-core recipe where the stage ran DeepGEMM on SM90, else bounded against fp32 "
+        "dequant math; tensor_core: bit for bit always (fp8_block, fp32 or ceil-UE8M0 scales); "
+        "fp32_dequant: bounded always",
     )
     run.add_argument(
         "--invariance",

@@ -37,6 +37,7 @@ from moe_verify.runner import resolve_backend, run_golden
 from moe_verify.spec import (
     REPORT_STAGES,
     Backend,
+    GemmRecipe,
     Mode,
     MoEProblem,
     Recipe,
@@ -282,7 +283,17 @@ def _measure(
     gold = [run_golden(golden, problem, inputs, r) for r in ranks]
     for name, backend in (("golden64", golden64), (tested.name, tested)):
         verdicts = [
-            verify_rank(problem, inputs, backend, golden, r, tuple(Mode), golden_trace=gold[r])
+            # The bounds are calibrated against fp32 dequant math, so never the bitwise recipe.
+            verify_rank(
+                problem,
+                inputs,
+                backend,
+                golden,
+                r,
+                tuple(Mode),
+                golden_trace=gold[r],
+                gemm_recipe=GemmRecipe.FP32_DEQUANT,
+            )  # fmt: skip
             for r in ranks
         ]
         for mode in Mode:

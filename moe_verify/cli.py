@@ -83,6 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "--poison-padding": args.poison_padding,
             "--plot": args.plot,
             "--invariance": args.invariance,
+            "--gemm-recipe": args.gemm_recipe,
         }
         unsupported = [flag for flag, value in given.items() if value]
         if unsupported:
@@ -97,7 +98,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     problem = problem_from_args(args)
     if args.invariance:
         given = {"--workspace": args.workspace, "--poison": args.poison, "--plot": args.plot,
-                 "--dump-dir": args.dump_dir, "--poison-padding": args.poison_padding}  # fmt: skip
+                 "--dump-dir": args.dump_dir, "--poison-padding": args.poison_padding,
+                 "--gemm-recipe": args.gemm_recipe}  # fmt: skip
         unsupported = [flag for flag, value in given.items() if value]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}: not supported with --invariance")
@@ -124,6 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         workspace=args.workspace,
         poison=args.poison,
         padding_poison=args.poison_padding,
+        gemm_recipe=args.gemm_recipe,
     )
     print(report.to_table() if args.verbose else report.to_summary())
     print_files(report, args)

@@ -211,11 +211,23 @@ class InputQuantRecipe(enum.StrEnum):
 
 class ActQuantRecipe(enum.StrEnum):
     """vLLM's three SwiGLU + FP8 requant kernels (DESIGN.md "Legitimate recipes";
-    reference/activation.py models each)."""
+    reference/activation.py models each), and the Triton two with the hardware's gate."""
 
     PACKED = "packed"  # silu_mul_quant_fp8_packed_triton: fp32, one bf16 rounding (UE8M0_PACKED)
     COLMAJOR = "colmajor"  # silu_mul_per_token_group_quant_fp8_colmajor: silu_and_mul's roundings
     BF16_STEPS = "bf16_steps"  # persistent_masked_m_silu_mul_quant (CUDA, LL): every step in bf16
+    # The two Triton kernels with the gate read from the table recorded on an H200 (Triton 3.6):
+    # tl.exp and the approximate division as that GPU computes them (reference/gate_table.py).
+    PACKED_SM90_TRITON = "packed_sm90_triton"
+    COLMAJOR_SM90_TRITON = "colmajor_sm90_triton"
+
+
+class GemmRecipe(enum.StrEnum):
+    """What a GEMM stage's live rows are held to (DESIGN.md "Legitimate recipes"; docs/tolerance.md
+    "Zero tolerance on SM90")."""
+
+    FP32_DEQUANT = "fp32_dequant"  # bounded against exact fp32 math on the same fp8 operands
+    TENSOR_CORE = "tensor_core"  # bit for bit against the Hopper tensor core's block accumulation
 
 
 class Engine(enum.StrEnum):

@@ -31,9 +31,12 @@ from moe_verify.spec import (
     LL_BLOCK_ROWS,
     Backend,
     Engine,
+    GemmRecipe,
     Mode,
     MoEInputs,
     MoEProblem,
+    Recipe,
+    ScaleFmt,
     Stage,
     StageSkipped,
     Status,
@@ -41,6 +44,7 @@ from moe_verify.spec import (
     Trace,
     check_bool,
 )
+from reference.moe import ReferenceBackend
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
 from tolerance.invariance import INVARIANCES, Invariance, agreement
@@ -77,12 +81,97 @@ def verify_rank(
     *,
     golden_trace: Trace | None = None,
     compare_device: torch.device | str | None = None,
+    gemm_recipe: GemmRecipe | str | None = None,
 ) -> RankVerdict:
     """Run, compare and tag one rank: the golden of `rank` (or `golden_trace`, already run), the
     tested backend in each of `modes`, every stage of the rank compared on `compare_device` (the
-    golden's device by default)."""
+    golden's device by default). Isolated GEMM stages are held bit for bit to the golden's
+    tensor-core recipe where `gemm_recipe_applies` (`with_gemm_recipe`)."""
     run = run_rank(problem, inputs, tested, golden, rank, modes, golden_trace)
+    if Mode.ISOLATED in run.tested:
+        run.golden = with_gemm_recipe(
+            problem, inputs, golden, run.golden, run.tested[Mode.ISOLATED], gemm_recipe
+        )
     return RankVerdict(run, {m: compare_rank(problem, run, m, compare_device) for m in modes})
+
+
+# Zero tolerance on SM90 (docs/tolerance.md#zero-tolerance-on-sm90) ------------------------------
+
+# The scale formats DeepGEMM's SM90 FP8 GEMM reads (fp32 scales; ceil-UE8M0 ones are fp32 too).
+_SM90_FORMATS = (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0)
+_GEMM_OUTPUTS = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
+
+
+def sm90_device(t: torch.Tensor) -> bool:
+    """The tensor lies on a CUDA device of compute capability major 9 (Hopper): the one place
+    that decides whether a GEMM's output came from SM90 hardware."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
+def check_gemm_recipe(
+    problem: MoEProblem, modes: tuple[Mode, ...], gemm_recipe: GemmRecipe | str | None
+) -> GemmRecipe | None:
+    """`gemm_recipe` as a GemmRecipe (None: automatic); a ValueError where an explicit
+    tensor_core cannot apply (not the SM90 fp8_block recipe, or no isolated mode)."""
+    if gemm_recipe is None:
+        return None
+    try:
+        recipe = GemmRecipe(gemm_recipe)
+    except ValueError:
+        known = [r.value for r in GemmRecipe]
+        raise ValueError(
+            f"gemm_recipe: expected one of {known} or None, got {gemm_recipe!r}"
+        ) from None
+    if recipe is GemmRecipe.TENSOR_CORE:
+        if problem.recipe is not Recipe.FP8_BLOCK or problem.scale_fmt not in _SM90_FORMATS:
+            raise ValueError(
+                f"gemm_recipe tensor_core models SM90's fp8_block GEMM with fp32 or ceil-UE8M0 "
+                f"scales, got recipe {problem.recipe}, scale format {problem.scale_fmt}"
+            )
+        if Mode.ISOLATED not in modes:
+            raise ValueError(
+                "gemm_recipe tensor_core: the golden's recipe is computed on its own upstream, "
+                "which only isolated mode feeds the tested GEMMs (use 'isolated' or 'both')"
+            )
+    return recipe
+
+
+def gemm_recipe_applies(
+    problem: MoEProblem, tested: Trace, stage: str, gemm_recipe: GemmRecipe | str | None
+) -> bool:
+    """Whether isolated `stage` (gemm1 or gemm2) is held to the tensor-core recipe: asked for
+    (gemm_recipe tensor_core), or automatically (None) where the tested stage reports engine
+    "deepgemm" and its output lies on an SM90 GPU (`sm90_device`), for fp8_block with fp32 or
+    ceil-UE8M0 scales; never for gemm_recipe fp32_dequant, nor where the stage did not run."""
+    recipe = GemmRecipe(gemm_recipe) if gemm_recipe is not None else None
+    if recipe is GemmRecipe.FP32_DEQUANT or stage not in tested or tested.failure(stage):
+        return False
+    if problem.recipe is not Recipe.FP8_BLOCK or problem.scale_fmt not in _SM90_FORMATS:
+        return False
+    if recipe is GemmRecipe.TENSOR_CORE:
+        return True
+    out = tested[stage].get(_GEMM_OUTPUTS[stage])
+    engine = tested[stage].get("engine")
+    return engine == Engine.DEEPGEMM and isinstance(out, torch.Tensor) and sm90_device(out)
+
+
+def with_gemm_recipe(
+    problem: MoEProblem,
+    inputs: MoEInputs,
+    golden: Backend,
+    golden_trace: Trace,
+    tested: Trace,
+    gemm_recipe: GemmRecipe | str | None,
+) -> Trace:
+    """The golden trace with the tensor-core recipe added to each GEMM stage it applies to
+    (`gemm_recipe_applies`), computed only then: the model costs 10-100x the fp32 GEMM. It runs
+    after the tested side because the tested stage says which engine ran it; the comparison then
+    holds that stage bit for bit to the recipe (tolerance/bounded_stages.py `gemm_checks`)."""
+    reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
+    for stage in _GEMM_OUTPUTS:
+        if stage in golden_trace and gemm_recipe_applies(problem, tested, stage, gemm_recipe):
+            golden_trace = reference.with_tensor_core(problem, inputs, golden_trace, stage)
+    return golden_trace
 
 
 def compare_rank(
@@ -151,6 +240,7 @@ def verify(
     workspace: bool = False,
     poison: int | Sequence[int] | None = None,
     padding_poison: bool = False,
+    gemm_recipe: GemmRecipe | str | None = None,
 ) -> Report:
     """Verify `backend` against the golden on `problem`; see the module docstring for modes.
 
@@ -169,8 +259,15 @@ def verify(
     isolated stage reads them, so a GEMM that lets padding reach live rows fails (FlashInfer
     #3650). It changes what isolated mode feeds the tested stages only: chained mode runs the
     tested side on its own outputs and is unaffected, so mode "chained" alone is refused.
+
+    `gemm_recipe`: what isolated gemm1 / gemm2 are held to. None (automatic): bit for bit to the
+    golden's tensor-core recipe where the tested stage ran DeepGEMM on an SM90 GPU, else bounded
+    against fp32 dequant math; "tensor_core": bit for bit wherever the SM90 fp8_block recipe
+    applies (on a CPU too: the Triton interpreter's exact math then fails it); "fp32_dequant":
+    bounded always. The bound is reported beside a bitwise verdict (docs/tolerance.md).
     """
     modes = Mode.select(mode)
+    gemm_recipe = check_gemm_recipe(problem, modes, gemm_recipe)
     padding_poison = check_bool("padding_poison", padding_poison)
     if padding_poison:
         _check_padding_poison(modes, dump_dir)
@@ -206,6 +303,7 @@ def verify(
             plot_dir,
             compare_device,
             padding_poison=padding_poison,
+            gemm_recipe=gemm_recipe,
         )
     if poisons:
         report.files["poison"] = [f"0x{b:02x}" for b in poisons]
@@ -272,11 +370,13 @@ def _verify_ranks(
     compare_device: torch.device | str | None,
     *,
     padding_poison: bool = False,
+    gemm_recipe: GemmRecipe | None = None,
 ) -> tuple[Report, list[RankRun], list]:
     """Every rank verified, then the reduce; the report, the kept runs and the plots' data.
     `twin`: the tested side's second run of a metamorphic pair, every stage of which must agree
     bit for bit with the first. `padding_poison`: each rank's golden with its padding rows
-    poisoned (`poison_padding`), the one golden both the tested side and a twin read."""
+    poisoned (`poison_padding`), the one golden both the tested side and a twin read.
+    `gemm_recipe`: as `verify`'s."""
     # Rank by rank: compare, then keep only what the reduce needs (every trace when dumping),
     # so memory holds one rank's intermediates at a time.
     runs: list[RankRun] = []
@@ -290,7 +390,7 @@ def _verify_ranks(
         )
         verdict = verify_rank(
             problem, inputs, tested, golden, rank, modes,
-            golden_trace=poisoned, compare_device=compare_device,
+            golden_trace=poisoned, compare_device=compare_device, gemm_recipe=gemm_recipe,
         )  # fmt: skip
         if twin is not None:
             # A twin on the same problem reads the same golden; on a variant, its own.

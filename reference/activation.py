@@ -12,7 +12,10 @@ exactly (`ActQuantRecipe`; vLLM 0.32's fp8_utils.py, and csrc activation_kernels
   its log2 ceiling, its reciprocal and y * (1/s) each rounded to bf16.
 The Triton kernels use the approximate `tl.exp`, the CUDA one `expf` and `__fdividef`; the golden
 uses torch.exp and an IEEE division (a documented 1-ulp source of difference before the bf16
-rounding of the activation).
+rounding of the activation). The Triton kernels' gate as the H200 computes it is recorded for
+every bf16 input (reference/gate_table.py), so each Triton rounding has a twin recipe,
+"packed_sm90_triton" / "colmajor_sm90_triton": the same IEEE steps around a gate read from that
+table (`sm90_triton_recipe`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from reference.formats import (
     pack_ue8m0,
     ue8m0_bytes,
 )
+from reference.gate_table import gate_from_table, gate_table, tabulated_alphas
 from reference.validate import (
     require_finite,
     require_positive_int,
@@ -45,6 +49,7 @@ __all__ = [
     "quantize_groups_bf16_steps",
     "quantize_groups_colmajor",
     "quantize_groups_packed",
+    "sm90_triton_recipe",
     "swiglu",
 ]
 
@@ -82,7 +87,9 @@ def _check_mm1(mm1: Tensor, activation: Activation) -> None:
     require_finite("mm1", mm1)
 
 
-def swiglu(mm1: Tensor, activation: Activation, rounding: str) -> Tensor:
+def swiglu(
+    mm1: Tensor, activation: Activation, rounding: str, table: Tensor | None = None
+) -> Tensor:
     """Gated activation y = (up + beta) * gate * sigmoid(alpha * gate), with the kernel's rounding.
 
     mm1: bf16 [..., M, 2I], gate = columns [0, I), up = columns [I, 2I) (contiguous halves).
@@ -92,6 +99,10 @@ def swiglu(mm1: Tensor, activation: Activation, rounding: str) -> Tensor:
     rounding "colmajor" (§5.2): g, u re-rounded to bf16 after the clamp (matters when L is not
         bf16-representable); glu = bf16(g / (1 + exp(-g * alpha))); up = bf16(u + beta);
         y = bf16(glu * up).
+    table: fp32 [65536], the gate of every bf16 input at this alpha (reference/gate_table.py);
+        when given, glu is read from it instead of computed (the clamped gate must then be a
+        bf16 value: always under "colmajor", under "packed" when L is one). Every other step is
+        the same IEEE arithmetic.
     silu is alpha = 1, beta = 0. Returns fp32 [..., M, I] whose values are all bf16 numbers.
     """
     _check_mm1(mm1, activation)
@@ -99,15 +110,18 @@ def swiglu(mm1: Tensor, activation: Activation, rounding: str) -> Tensor:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     gate, up = mm1.float().chunk(2, dim=-1)
     alpha, beta = _f32(activation.alpha, mm1), _f32(activation.beta, mm1)
+
+    def glu_of(g: Tensor) -> Tensor:
+        return gate_from_table(g, table) if table is not None else g / (1 + torch.exp(-g * alpha))
+
     if activation.limit is not None:
         limit = _f32(activation.limit, mm1)
         gate = torch.minimum(gate, limit)
         up = up.clamp(-limit, limit)
     if rounding == "packed":
-        glu = gate / (1 + torch.exp(-gate * alpha))
-        return _bf16((up + beta) * glu)
+        return _bf16((up + beta) * glu_of(gate))
     gate, up = _bf16(gate), _bf16(up)
-    glu = _bf16(gate / (1 + torch.exp(-gate * alpha)))
+    glu = _bf16(glu_of(gate))
     # A product of two bf16 numbers is exact in fp32, so this is the one rounding of the product.
     return _bf16(glu * _bf16(up + beta))
 
@@ -117,6 +131,38 @@ def fused_act_quant_recipe(scale_fmt: ScaleFmt) -> ActQuantRecipe:
     UE8M0_PACKED, "colmajor" for FLOAT32 and FLOAT32_CEIL_UE8M0."""
     packed = require_scale_fmt(scale_fmt) is ScaleFmt.UE8M0_PACKED
     return ActQuantRecipe.PACKED if packed else ActQuantRecipe.COLMAJOR
+
+
+# Each Triton kernel's twin with the H200's gate, and the rounding path both share.
+_SM90_TRITON = {
+    ActQuantRecipe.PACKED: ActQuantRecipe.PACKED_SM90_TRITON,
+    ActQuantRecipe.COLMAJOR: ActQuantRecipe.COLMAJOR_SM90_TRITON,
+}
+_ROUNDING = {
+    ActQuantRecipe.PACKED: "packed",
+    ActQuantRecipe.PACKED_SM90_TRITON: "packed",
+    ActQuantRecipe.COLMAJOR: "colmajor",
+    ActQuantRecipe.COLMAJOR_SM90_TRITON: "colmajor",
+    ActQuantRecipe.BF16_STEPS: "colmajor",  # bf16(bf16(silu(g)) * u) for plain silu
+}
+
+
+def _is_bf16(value: float) -> bool:
+    return float(torch.tensor(value, dtype=torch.float32).to(torch.bfloat16)) == value
+
+
+def sm90_triton_recipe(fused: ActQuantRecipe, activation: Activation) -> ActQuantRecipe | None:
+    """The twin of the Triton kernel `fused` (packed or colmajor) whose gate is read from the
+    H200 table: "packed_sm90_triton" / "colmajor_sm90_triton". None, silently, where there is no
+    such recipe: no table was recorded for activation.alpha (`tabulated_alphas`), or the packed
+    kernel clamps the gate in fp32 at a limit that is not a bf16 value (the clamped gate then has
+    no table entry), or `fused` is not a Triton kernel."""
+    twin = _SM90_TRITON.get(ActQuantRecipe(fused))
+    if twin is None or gate_table(activation.alpha) is None:
+        return None
+    if fused is ActQuantRecipe.PACKED and activation.limit is not None:
+        return twin if _is_bf16(activation.limit) else None
+    return twin
 
 
 def _groups(y: Tensor, group: int) -> Tensor:
@@ -186,10 +232,23 @@ def _check_recipe(
     recipe: ActQuantRecipe, activation: Activation, group: int, fmt: ScaleFmt
 ) -> None:
     packed = fmt is ScaleFmt.UE8M0_PACKED
-    if recipe is ActQuantRecipe.PACKED and not packed:
-        raise ValueError(f"act_quant recipe 'packed' writes packed UE8M0 scales, not {fmt}")
-    if recipe is ActQuantRecipe.COLMAJOR and packed:
-        raise ValueError("act_quant recipe 'colmajor' writes fp32 scales, not ue8m0_packed")
+    rounding = _ROUNDING[recipe]
+    if recipe is not ActQuantRecipe.BF16_STEPS and rounding == "packed" and not packed:
+        raise ValueError(f"act_quant recipe {recipe.value!r} writes packed UE8M0 scales, not {fmt}")
+    if recipe is not ActQuantRecipe.BF16_STEPS and rounding == "colmajor" and packed:
+        raise ValueError(f"act_quant recipe {recipe.value!r} writes fp32 scales, not ue8m0_packed")
+    if recipe in _SM90_TRITON.values() and gate_table(activation.alpha) is None:
+        raise ValueError(
+            f"act_quant recipe {recipe.value!r} reads the H200 gate table, which has no table for "
+            f"alpha={activation.alpha} (tables: alpha in {list(tabulated_alphas())})"
+        )
+    if recipe is ActQuantRecipe.PACKED_SM90_TRITON and activation.limit is not None:
+        if not _is_bf16(activation.limit):
+            raise ValueError(
+                f"act_quant recipe 'packed_sm90_triton': the packed kernel clamps the gate in fp32 "
+                f"at limit={activation.limit}, which is not a bf16 value, so the clamped gate has "
+                "no entry in the bf16 gate table"
+            )
     if recipe is ActQuantRecipe.BF16_STEPS and (activation.kind != "silu" or activation.limit):
         raise ValueError(
             f"act_quant recipe 'bf16_steps' (persistent_masked_m_silu_mul_quant) computes plain "
@@ -220,6 +279,10 @@ def act_quant(
     "bf16_steps" (anchors-2026-12 §1.3, any format; plain silu, group 128): y = bf16(bf16(silu(g))
         * u), which is swiglu(rounding="colmajor") for plain silu, then
         `quantize_groups_bf16_steps`. Scales as colmajor's, or packed with pad bytes 0.
+    "packed_sm90_triton" / "colmajor_sm90_triton": "packed" / "colmajor" with the gate read from
+        the H200 Triton table of activation.alpha (`swiglu`'s table; reference/gate_table.py,
+        `gate_table_provenance` names the GPU and versions); a ValueError where no table applies
+        (`sm90_triton_recipe` says when one does).
     Zero groups: byte 94 (2^-33) packed; 1e-10/448 float32 and 2^-42 (byte 85) ceil (colmajor);
     bf16_steps: bf16(bf16(1e-10) * bf16(1/448)), or 2^-42 for the ue8m0 formats.
     """
@@ -234,9 +297,11 @@ def act_quant(
             f"mm1: I = {cols}/2 = {cols // 2} columns per half must be a multiple of "
             f"group={group} (shape {tuple(mm1.shape)})"
         )
-    if recipe is ActQuantRecipe.PACKED:
-        return quantize_groups_packed(swiglu(mm1, activation, "packed"), group)
-    y = swiglu(mm1, activation, "colmajor")
-    if recipe is ActQuantRecipe.COLMAJOR:
-        return quantize_groups_colmajor(y, group, scale_fmt)
-    return quantize_groups_bf16_steps(y, group, scale_fmt)
+    rounding = _ROUNDING[recipe]
+    table = gate_table(activation.alpha) if recipe in _SM90_TRITON.values() else None
+    y = swiglu(mm1, activation, rounding, table)
+    if recipe is ActQuantRecipe.BF16_STEPS:
+        return quantize_groups_bf16_steps(y, group, scale_fmt)
+    if rounding == "packed":
+        return quantize_groups_packed(y, group)
+    return quantize_groups_colmajor(y, group, scale_fmt)

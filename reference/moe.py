@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from moe_verify.spec import (
+    GemmRecipe,
     GroupedLayout,
     MoEInputs,
     MoEProblem,
@@ -41,6 +42,7 @@ from reference.layout import (
     permute_rows,
 )
 from reference.recipes import act_quant_recipes, input_quant_recipes, recipe_outputs
+from reference.tensor_core import tensor_core_grouped_gemm, tensor_core_masked_gemm
 from reference.topology import (
     Shard,
     dispatched_tokens,
@@ -235,6 +237,50 @@ class ReferenceBackend:
             precision=self.precision,
         )
         return {"mm2": mm2, "engine": "torch", "layout": layout.value}
+
+    # -- the GEMMs' hardware recipe ----------------------------------------------------------------
+
+    def with_tensor_core(self, p: MoEProblem, x: MoEInputs, trace: Trace, stage: str) -> Trace:
+        """`trace` (this golden's, of rank trace.rank) with GEMM `stage` also carrying its
+        tensor-core recipe: the outputs of DeepGEMM's SM90 kernel as the Hopper tensor core
+        computes them (reference/tensor_core.py), on the same operands the stage read, under
+        "mm1@tensor_core" / "mm2@tensor_core" with "recipe_outputs" {"fp32_dequant": {"mm1":
+        "mm1"}, "tensor_core": {"mm1": "mm1@tensor_core"}} (reference/recipes.py). The stage's
+        own outputs are unchanged, so every later stage still reads the fp32 golden.
+
+        Not part of `run`: the model costs 10-100x the fp32 GEMM, so the harness asks for it only
+        where a comparison will use it (moe_verify/verification.py `gemm_recipe_applies`). The
+        SM90 fp8_block recipe only (fp32 or ceil-UE8M0 scales); anything else is refused.
+        """
+        name = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}.get(Stage(stage))
+        if name is None:
+            raise ValueError(
+                f"the tensor-core recipe is a GEMM's: stage gemm1 or gemm2, got {stage}"
+            )
+        local = self.shard(p, x, trace.rank)
+        up = trace.upto(stage)
+        w = local.w13 if stage == Stage.GEMM1 else local.w2
+        if stage == Stage.GEMM1:
+            a, a_scale = (
+                (up["dispatch"]["a_batched"], up["dispatch"]["a_scale_batched"])
+                if "dispatch" in up
+                else (up["permute"]["a_perm"], up["permute"]["a_scale_perm"])
+            )
+        else:
+            a, a_scale = up["act_quant"]["a2q"], up["act_quant"]["a2q_scale"]
+        if "dispatch" in up:
+            out = tensor_core_masked_gemm(a, a_scale, w, up["dispatch"]["masked_m"])
+        else:
+            rows, _ = self._row_experts(p, up)
+            out = tensor_core_grouped_gemm(a, a_scale, p.recipe.act_group, w, rows)
+        outs = trace[stage]
+        by_recipe = {GemmRecipe.FP32_DEQUANT: (outs[name],), GemmRecipe.TENSOR_CORE: (out,)}
+        recipes = recipe_outputs(by_recipe, (name,))
+        recipes.pop("recipe")  # the stage's own outputs are the fp32 golden's, as before
+        result = Trace(trace.backend, trace.rank)
+        for name_, outs_ in trace.items():
+            result.add(name_, {**outs_, **recipes} if name_ == stage else outs_)
+        return result
 
     def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         local = self.shard(p, x, rank)

@@ -21,7 +21,7 @@ from moe_verify.spec import (
     Recipe,
     TopologyKind,
 )
-from reference.activation import fused_act_quant_recipe
+from reference.activation import fused_act_quant_recipe, sm90_triton_recipe
 
 __all__ = ["act_quant_recipes", "input_quant_recipes", "recipe_outputs"]
 
@@ -45,17 +45,23 @@ def _plain_silu(activation: Activation) -> bool:
 
 def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     """act_quant's recipes, the golden's own first: the fused Triton kernel of the scale format
-    (packed or colmajor); on the batched low-latency layout (ep:N+ll) also vLLM's CUDA kernel
+    (packed or colmajor); its twin with the gate the H200's Triton computes (packed_sm90_triton /
+    colmajor_sm90_triton), where a recorded table applies to the activation (else none, silently:
+    `sm90_triton_recipe`); on the batched low-latency layout (ep:N+ll) also vLLM's CUDA kernel
     persistent_masked_m_silu_mul_quant (bf16_steps), which takes plain silu with 128-column
     groups only."""
     fused = fused_act_quant_recipe(problem.scale_fmt)
+    recipes = [fused]
+    hardware = sm90_triton_recipe(fused, problem.activation)
+    if hardware is not None:
+        recipes.append(hardware)
     if (
         problem.topology.kind is TopologyKind.EP_LL
         and _plain_silu(problem.activation)
         and problem.recipe.act_group == _BF16_STEPS_GROUP
     ):
-        return (fused, ActQuantRecipe.BF16_STEPS)
-    return (fused,)
+        recipes.append(ActQuantRecipe.BF16_STEPS)
+    return tuple(recipes)
 
 
 def recipe_outputs(

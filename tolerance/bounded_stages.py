@@ -16,7 +16,7 @@ from functools import cached_property, partial
 
 import torch
 
-from moe_verify.spec import Stage
+from moe_verify.spec import GemmRecipe, Mode, Stage
 from tolerance.checks import (
     bound_check,
     bounded_checks,
@@ -37,13 +37,16 @@ from tolerance.context import (
 from tolerance.layouts import layout_check, row_experts, scale_values, tested_layout
 from tolerance.metrics import (
     argmax_coords,
+    bf16_ulp_distance,
+    bits,
     first_true,
     fp8_code_distance,
     fp8_codes,
     fp8_value_distance,
+    row_max,
 )
-from tolerance.policy import LAYOUT_REASON
-from tolerance.recipes import match_recipe
+from tolerance.policy import LAYOUT_REASON, TENSOR_CORE_GEMM
+from tolerance.recipes import golden_as, golden_recipes, match_recipe
 from tolerance.results import CheckResult, ContractError, Worst
 
 _LIVE_ROWS = "live (token, k) rows"
@@ -237,15 +240,83 @@ def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group: int) -> 
 
 
 def gemm_checks(ctx: Ctx, stage: str, name: str) -> list[CheckResult]:
-    """The layout the problem forces (if it forces one), then the live rows bounded."""
+    """The layout the problem forces (if it forces one), then the live rows: bounded against the
+    golden's fp32 dequant math, or, where the golden carries the tensor-core recipe of the stage
+    (isolated mode; `tensor_core_keys`), bit for bit against it with the bound reported beside."""
     forced = layout_check(ctx, stage)
     keyed = gemm_rows(ctx, stage, name)
     if isinstance(keyed, CheckResult):
         return [keyed]
-    checks = keyed.with_row_map(
-        bounded_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)
-    )
+    checks = bounded_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)
+    hardware = tensor_core_keys(ctx, stage)
+    if hardware is not None:
+        checks = tensor_core_checks(ctx, stage, name, hardware, checks)
+    checks = keyed.with_row_map(checks)
     return checks if forced is None else [forced, *checks]
+
+
+def row_rel_error_matrix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 [R, N]: |a - b| / rowmax|b| per element (0 where equal, Inf on a zero row)."""
+    err = (a.to(torch.float64) - b.to(torch.float64)).abs().nan_to_num(nan=float("inf"))
+    scaled = err / row_max(b)
+    return torch.where(err == 0, torch.zeros_like(scaled), scaled)
+
+
+def tensor_core_keys(ctx: Ctx, stage: str) -> dict[str, str] | None:
+    """{output name: golden trace key} of the golden's tensor-core recipe of GEMM `stage`, in
+    isolated mode where the harness added it (moe_verify/verification.py); else None. Chained,
+    the tested GEMM reads its own upstream, which the golden's recipe was not computed on."""
+    if ctx.mode is not Mode.ISOLATED:
+        return None
+    return golden_recipes(ctx.golden, stage).get(GemmRecipe.TENSOR_CORE)
+
+
+def tensor_core_checks(
+    ctx: Ctx, stage: str, name: str, keys: dict[str, str], bounded: list[CheckResult]
+) -> list[CheckResult]:
+    """NaN/Inf, then the verdict: every live element bit for bit against the tensor-core recipe
+    (policy TENSOR_CORE_GEMM), its detail ending with the `bounded` checks against fp32 dequant
+    math (how far the arithmetic is from exact math, reported only)."""
+    hw = dataclasses.replace(ctx, golden=golden_as(ctx.golden, stage, keys), check=TENSOR_CORE_GEMM)
+    keyed = gemm_rows(hw, stage, name)
+    if isinstance(keyed, CheckResult):
+        return [keyed]
+    a, b = keyed.other, keyed.golden
+    differ = bits(a) != bits(b) if a.dtype == b.dtype else torch.ones_like(a, dtype=torch.bool)
+    count, total = int(differ.sum()), differ.numel()
+    worst, note = None, ""
+    if count:
+        # The worst is the largest move relative to its row (a bf16 ulp count would favour the
+        # cancelling outputs near zero, where a tiny error is thousands of ulps).
+        moved = row_rel_error_matrix(a, b).masked_fill(~differ, -1.0)
+        r, c = argmax_coords(moved)
+        worst = dataclasses.replace(
+            keyed.locate(r), column=c, golden=float(b[r, c]), other=float(a[r, c])
+        )
+        ulps = int(bf16_ulp_distance(a[r, c], b[r, c]))
+        note = (
+            f"; worst at {worst.coords()}: tensor core {float(b[r, c])!r}, {ctx.name} "
+            f"{float(a[r, c])!r} ({ulps} bf16 ulps, {float(moved[r, c]):.3g} x rowmax)"
+        )
+    exact = "; ".join(
+        f"{bc.name}: {bc.detail} (limit {bc.limit:g}{'' if bc.passed else ', exceeded'})"
+        for bc in bounded[1:]
+    )
+    detail = (
+        f"{count} of {total} live elements differ from the tensor-core recipe bit for bit{note}; "
+        f"vs fp32 dequant math, reported only: {exact}"
+    )
+    verdict = CheckResult(
+        f"{name} bits",
+        count == 0,
+        count,
+        0,
+        TENSOR_CORE_GEMM.reason,
+        worst,
+        detail,
+        recipe=GemmRecipe.TENSOR_CORE.value,
+    )
+    return [bounded[0], verdict]
 
 
 # act_quant ---------------------------------------------------------------------------------------

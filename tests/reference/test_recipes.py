@@ -276,18 +276,34 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
 @pytest.mark.parametrize(
     ("problem", "quant", "act"),
     [
-        pytest.param(P, (CUDA, TRITON), ("colmajor",), id="fp8_block-float32"),
-        pytest.param(P.replace(scale_fmt=PACKED), (CUDA, TRITON), ("packed",), id="packed"),
-        pytest.param(P.replace(recipe=Recipe.MXFP8, scale_fmt=PACKED), (), ("packed",), id="mxfp8"),
+        # every Triton kernel also has its twin with the H200 gate table (alpha 1 is tabulated)
+        pytest.param(
+            P, (CUDA, TRITON), ("colmajor", "colmajor_sm90_triton"), id="fp8_block-float32"
+        ),
+        pytest.param(
+            P.replace(scale_fmt=PACKED),
+            (CUDA, TRITON),
+            ("packed", "packed_sm90_triton"),
+            id="packed",
+        ),
+        pytest.param(
+            P.replace(recipe=Recipe.MXFP8, scale_fmt=PACKED),
+            (),
+            ("packed", "packed_sm90_triton"),
+            id="mxfp8",
+        ),
         # the batched low-latency layout adds vLLM's CUDA kernel for plain silu ...
         pytest.param(
-            P.replace(topology="ep:2+ll"), (CUDA, TRITON), ("colmajor", "bf16_steps"), id="ll"
+            P.replace(topology="ep:2+ll"),
+            (CUDA, TRITON),
+            ("colmajor", "colmajor_sm90_triton", "bf16_steps"),
+            id="ll",
         ),
         # ... which takes no clamp and no swigluoai
         pytest.param(
             P.replace(topology="ep:2+ll", activation="silu:L7"),
             (CUDA, TRITON),
-            ("colmajor",),
+            ("colmajor", "colmajor_sm90_triton"),
             id="ll-clamped",
         ),
     ],
@@ -313,7 +329,8 @@ def test_golden_trace_carries_every_recipe() -> None:
     q, s = quantize_fp8_groups(hidden, 128, FLOAT32, recipe=TRITON)
     assert torch.equal(bits(quant["a1q@triton_reciprocal"]), bits(q))
     act = trace[Stage.ACT_QUANT]
-    assert act["recipe"] == "colmajor" and list(act["recipe_outputs"]) == ["colmajor", "bf16_steps"]
+    assert act["recipe"] == "colmajor"
+    assert list(act["recipe_outputs"]) == ["colmajor", "colmajor_sm90_triton", "bf16_steps"]
     mm1 = trace[Stage.GEMM1]["mm1"]
     q2, s2 = act_quant(mm1.reshape(-1, mm1.shape[-1]), SILU, 128, FLOAT32, "bf16_steps")
     assert act["a2q@bf16_steps"].shape == act["a2q"].shape == (*mm1.shape[:2], 256)
