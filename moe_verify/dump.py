@@ -4,8 +4,8 @@ A dump directory holds one directory per failing case, named by the case id:
   problem.json            the MoEProblem (MoEProblem.from_dict reads it back)
   run.json                how it was run: the backend spec as verify() got it ("optimized",
                           "module:Class", the module:Class of a Backend instance), engine, mode,
-                          workspace and poison options (absent in older dumps, and when the
-                          dumping caller did not say)
+                          workspace, poison, padding poison and GEMM recipe options (absent
+                          in older dumps, and when the dumping caller did not say)
   report.json             the report that failed
   inputs.safetensors      every MoEInputs tensor, keyed by field (QuantizedWeight as field.q/.scale)
   <side>_r<rank>.safetensors  each trace (golden, isolated, chained), keyed "stage/name"; host
@@ -52,6 +52,8 @@ class DumpedCase:
     workspace: bool
     poison: tuple[int, ...]  # the poison bytes the run used (two: the run was checked under both)
     path: Path  # the case directory
+    padding_poison: bool = False  # the golden's padding rows were poisoned (verify padding_poison)
+    gemm_recipe: str | None = None  # what isolated GEMMs were held to; None: automatic
 
 
 def _inputs_to_tensors(inputs: MoEInputs) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -183,6 +185,8 @@ def dump_case(
     mode: str | None = None,
     workspace: bool = False,
     poison: Sequence[int] = (),
+    padding_poison: bool = False,
+    gemm_recipe: str | None = None,
 ) -> Path:
     """Write everything needed to reproduce and inspect a failing case, with how it was run
     (`backend` as verify() got it, or the module:Class of the instance it got); the case
@@ -197,6 +201,8 @@ def dump_case(
         mode=mode,
         workspace=workspace,
         poison=poison,
+        padding_poison=padding_poison,
+        gemm_recipe=gemm_recipe,
     )
     for run in runs:
         dump_rank_traces(out, run.rank, {"golden": run.golden, **run.tested})
@@ -214,6 +220,8 @@ def dump_header(
     mode: str | None = None,
     workspace: bool = False,
     poison: Sequence[int] = (),
+    padding_poison: bool = False,
+    gemm_recipe: str | None = None,
 ) -> Path:
     """The case directory with problem.json, report.json, inputs.safetensors and, given the
     `backend`, run.json (how to run it again: see the module docstring); its path."""
@@ -227,6 +235,8 @@ def dump_header(
             "mode": mode,
             "workspace": bool(workspace),
             "poison": [int(b) for b in poison],
+            "padding_poison": bool(padding_poison),
+            "gemm_recipe": gemm_recipe,
         }
         (out / RUN_FILE).write_text(json.dumps(run, indent=2))
     (out / "report.json").write_text(report.to_json())
@@ -299,6 +309,8 @@ def load_case(directory: Path, device: torch.device | str | None = None) -> Dump
         run["workspace"],
         tuple(run["poison"]),
         root / case,
+        run["padding_poison"],
+        run["gemm_recipe"],
     )
 
 
@@ -310,6 +322,8 @@ def _read_run(root: Path, case: str) -> dict[str, Any]:
         "mode": None,
         "workspace": False,
         "poison": [],
+        "padding_poison": False,
+        "gemm_recipe": None,
     }
     name = f"{case}/{RUN_FILE}"
     if not os.path.lexists(root / name):
@@ -318,11 +332,12 @@ def _read_run(root: Path, case: str) -> dict[str, Any]:
     path = safe_file(root, name)
     if not isinstance(run, dict):
         raise UntrustedFileError(f"{path}: expected a JSON object, got {type(run).__name__}")
-    for key in ("backend", "engine", "mode"):
+    for key in ("backend", "engine", "mode", "gemm_recipe"):
         if run.get(key) is not None and not isinstance(run[key], str):
             raise UntrustedFileError(f"{path}: {key!r} must be a string, got {run[key]!r:.80}")
-    if not isinstance(run.get("workspace", False), bool):
-        raise UntrustedFileError(f"{path}: 'workspace' must be true or false")
+    for key in ("workspace", "padding_poison"):
+        if not isinstance(run.get(key, False), bool):
+            raise UntrustedFileError(f"{path}: {key!r} must be true or false")
     poison = run.get("poison", [])
     if not (
         isinstance(poison, list)

@@ -270,7 +270,7 @@ def verify(
     gemm_recipe = check_gemm_recipe(problem, modes, gemm_recipe)
     padding_poison = check_bool("padding_poison", padding_poison)
     if padding_poison:
-        _check_padding_poison(modes, dump_dir)
+        _check_padding_poison(modes)
     poisons = _poisons(poison)
     if not isinstance(backend, str) and (workspace or poisons):
         raise ValueError(
@@ -327,22 +327,19 @@ def verify(
             mode=str(mode),
             workspace=workspace,
             poison=list(poisons),
+            padding_poison=padding_poison,
+            gemm_recipe=None if gemm_recipe is None else str(gemm_recipe),
         )
         report.files["dump"] = [str(where)]
     return report
 
 
-def _check_padding_poison(modes: tuple[Mode, ...], dump_dir: Path | None) -> None:
-    """The padding poison needs isolated mode, and cannot be dumped yet."""
+def _check_padding_poison(modes: tuple[Mode, ...]) -> None:
+    """The padding poison needs isolated mode."""
     if Mode.ISOLATED not in modes:
         raise ValueError(
             "padding_poison: it poisons the golden's upstream, which only isolated mode feeds to "
             "the tested stages; mode 'chained' would run unpoisoned (use 'isolated' or 'both')"
-        )
-    if dump_dir is not None:
-        raise ValueError(
-            "padding_poison with dump_dir: a dump does not record the padding poison, so "
-            "`moe-verify replay` would run the case unpoisoned"
         )
 
 
@@ -570,7 +567,8 @@ def replay(
     mode: Mode | str | None = None,
 ) -> Report:
     """Re-run a dumped case on the dumped inputs (bit-identical to the failing run), with the
-    backend, engine, mode and workspace options the dump recorded unless others are given.
+    backend, engine, mode and workspace options the dump recorded unless others are given, and
+    its padding poison and GEMM recipe (what the case was checked against) always.
     `directory` is the case directory or a dump directory holding exactly one case."""
     case = load_case(directory)
     chosen = backend if backend is not None else case.backend
@@ -586,6 +584,8 @@ def replay(
         engine=engine if engine is not None else (case.engine or Engine.AUTO),
         workspace=case.workspace if backend is None else False,
         poison=(case.poison or None) if backend is None else None,
+        padding_poison=case.padding_poison,
+        gemm_recipe=case.gemm_recipe,
     )
 
 

@@ -257,16 +257,34 @@ def test_a_gemm_that_lets_padding_reach_live_rows_fails_isolated_only(
     "kwargs,exc,match",
     [
         (dict(mode="chained"), ValueError, "only isolated mode"),
-        (dict(dump_dir=Path("dumps")), ValueError, "does not record the padding poison"),
         (dict(padding_poison="yes"), TypeError, "padding_poison"),
     ],
-    ids=["chained", "dump-dir", "not-a-bool"],
+    ids=["chained", "not-a-bool"],
 )
 def test_the_padding_poison_is_refused_where_it_would_not_hold(
     kwargs: dict, exc: type[Exception], match: str
 ) -> None:
     with pytest.raises(exc, match=match):
         verify(PSUM, **{"padding_poison": True, **kwargs})
+
+
+def test_a_poisoned_failure_dumps_and_replays_poisoned(tmp_path: Path) -> None:
+    """run.json records the padding poison, and `replay` runs the case under it again: the
+    failure reproduces (a replay without the poison would pass, so it must not be dropped)."""
+    from moe_verify.dump import load_case
+    from moe_verify.verification import replay
+
+    spec = "tests.tester.field_bugs:PaddingInfBleedsIntoTile"
+    report = verify(
+        PSUM, backend=spec, engine="triton", mode="isolated", padding_poison=True,
+        dump_dir=tmp_path,
+    )  # fmt: skip
+    assert not report.passed and report.first_failure == "gemm1", report.summary_line()
+    case = load_case(tmp_path)
+    assert case.padding_poison and case.gemm_recipe is None
+    again = replay(tmp_path)
+    assert not again.passed and again.first_failure == "gemm1", again.summary_line()
+    assert again.files.get("padding_poison") == ["permute"]
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
