@@ -30,8 +30,10 @@ keeps each row's result from its own expert, so a block may straddle segments sa
 
 Math per weight format:
   fp8 blocks  tl.dot on fp8 operands per activation group (128 K: DeepGEMM's SM90 1D2D scheme),
-              then both scales, accumulated in fp32. Hopper's fp8 MMA accumulates each chunk at
-              reduced precision, as DeepGEMM's does.
+              promoted as DeepGEMM promotes: acc = fma(part, fp32(SA * SB), acc). Hopper's fp8
+              MMA accumulates each chunk at reduced precision, as DeepGEMM's does, so on SM90
+              the result is the tensor-core recipe's (reference/tensor_core.py) bit for bit;
+              under the CPU interpreter tl.dot is exact and the result is fp32 math's.
   E8M0 (1,32) Triton on SM90 has no per-32 block-scaled MMA and no E2M1 operand, so the weights
               are upcast (E2M1 decoded) and multiplied by their E8M0 scale, a power of two, which
               is exact barring bf16 overflow or underflow; per-32 E8M0 activation scales are folded
@@ -151,7 +153,10 @@ def _expert_tile(
                 mask=col_mask,
                 other=0.0,
             )
-            part = part * sb[None, :]
+            sa = _a_scale(sa_ptr, stride_sam, stride_sak, rows64, row_mask, k0 // A_GROUP, A_PACKED)
+            # DeepGEMM's promotion, to the bit: one fp32 product of the two scales, then a
+            # single-rounding FMA into the accumulator (reference/tensor_core.py `promote`).
+            acc = tl.fma(part, sa[:, None] * sb[None, :], acc)
         else:
             # Per-32 E8M0 weight scales vary along K inside the chunk: fold them (powers of two,
             # so exactly) into the weights, upcast to the MMA dtype, one dot per chunk.
@@ -193,10 +198,12 @@ def _expert_tile(
                 a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, CHUNK_K // 2, 2]))
                 part = tl.dot(a_even.to(MMA_DTYPE), w_even.to(MMA_DTYPE))
                 part = tl.dot(a_odd.to(MMA_DTYPE), w_odd.to(MMA_DTYPE), acc=part)
-        if not A_PRESCALE:
-            sa = _a_scale(sa_ptr, stride_sam, stride_sak, rows64, row_mask, k0 // A_GROUP, A_PACKED)
-            part = part * sa[:, None]
-        acc += part
+            if not A_PRESCALE:
+                sa = _a_scale(
+                    sa_ptr, stride_sam, stride_sak, rows64, row_mask, k0 // A_GROUP, A_PACKED
+                )
+                part = part * sa[:, None]
+            acc += part
     return acc
 
 
