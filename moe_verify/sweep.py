@@ -12,10 +12,17 @@ the per-case deadline; that survives a backend that raises, exits or hangs in Py
 SIGSEGV or an abort, which end the sweep (the summaries of the cases finished before it are on
 disk).
 
-The summaries are rewritten after every case (and name the case in flight before it starts), each
-atomically, so a sweep that is killed leaves valid files. A case is PASS, FAIL (a check failed)
-or ERROR (it crashed, timed out, a backend raised, or the harness failed); the exit code is 0 when
-every case passed, 2 when any errored, else 1.
+progress.json (the case in flight, the counts), junit.xml and summary.md are rewritten before and
+after every case; summary.json, which holds every case's full report (the nightly's grow to tens
+of MB), at most every SUMMARY_JSON_EVERY_S seconds and when the sweep ends, also by SIGINT or
+SIGTERM (rewriting it after every case made a 354-case sweep quadratic: half its wall time on
+the H200); in process (`isolate=False`, where a kernel's SIGSEGV ends the sweep at once) after
+every case still. Every file is written atomically, so a sweep that is killed leaves valid
+files; one whose worker-mode parent is killed by SIGKILL leaves a summary.json at most that many
+seconds old.
+
+A case is PASS, FAIL (a check failed) or ERROR (it crashed, timed out, a backend raised, or the
+harness failed); the exit code is 0 when every case passed, 2 when any errored, else 1.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ STARTUP_GRACE_S = 120.0
 # Lines of a crashed case's stderr kept in its junit error: the last ones, or from faulthandler's
 # "Fatal Python error" on (the Python stack of every thread at the crash).
 STDERR_LINES = 60
+SUMMARY_JSON_EVERY_S = 30.0
 CRASH_REPORT = "Fatal Python error"
 
 
@@ -401,10 +409,13 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def write_summaries(summary: SweepSummary, name: str, out_dir: Path) -> None:
-    """junit.xml, summary.json and summary.md of the cases finished so far."""
+def write_summaries(summary: SweepSummary, name: str, out_dir: Path, full: bool = True) -> None:
+    """progress.json, junit.xml and summary.md of the cases finished so far, and summary.json
+    when `full`."""
+    write_atomic(out_dir / "progress.json", json.dumps(progress_dict(summary), indent=2) + "\n")
     write_atomic(out_dir / "junit.xml", junit_xml(summary, name))
-    write_atomic(out_dir / "summary.json", json.dumps(summary_dict(summary), indent=2) + "\n")
+    if full:
+        write_atomic(out_dir / "summary.json", json.dumps(summary_dict(summary), indent=2) + "\n")
     write_atomic(out_dir / "summary.md", markdown_matrix(summary, name))
 
 
@@ -455,23 +466,36 @@ def sweep(
     _writable(out_dir)
     summary = SweepSummary([], total=len(chosen))
     bar = SweepBar(len(chosen), name)
+    last_full = time.monotonic()
+    write_summaries(summary, name, out_dir)
+
+    def progress() -> None:
+        nonlocal last_full
+        # In process, a kernel's SIGSEGV ends the sweep with no `finally`: write it all, always.
+        full = not isolate or time.monotonic() - last_full >= SUMMARY_JSON_EVERY_S
+        write_summaries(summary, name, out_dir, full)
+        if full:
+            last_full = time.monotonic()
+
     try:
         with watch_interrupts(), terminate_as_exit(), _runner(isolate) as run:
             for problem in chosen:
                 summary.running = problem.id
-                write_summaries(summary, name, out_dir)
+                progress()
                 outcome = run(problem, backend, mode, engine, case_timeout_s, plot_dir)
                 summary.outcomes.append(outcome)
                 summary.running = None
-                write_summaries(summary, name, out_dir)
+                progress()
                 bar.advance(f"{outcome.seconds:7.1f}s {outcome.summary}")
     finally:
+        write_summaries(summary, name, out_dir)  # also when SIGINT or SIGTERM ends the sweep
         bar.close()
     print(f"{summary.tally()}; summaries in {out_dir}", file=sys.stderr, flush=True)
     return summary
 
 
-def summary_dict(summary: SweepSummary) -> dict:
+def progress_dict(summary: SweepSummary) -> dict:
+    """The sweep's state without the reports: cheap to rewrite around every case."""
     return {
         "passed": summary.passed,
         "exit_code": summary.exit_code,
@@ -479,6 +503,12 @@ def summary_dict(summary: SweepSummary) -> dict:
         "total": summary.total,
         "running": summary.running,
         "counts": {s.value: summary.count(s) for s in (Status.PASS, Status.FAIL, Status.ERROR)},
+    }
+
+
+def summary_dict(summary: SweepSummary) -> dict:
+    return {
+        **progress_dict(summary),
         "cases": [
             {
                 "id": o.problem.id,

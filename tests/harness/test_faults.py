@@ -237,7 +237,8 @@ def test_a_sweep_terminated_midway_leaves_valid_summaries_and_no_child(tmp_path:
     while not crumbs:  # the second case's child has reached its stages
         assert proc.poll() is None and time.monotonic() - start < SUBPROCESS_LIMIT_S
         time.sleep(0.2)
-        data = json.loads((out / "summary.json").read_text()) if out.exists() else {}
+        progress = out / "progress.json"
+        data = json.loads(progress.read_text()) if progress.exists() else {}
         if data.get("running") == FAULTY.id:
             crumbs = list(scratch.glob("*/breadcrumb.json"))
     assert _processes_mentioning(str(scratch))
@@ -247,8 +248,9 @@ def test_a_sweep_terminated_midway_leaves_valid_summaries_and_no_child(tmp_path:
     assert _processes_mentioning(str(scratch)) == []  # the hung child's group was killed
     suite = ET.parse(out / "junit.xml").getroot()
     assert [c.get("name") for c in suite.iter("testcase")] == [HEALTHY.id]
-    data = json.loads((out / "summary.json").read_text())
+    data = json.loads((out / "summary.json").read_text())  # written again on SIGTERM
     assert [c["id"] for c in data["cases"]] == [HEALTHY.id] and data["running"] == FAULTY.id
+    assert json.loads((out / "progress.json").read_text())["running"] == FAULTY.id
 
 
 def test_a_sweep_refuses_an_unwritable_output_directory(tmp_path: Path) -> None:

@@ -46,6 +46,35 @@ def test_sweep_writes_junit_json_and_markdown(tmp_path: Path, isolate: bool) -> 
     assert [c.strip() for c in header.split("|")[5:-2]] == list(REPORT_STAGES)
 
 
+def test_sweep_rewrites_the_full_report_json_only_now_and_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """summary.json holds every report, so rewriting it around every case is quadratic: with the
+    cases in a worker it is written when due (SUMMARY_JSON_EVERY_S) and at the end;
+    progress.json around every case."""
+    import moe_verify.sweep as sweep_module
+
+    writes: list[tuple[str, int]] = []
+    real = sweep_module.write_atomic
+
+    def counting(path: Path, text: str) -> None:
+        if path.name in ("summary.json", "progress.json"):
+            writes.append((path.name, json.loads(text)["finished"]))
+        real(path, text)
+
+    monkeypatch.setattr(sweep_module, "write_atomic", counting)
+    monkeypatch.setattr(sweep_module, "SUMMARY_JSON_EVERY_S", 3600.0)
+    cases = [
+        MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=4, seed=s) for s in (0, 1, 2)
+    ]
+    summary = sweep(cases, out_dir=tmp_path, isolate=True)
+    assert summary.passed and len(summary.outcomes) == 3
+    assert [f for n, f in writes if n == "summary.json"] == [0, 3]  # at the start and the end
+    assert [f for n, f in writes if n == "progress.json"] == [0, 0, 1, 1, 2, 2, 3, 3]
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert [c["id"] for c in data["cases"]] == [c.id for c in cases] and data["running"] is None
+
+
 def test_isolated_sweep_survives_a_crashing_case_and_names_the_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
