@@ -135,15 +135,26 @@ class RankRun:
     rank: int
     golden: Trace
     tested: dict[Mode, Trace] = field(default_factory=dict)
+    # The golden a chained run is compared against when it is not `golden`: its SM90 chain
+    # (reference/moe.py `sm90_chain`), where every stage is held bit for bit.
+    chained_golden: Trace | None = None
+
+    def golden_for(self, mode: Mode) -> Trace:
+        """The golden trace the tested side's run in `mode` is compared against."""
+        if Mode(mode) is Mode.CHAINED and self.chained_golden is not None:
+            return self.chained_golden
+        return self.golden
 
     def for_reduce(self) -> RankRun:
         """Only what the cross-rank reduce reads (route, gather, shared), so a rank's large
         intermediates can be freed once they are compared (DeepSeek-V3 at EP8 holds ~4 GB per
         trace)."""
+        chained = self.chained_golden
         return RankRun(
             self.rank,
             self.golden.only(REDUCE_INPUTS),
             {m: t.only(REDUCE_INPUTS) for m, t in self.tested.items()},
+            chained.only(REDUCE_INPUTS) if chained is not None else None,
         )
 
 

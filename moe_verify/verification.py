@@ -44,11 +44,15 @@ from moe_verify.spec import (
     Trace,
     check_bool,
 )
+from reference.activation import fused_act_quant_recipe, sm90_triton_recipe
+from reference.gate_table import gate_table_provenance
 from reference.moe import ReferenceBackend
+from reference.recipes import act_quant_recipes
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
 from tolerance.invariance import INVARIANCES, Invariance, agreement
 from tolerance.provenance import with_provenance
+from tolerance.recipes import HARDWARE_ACT_RECIPES
 from tolerance.report import Report
 
 
@@ -88,9 +92,15 @@ def verify_rank(
     golden's device by default). Isolated GEMM stages are held bit for bit to the golden's
     tensor-core recipe where `gemm_recipe_applies` (`with_gemm_recipe`)."""
     run = run_rank(problem, inputs, tested, golden, rank, modes, golden_trace)
+    for trace in run.tested.values():
+        declare_hardware_gate(problem, trace)
     if Mode.ISOLATED in run.tested:
         run.golden = with_gemm_recipe(
             problem, inputs, golden, run.golden, run.tested[Mode.ISOLATED], gemm_recipe
+        )
+    if Mode.CHAINED in run.tested:
+        run.chained_golden = with_sm90_chain(
+            problem, inputs, golden, run.golden, run.tested[Mode.CHAINED], gemm_recipe
         )
     return RankVerdict(run, {m: compare_rank(problem, run, m, compare_device) for m in modes})
 
@@ -128,21 +138,17 @@ def check_gemm_recipe(
                 f"gemm_recipe tensor_core models SM90's fp8_block GEMM with fp32 or ceil-UE8M0 "
                 f"scales, got recipe {problem.recipe}, scale format {problem.scale_fmt}"
             )
-        if Mode.ISOLATED not in modes:
-            raise ValueError(
-                "gemm_recipe tensor_core: the golden's recipe is computed on its own upstream, "
-                "which only isolated mode feeds the tested GEMMs (use 'isolated' or 'both')"
-            )
     return recipe
 
 
 def gemm_recipe_applies(
     problem: MoEProblem, tested: Trace, stage: str, gemm_recipe: GemmRecipe | str | None
 ) -> bool:
-    """Whether isolated `stage` (gemm1 or gemm2) is held to the tensor-core recipe: asked for
+    """Whether `stage` (gemm1 or gemm2) of `tested` is held to the tensor-core recipe: asked for
     (gemm_recipe tensor_core), or automatically (None) where the tested stage reports engine
-    "deepgemm" and its output lies on an SM90 GPU (`sm90_device`), for fp8_block with fp32 or
-    ceil-UE8M0 scales; never for gemm_recipe fp32_dequant, nor where the stage did not run."""
+    "deepgemm" or declares the recipe (the suite's Triton engine compiled for SM90 promotes as
+    DeepGEMM does) and its output lies on an SM90 GPU (`sm90_device`), for fp8_block with fp32
+    or ceil-UE8M0 scales; never for gemm_recipe fp32_dequant, nor where the stage did not run."""
     recipe = GemmRecipe(gemm_recipe) if gemm_recipe is not None else None
     if recipe is GemmRecipe.FP32_DEQUANT or stage not in tested or tested.failure(stage):
         return False
@@ -151,8 +157,9 @@ def gemm_recipe_applies(
     if recipe is GemmRecipe.TENSOR_CORE:
         return True
     out = tested[stage].get(_GEMM_OUTPUTS[stage])
-    engine = tested[stage].get("engine")
-    return engine == Engine.DEEPGEMM and isinstance(out, torch.Tensor) and sm90_device(out)
+    engine, declared = tested[stage].get("engine"), tested[stage].get("recipe")
+    model = engine == Engine.DEEPGEMM or declared == GemmRecipe.TENSOR_CORE
+    return model and isinstance(out, torch.Tensor) and sm90_device(out)
 
 
 def with_gemm_recipe(
@@ -174,13 +181,114 @@ def with_gemm_recipe(
     return golden_trace
 
 
+def declare_hardware_gate(problem: MoEProblem, tested: Trace) -> None:
+    """Declare, for a tested act_quant that declares no recipe itself, the recipe whose gate is
+    the recorded H200 table (reference/gate_table.py), where the stage reports it computed its
+    gate as that table was recorded: compiled by the same Triton version on a GPU of the same
+    compute capability ("gate_triton", "gate_capability"; optimized/kernels/act_quant.py
+    `gate_source`), and the problem has that recipe. The stage is then held to it bit for bit
+    (tolerance/recipes.py `hardware_check`). Anything else (another Triton, the interpreter,
+    someone else's kernel) keeps the matcher and its bounds."""
+    if Stage.ACT_QUANT not in tested or tested.failure(Stage.ACT_QUANT) is not None:
+        return
+    outs = tested[Stage.ACT_QUANT]
+    if outs.get("recipe") is not None or "gate_triton" not in outs:
+        return
+    table = gate_table_provenance()
+    if (outs.get("gate_triton"), outs.get("gate_capability")) != (
+        table.get("triton"),
+        table.get("capability"),
+    ):
+        return
+    twin = sm90_triton_recipe(fused_act_quant_recipe(problem.scale_fmt), problem.activation)
+    if twin is not None and twin in act_quant_recipes(problem):
+        outs["recipe"] = twin.value
+
+
+def with_sm90_chain(
+    problem: MoEProblem,
+    inputs: MoEInputs,
+    golden: Backend,
+    golden_trace: Trace,
+    tested: Trace,
+    gemm_recipe: GemmRecipe | str | None,
+) -> Trace | None:
+    """The golden's SM90 chain (reference/moe.py `sm90_chain`) that a chained `tested` run is
+    held to bit for bit, or None (compared against `golden_trace` with the chained bounds).
+
+    Automatically (gemm_recipe None) where both tested GEMMs are held to the tensor-core recipe
+    (`gemm_recipe_applies`) and the tested act_quant declares a recipe with the H200's Triton
+    gate that the problem has: the chain is then defined to the bit, and the golden computes it
+    with that recipe. Asked for (tensor_core), with the declared act_quant recipe if it is a
+    legitimate one, else the problem's first. Only after the tested run, which says what ran."""
+    recipe = GemmRecipe(gemm_recipe) if gemm_recipe is not None else None
+    if recipe is GemmRecipe.FP32_DEQUANT or Stage.GEMM2 not in golden_trace:
+        return None
+    if any(not gemm_recipe_applies(problem, tested, s, gemm_recipe) for s in _GEMM_OUTPUTS):
+        return None
+    legit = act_quant_recipes(problem)
+    declared = tested[Stage.ACT_QUANT].get("recipe") if Stage.ACT_QUANT in tested else None
+    act = next((r for r in legit if r == declared), None)
+    if recipe is None and (act is None or act not in HARDWARE_ACT_RECIPES):
+        return None
+    if not same_quantized_input(golden_trace, tested):
+        return None  # another legitimate quant_input recipe: the chain would start elsewhere
+    reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
+    weights = legitimately_other_weights(golden_trace, tested)
+    return reference.sm90_chain(problem, inputs, golden_trace, act, weights)
+
+
+def same_quantized_input(golden: Trace, tested: Trace) -> bool:
+    """The tested quant_input's codes and scales are bit for bit the golden's own recipe's, so
+    the golden's SM90 chain starts from the operands the tested GEMMs read. (A tested quant
+    that matches another legitimate recipe keeps the chained bounds.)"""
+    if tested.failure(Stage.QUANT_INPUT) is not None:
+        return False
+    for name in ("a1q", "a1q_scale"):
+        g, t = golden[Stage.QUANT_INPUT].get(name), tested[Stage.QUANT_INPUT].get(name)
+        if not isinstance(t, torch.Tensor) or t.shape != g.shape or t.dtype != g.dtype:
+            return False
+        t = t.to(g.device)
+        if g.dtype.itemsize == 1:
+            g, t = g.view(torch.uint8), t.view(torch.uint8)
+        elif g.dtype == torch.float32:
+            g, t = g.view(torch.int32), t.view(torch.int32)
+        if not torch.equal(g, t):
+            return False
+    return True
+
+
+def legitimately_other_weights(golden: Trace, tested: Trace) -> torch.Tensor | None:
+    """The tested route's weights where they route exactly as the golden's (the same ids) but
+    are not bit for bit the golden's: each side renormalizes in its own sum order, a legitimate
+    difference of a few ulps that the route check bounds (tolerance/policy.py
+    `renormalized_weight_ulps`). The SM90 chain's gather then sums with them, so it is still
+    compared bit for bit. None where the weights are the golden's or the ids differ (the route
+    check then fails, and names the stage)."""
+    if tested.failure(Stage.ROUTE) is not None:
+        return None
+    g, t = golden[Stage.ROUTE], tested[Stage.ROUTE]
+    ids, weights = t.get("topk_ids"), t.get("topk_weights")
+    if not isinstance(ids, torch.Tensor) or not isinstance(weights, torch.Tensor):
+        return None
+    gw = g["topk_weights"]
+    ids = ids.to(g["topk_ids"].device)
+    if ids.shape != g["topk_ids"].shape or weights.shape != gw.shape or weights.dtype != gw.dtype:
+        return None
+    if not torch.equal(ids.to(g["topk_ids"].dtype), g["topk_ids"]):
+        return None
+    weights = weights.to(gw.device)
+    return None if torch.equal(weights.view(torch.int32), gw.view(torch.int32)) else weights
+
+
 def compare_rank(
     problem: MoEProblem, run: RankRun, mode: Mode, device: torch.device | str | None = None
 ) -> list[StageResult]:
     """One rank's stage results in `mode`, tagged with the rank (when there are several), the GEMM
     engine the tested side reported, and for provenance-tagged cases the tokens each row holds."""
     tested = run.tested[mode]
-    results = compare(run.golden, tested, problem, list(problem.stages), mode=mode, device=device)
+    golden = run.golden_for(mode)
+    results = compare(golden, tested, problem, list(problem.stages), mode=mode, device=device)
     rank = run.rank if problem.topology.size > 1 else None
     results = [
         dataclasses.replace(r, rank=rank, engine=engine_of(tested, r.stage)) for r in results
@@ -194,7 +302,7 @@ def reduce_traces(problem: MoEProblem, runs: list[RankRun], mode: Mode) -> tuple
     """The golden's and the tested side's `reduce` stage, each from its own ranks' traces."""
     golden, tested = Trace("golden"), Trace(runs[0].tested[mode].backend)
     for trace, ranks in (
-        (golden, [r.golden for r in runs]),
+        (golden, [r.golden_for(mode) for r in runs]),
         (tested, [r.tested[mode] for r in runs]),
     ):
         try:

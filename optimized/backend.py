@@ -15,11 +15,13 @@ import torch
 
 from moe_verify.spec import (
     Engine,
+    GemmRecipe,
     GroupedLayout,
     MoEInputs,
     MoEProblem,
     QuantizedWeight,
     Recipe,
+    ScaleFmt,
     Stage,
     StageSkipped,
     StageViolation,
@@ -33,10 +35,30 @@ from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter
 from optimized.production import batch_m_indices, batched_dispatch
 from optimized.routing import select_experts
 from optimized.topology import Shard, shard, tp_down_shard, tp_gate_up_shard
+from optimized.triton_compat import interpreter_mode
 from optimized.workspace import Workspaces
 
 Outputs = dict[str, object]
 StageHook = Callable[[MoEProblem, MoEInputs, Trace, int], Outputs]
+
+
+def gemm_recipe(problem: MoEProblem, choice: EngineChoice, out: torch.Tensor) -> Outputs:
+    """{"recipe": "tensor_core"} where the Triton engine's fp8_block GEMM ran compiled on an SM90
+    GPU: its chunks then accumulate on the tensor core and are promoted as DeepGEMM's are
+    (optimized/kernels/grouped_gemm.py), so its output is the tensor-core recipe's bit for bit
+    (measured on the H200: 100.0000% with fp32 and ceil-UE8M0 scales). DeepGEMM's output says so
+    by its engine; anything else declares nothing."""
+    sm90 = (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0)
+    if (
+        choice.engine is not Engine.TRITON
+        or problem.recipe is not Recipe.FP8_BLOCK
+        or problem.scale_fmt not in sm90
+        or interpreter_mode()
+        or not out.is_cuda
+        or torch.cuda.get_device_capability(out.device)[0] != 9
+    ):
+        return {}
+    return {"recipe": GemmRecipe.TENSOR_CORE.value}
 
 
 class OptimizedBackend:
@@ -251,6 +273,7 @@ class OptimizedBackend:
             "engine": choice.engine,
             "engine_reason": choice.reason,
             "layout": layout.value,
+            **gemm_recipe(problem, choice, mm1),
         }
 
     def act_quant(
@@ -265,7 +288,11 @@ class OptimizedBackend:
             q, s = act_quant.silu_mul_quant(
                 flat, problem.activation, problem.recipe.act_group, problem.scale_fmt
             )
-            return {"a2q": q.view(*batch, q.shape[-1]), "a2q_scale": s.reshape(*batch, s.shape[-1])}
+            return {
+                "a2q": q.view(*batch, q.shape[-1]),
+                "a2q_scale": s.reshape(*batch, s.shape[-1]),
+                **act_quant.gate_source(mm1.device),
+            }
         out_q = self.workspaces.get(
             "a2q", (flat.shape[0], flat.shape[1] // 2), torch.float8_e4m3fn, mm1.device
         )
@@ -280,7 +307,12 @@ class OptimizedBackend:
             expert_ends=grouped if psum else None,
             expert_alignment=upstream["align"]["alignment"] if psum else 0,
         )
-        return {"a2q": self.workspaces.own(q), "a2q_scale": s, "layout": layout.value}
+        return {
+            "a2q": self.workspaces.own(q),
+            "a2q_scale": s,
+            "layout": layout.value,
+            **act_quant.gate_source(mm1.device),
+        }
 
     def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         act = upstream["act_quant"]
@@ -308,6 +340,7 @@ class OptimizedBackend:
             "engine": choice.engine,
             "engine_reason": choice.reason,
             "layout": layout.value,
+            **gemm_recipe(problem, choice, mm2),
         }
 
     def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
@@ -423,7 +456,12 @@ class OptimizedBackend:
                 m_indices,
                 t_max,
             ).view(e_l, t_max, w.shape[1])
-        return {"out": out, "engine": choice.engine, "engine_reason": choice.reason}
+        return {
+            "out": out,
+            "engine": choice.engine,
+            "engine_reason": choice.reason,
+            **gemm_recipe(problem, choice, out),
+        }
 
     # -- engines ---------------------------------------------------------------------------------
 

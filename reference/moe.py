@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from moe_verify.spec import (
+    ActQuantRecipe,
     GemmRecipe,
     GroupedLayout,
     MoEInputs,
@@ -206,12 +207,15 @@ class ReferenceBackend:
         return {"mm1": mm1, "engine": "torch", "layout": layout.value}
 
     def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        return self._act_quant(p, up["gemm1"]["mm1"], act_quant_recipes(p))
+
+    def _act_quant(self, p: MoEProblem, mm1: torch.Tensor, recipes: tuple) -> Outputs:
+        """act_quant's outputs under each of `recipes`, the first one the stage's own."""
         activation = p.activation
         if p.recipe is Recipe.MXFP4_W4A8 and activation.kind != "silu":
             raise ValueError("mxfp4_w4a8: the FP4 experts support silu (with optional clamp) only")
-        mm1 = up["gemm1"]["mm1"]
         by_recipe = {}
-        for r in act_quant_recipes(p):
+        for r in recipes:
             # the batched layout: quantize the flattened rows, keep the batch shape
             q, s = act_quant(
                 mm1.reshape(-1, mm1.shape[-1]), activation, p.recipe.act_group, p.scale_fmt, r
@@ -257,8 +261,18 @@ class ReferenceBackend:
             raise ValueError(
                 f"the tensor-core recipe is a GEMM's: stage gemm1 or gemm2, got {stage}"
             )
-        local = self.shard(p, x, trace.rank)
-        up = trace.upto(stage)
+        out = self._tensor_core(p, self.shard(p, x, trace.rank), trace.upto(stage), stage)
+        outs = trace[stage]
+        by_recipe = {GemmRecipe.FP32_DEQUANT: (outs[name],), GemmRecipe.TENSOR_CORE: (out,)}
+        recipes = recipe_outputs(by_recipe, (name,))
+        recipes.pop("recipe")  # the stage's own outputs are the fp32 golden's, as before
+        result = Trace(trace.backend, trace.rank)
+        for name_, outs_ in trace.items():
+            result.add(name_, {**outs_, **recipes} if name_ == stage else outs_)
+        return result
+
+    def _tensor_core(self, p: MoEProblem, local: Shard, up: Trace, stage: str) -> torch.Tensor:
+        """GEMM `stage`'s output by the tensor-core recipe, on the operands `up` gives it."""
         w = local.w13 if stage == Stage.GEMM1 else local.w2
         if stage == Stage.GEMM1:
             a, a_scale = (
@@ -269,17 +283,67 @@ class ReferenceBackend:
         else:
             a, a_scale = up["act_quant"]["a2q"], up["act_quant"]["a2q_scale"]
         if "dispatch" in up:
-            out = tensor_core_masked_gemm(a, a_scale, w, up["dispatch"]["masked_m"])
-        else:
-            rows, _ = self._row_experts(p, up)
-            out = tensor_core_grouped_gemm(a, a_scale, p.recipe.act_group, w, rows)
-        outs = trace[stage]
-        by_recipe = {GemmRecipe.FP32_DEQUANT: (outs[name],), GemmRecipe.TENSOR_CORE: (out,)}
-        recipes = recipe_outputs(by_recipe, (name,))
-        recipes.pop("recipe")  # the stage's own outputs are the fp32 golden's, as before
+            return tensor_core_masked_gemm(a, a_scale, w, up["dispatch"]["masked_m"])
+        rows, _ = self._row_experts(p, up)
+        return tensor_core_grouped_gemm(a, a_scale, p.recipe.act_group, w, rows)
+
+    def sm90_chain(
+        self,
+        p: MoEProblem,
+        x: MoEInputs,
+        trace: Trace,
+        act_recipe: ActQuantRecipe | None = None,
+        topk_weights: torch.Tensor | None = None,
+    ) -> Trace:
+        """`trace` (this golden's, of rank trace.rank) from gemm1 on as SM90 computes the chain:
+        gemm1 and gemm2 by the tensor-core recipe (their fp32-dequant outputs beside, under
+        "mm1@fp32_dequant" / "mm2@fp32_dequant"), act_quant on that mm1 with `act_recipe` as
+        its own recipe (default: the problem's first; the other legitimate recipes beside), and
+        the gather of that mm2. The stages before gemm1 and the shared experts are the trace's.
+        Chained mode on SM90 compares every stage bit for bit against it (docs/tolerance.md
+        #zero-tolerance-on-sm90). A tensor-core mm1 the trace already carries (isolated mode's,
+        on the same operands) is reused. The SM90 fp8_block recipe only, as `with_tensor_core`.
+
+        `topk_weights`: the weights the gather sums with, in place of the route's (the harness
+        passes the tested side's where they are a legitimately different rounding of the same
+        routing: the renormalization's sum order), so the gather is still held bit for bit.
+        """
+        local = self.shard(p, x, trace.rank)
+        recipes = act_quant_recipes(p)
+        if act_recipe is not None:
+            if act_recipe not in recipes:
+                raise ValueError(
+                    f"act_recipe {act_recipe} is not a legitimate act_quant recipe of {p.id} "
+                    f"(legitimate: {', '.join(map(str, recipes))})"
+                )
+            recipes = (act_recipe, *(r for r in recipes if r != act_recipe))
         result = Trace(trace.backend, trace.rank)
-        for name_, outs_ in trace.items():
-            result.add(name_, {**outs_, **recipes} if name_ == stage else outs_)
+        for stage, outs in trace.items():
+            if stage in (Stage.GEMM1, Stage.GEMM2):
+                name = "mm1" if stage == Stage.GEMM1 else "mm2"
+                if stage == Stage.GEMM1:
+                    fp32 = outs["mm1"]
+                    tc = outs.get("mm1@tensor_core")
+                else:
+                    fp32 = self.gemm2(p, x, result, trace.rank)["mm2"]
+                    tc = None
+                if tc is None:
+                    tc = self._tensor_core(p, local, result, stage)
+                by_recipe = {GemmRecipe.TENSOR_CORE: (tc,), GemmRecipe.FP32_DEQUANT: (fp32,)}
+                plain = {k: v for k, v in outs.items() if "@" not in k and k != "recipe_outputs"}
+                outs = {**plain, **recipe_outputs(by_recipe, (name,))}
+            elif stage == Stage.ACT_QUANT:
+                outs = self._act_quant(p, result["gemm1"]["mm1"], recipes)
+            elif stage == Stage.GATHER:
+                up = result
+                if topk_weights is not None:
+                    up = Trace(result.backend, result.rank)
+                    for name_, outs_ in result.items():
+                        if name_ == Stage.ROUTE:
+                            outs_ = {**outs_, "topk_weights": topk_weights}
+                        up.add(name_, outs_)
+                outs = self.gather(p, x, up, trace.rank)
+            result.add(stage, outs)
         return result
 
     def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:

@@ -46,7 +46,7 @@ from tolerance.metrics import (
     row_max,
 )
 from tolerance.policy import LAYOUT_REASON, TENSOR_CORE_GEMM
-from tolerance.recipes import golden_as, golden_recipes, match_recipe
+from tolerance.recipes import golden_as, golden_recipes, match_recipe, sm90_chain
 from tolerance.results import CheckResult, ContractError, Worst
 
 _LIVE_ROWS = "live (token, k) rows"
@@ -244,11 +244,15 @@ def gemm_checks(ctx: Ctx, stage: str, name: str) -> list[CheckResult]:
     golden's fp32 dequant math, or, where the golden carries the tensor-core recipe of the stage
     (isolated mode; `tensor_core_keys`), bit for bit against it with the bound reported beside."""
     forced = layout_check(ctx, stage)
-    keyed = gemm_rows(ctx, stage, name)
+    hardware = tensor_core_keys(ctx, stage)
+    exact = ctx
+    if hardware is not None and sm90_chain(ctx.golden):  # the chain's own outputs are the model's
+        fp32 = golden_recipes(ctx.golden, stage)[GemmRecipe.FP32_DEQUANT]
+        exact = dataclasses.replace(ctx, golden=golden_as(ctx.golden, stage, fp32))
+    keyed = gemm_rows(exact, stage, name)
     if isinstance(keyed, CheckResult):
         return [keyed]
-    checks = bounded_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)
-    hardware = tensor_core_keys(ctx, stage)
+    checks = bounded_checks(exact, keyed.other, keyed.golden, keyed.locate, keyed.rows)
     if hardware is not None:
         checks = tensor_core_checks(ctx, stage, name, hardware, checks)
     checks = keyed.with_row_map(checks)
@@ -263,10 +267,12 @@ def row_rel_error_matrix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_core_keys(ctx: Ctx, stage: str) -> dict[str, str] | None:
-    """{output name: golden trace key} of the golden's tensor-core recipe of GEMM `stage`, in
-    isolated mode where the harness added it (moe_verify/verification.py); else None. Chained,
-    the tested GEMM reads its own upstream, which the golden's recipe was not computed on."""
-    if ctx.mode is not Mode.ISOLATED:
+    """{output name: golden trace key} of the golden's tensor-core recipe of GEMM `stage`: in
+    isolated mode where the harness added it (moe_verify/verification.py), chained where the
+    golden is its SM90 chain (`sm90_chain`: every stage computed as SM90 does); else None. A
+    chained GEMM of any other golden reads its own upstream, on which the recipe was not
+    computed."""
+    if ctx.mode is not Mode.ISOLATED and not sm90_chain(ctx.golden):
         return None
     return golden_recipes(ctx.golden, stage).get(GemmRecipe.TENSOR_CORE)
 

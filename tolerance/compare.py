@@ -32,7 +32,7 @@ from tolerance.context import Ctx, comparison_device
 from tolerance.exact_stages import align_checks, permute_checks, quant_input_checks, route_checks
 from tolerance.layouts import flatten_batched
 from tolerance.policy import CONTRACT_REASON, policy_for
-from tolerance.recipes import chained_copy_golden
+from tolerance.recipes import chained_copy_golden, hardware_check
 from tolerance.results import CheckResult, ContractError, StageResult, Worst
 
 __all__ = [  # the entry points, and the result types callers read with them
@@ -118,7 +118,7 @@ def compare_stage(
         return StageResult(stage, Status.ERROR, [], f"no comparison is defined for stage '{stage}'")
     where = torch.device(device) if device is not None else comparison_device(golden, stage)
     try:
-        check = policy_for(stage, problem, mode)
+        check = hardware_check(stage, golden, other, Mode(mode), policy_for(stage, problem, mode))
         ctx = Ctx(golden, other, problem, check, Mode(mode), where)
         checks = comparer(chained_copy_golden(ctx, stage))
     except ContractError as exc:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from moe_verify.spec import Mode, Stage, Trace
+from moe_verify.spec import ActQuantRecipe, GemmRecipe, Mode, Stage, Trace
 from tolerance.context import Ctx, tensor_of
+from tolerance.policy import ACT_QUANT_BITWISE, GATHER_BITWISE, Check
 from tolerance.results import CheckResult, ContractError
 
 RECIPE_REASON = (
@@ -29,6 +30,34 @@ RECIPE_REASON = (
 # One recipe's comparison: the stage's checks and how far the tested side is from that recipe
 # (codes and scale groups that differ bit for bit; 0 when it matches).
 Comparer = Callable[[Ctx], tuple[list[CheckResult], float]]
+
+
+# The act_quant recipes whose gate is the H200's compiled Triton one (reference/gate_table.py).
+HARDWARE_ACT_RECIPES = frozenset(
+    {ActQuantRecipe.PACKED_SM90_TRITON.value, ActQuantRecipe.COLMAJOR_SM90_TRITON.value}
+)
+
+
+def sm90_chain(golden: Trace) -> bool:
+    """The golden trace is its SM90 chain (reference/moe.py `sm90_chain`): its gemm1's own
+    recipe is the tensor core's."""
+    return Stage.GEMM1 in golden and golden[Stage.GEMM1].get("recipe") == GemmRecipe.TENSOR_CORE
+
+
+def hardware_check(stage: str, golden: Trace, other: Trace, mode: Mode, check: Check) -> Check:
+    """The stage's Check where the golden computed the hardware's own recipe (zero tolerance on
+    SM90, docs/tolerance.md#zero-tolerance-on-sm90), else `check`: chained against the golden's
+    SM90 chain, act_quant and the gather bit for bit (the GEMMs' verdict is bitwise through
+    `tensor_core_keys`); isolated, act_quant bit for bit where the tested stage declares a
+    recipe with the H200's Triton gate."""
+    chain = mode is Mode.CHAINED and sm90_chain(golden)
+    if stage == Stage.ACT_QUANT and Stage.ACT_QUANT in other:
+        declared = other[Stage.ACT_QUANT].get("recipe")
+        if chain or (mode is Mode.ISOLATED and declared in HARDWARE_ACT_RECIPES):
+            return ACT_QUANT_BITWISE
+    if stage == Stage.GATHER and chain:
+        return GATHER_BITWISE
+    return check
 
 
 def golden_recipes(golden: Trace, stage: str) -> dict[str, dict[str, str]]:

@@ -54,6 +54,7 @@ from optimized.kernels.quant import (
     to_fp8_satfinite,
     ue8m0_ceil_byte,
 )
+from optimized.triton_compat import interpreter_mode
 
 
 @triton.jit
@@ -246,3 +247,14 @@ def gate_table(alpha: float, device: torch.device | str = "cuda") -> torch.Tenso
     grid = (triton.cdiv(g.numel(), 1024),)
     _gate_table_kernel[grid](g, out, g.numel(), float(alpha), BLOCK=1024)
     return out
+
+
+def gate_source(device: torch.device) -> dict[str, str]:
+    """Where the kernels' gate values come from on `device`, as facts the harness can match to a
+    recorded gate table (reference/gate_table.py): {"gate_triton": Triton's version,
+    "gate_capability": "major.minor"} when compiled for a CUDA GPU; {} under the interpreter, whose
+    gate is numpy's exp (the plain recipes)."""
+    if interpreter_mode() or torch.device(device).type != "cuda":
+        return {}
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"gate_triton": triton.__version__, "gate_capability": f"{major}.{minor}"}

@@ -20,6 +20,7 @@ import torch
 from moe_verify.cases import SWIGLU
 from moe_verify.inputs import make_inputs
 from moe_verify.spec import Activation, ActQuantRecipe, MoEProblem, ScaleFmt, Stage, Status
+from moe_verify.verification import declare_hardware_gate
 from optimized.backend import OptimizedBackend
 from optimized.triton_compat import interpreter_mode
 from reference.activation import act_quant, sm90_triton_recipe
@@ -252,14 +253,20 @@ def test_declared_table_recipe_computing_the_plain_one_is_held_to_it(case: Case)
 def test_interpreter_kernel_matches_the_plain_recipe(case: Case) -> None:
     """Under the interpreter the kernel's gate is numpy's exp and an IEEE division: the matcher
     picks the plain recipe, even on entries where the table recipe differs. Compiled on a GPU
-    (the H200 the table was recorded on) the kernel must match the table recipe instead."""
+    (the H200 the table was recorded on) the kernel reports its gate's Triton and capability,
+    the harness declares the table recipe from them, and the kernel must match it bit for bit."""
     p = case.problem
     g = planted_golden(case)
     act = OptimizedBackend(engine="triton").run_stage(
         Stage.ACT_QUANT, p, make_inputs(p), g.upto(Stage.ACT_QUANT), 0
     )
     other = replace_stage(g, Stage.ACT_QUANT, act)
+    declare_hardware_gate(p, other)
     result = compare_stage(Stage.ACT_QUANT, g, other, p)
     assert result.status is Status.PASS, result.checks
-    expected = case.fused if interpreter_mode() else case.twin
-    assert result.recipe == expected, result.checks[0].detail
+    if interpreter_mode():
+        assert "recipe" not in other[Stage.ACT_QUANT]  # no gate facts: nothing declared
+        assert result.recipe == case.fused, result.checks[0].detail
+    else:
+        assert result.recipe == case.twin, result.checks[0].detail
+        assert all(c.limit == 0 for c in result.checks), result.checks

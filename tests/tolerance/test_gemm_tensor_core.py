@@ -150,9 +150,9 @@ def test_not_computed_unless_used(monkeypatch: pytest.MonkeyPatch, record_report
     [
         (BASE.replace(recipe="mxfp8", scale_fmt="ue8m0_packed"), "isolated", "fp8_block"),
         (BASE.replace(scale_fmt="ue8m0_packed"), "isolated", "fp8_block"),
-        (BASE, "chained", "isolated mode"),
+        (BASE.replace(scale_fmt="ue8m0_packed"), "chained", "fp8_block"),
     ],
-    ids=["mxfp8", "packed-ue8m0", "chained-only"],
+    ids=["mxfp8", "packed-ue8m0", "packed-ue8m0-chained"],
 )
 def test_asking_where_it_cannot_apply_is_refused(
     problem: MoEProblem, mode: str, match: str

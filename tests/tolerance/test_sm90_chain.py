@@ -1,0 +1,158 @@
+"""Zero tolerance on SM90, chained: where the tested GEMMs are DeepGEMM's SM90 kernel and its
+act_quant declares the H200's Triton gate, the chained run is compared against the golden's SM90
+chain (reference/moe.py `sm90_chain`) with every stage bit for bit (docs/tolerance.md "Zero
+tolerance on SM90"). The CPU has no SM90: `sm90_device` is forced, and the tested chains
+(tests/tester/sm90_chain_backends.py) compute what the hardware computes with the golden's own
+hardware recipes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from moe_verify import verification
+from moe_verify.spec import MoEProblem, Stage
+from moe_verify.verification import verify
+from reference.moe import ReferenceBackend
+from tests.tester import sm90_chain_backends as cb
+from tolerance.policy import ACT_QUANT_BITWISE, GATHER_BITWISE
+
+pytestmark = pytest.mark.cpu
+
+BASE = MoEProblem(tokens=16, hidden=256, intermediate=128, num_experts=4, topk=2, alignment=32)
+# Big enough that promoting without the FMA moves a bf16 output (3 of 65,536 in gemm1 here).
+WIDE = MoEProblem(tokens=64, hidden=1024, intermediate=256, num_experts=4, topk=2, alignment=32)
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    problem: MoEProblem
+
+
+CASES = [
+    Case(f"{label}-{fmt}", problem.replace(scale_fmt=fmt))
+    for label, problem in (
+        ("m_indices", BASE),
+        ("psum", BASE.replace(grouped_layout="psum")),
+        ("masked", BASE.replace(topology="ep:2+ll")),
+    )
+    for fmt in ("float32", "float32_ceil_ue8m0")
+]
+
+
+@pytest.fixture
+def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor counts as lying on an SM90 GPU."""
+    monkeypatch.setattr(verification, "sm90_device", lambda t: True)
+
+
+def by_stage(results) -> dict:
+    """{stage: result}, the stages of rank 0 (the only rank, or the first of several)."""
+    out: dict = {}
+    for r in results:
+        out.setdefault(r.stage, r)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+def test_the_sm90_chain_passes_every_stage_bit_for_bit(case: Case, sm90: None, record_report):
+    report = record_report(verify(case.problem, backend=cb.Sm90Chain(engine="triton"), mode="both"))
+    assert report.passed, report.failure_messages()
+    chained = by_stage(report.chained)
+    for stage in (Stage.GEMM1, Stage.GEMM2):
+        (bits,) = [c for c in chained[stage].checks if c.name.endswith(" bits")]
+        assert bits.limit == 0 and bits.value == 0 and chained[stage].recipe == "tensor_core"
+    act = chained[Stage.ACT_QUANT]
+    assert act.recipe.endswith("_sm90_triton")
+    assert {c.reason for c in act.checks if c.limit == 0} >= {ACT_QUANT_BITWISE.code_dist.reason}
+    gather = chained[Stage.GATHER]
+    assert any(c.reason == GATHER_BITWISE.ulp.reason and c.limit == 0 for c in gather.checks)
+    # isolated: the declared hardware gate makes act_quant bitwise there too
+    isolated = by_stage(report.isolated)[Stage.ACT_QUANT]
+    assert isolated.recipe == act.recipe
+    assert all(c.limit == 0 for c in isolated.checks if c.name.startswith(("code", "scale")))
+
+
+@pytest.mark.parametrize(
+    ("backend", "problem"),
+    [(cb.NoFmaPromotion, WIDE), (cb.OneUlpChain, BASE)],
+    ids=["promotion-without-fma", "one-ulp"],
+)
+def test_a_planted_fault_fails_bitwise_and_passes_the_bounds(
+    backend: type, problem: MoEProblem, sm90: None, record_report
+) -> None:
+    """Side by side: the bitwise chain names gemm1 first; the same run against the fp32 chain
+    and its bounds (gemm_recipe fp32_dequant) passes every stage."""
+    bitwise = record_report(verify(problem, backend=backend(engine="triton"), mode="chained"))
+    assert not bitwise.passed and bitwise.first_failure.startswith(Stage.GEMM1)
+    gemm1 = by_stage(bitwise.chained)[Stage.GEMM1]
+    (bits,) = gemm1.failed_checks
+    assert bits.value >= 1 and "differ from the tensor-core recipe bit for bit" in bits.detail
+    bounded = record_report(
+        verify(
+            problem, backend=backend(engine="triton"), mode="chained", gemm_recipe="fp32_dequant"
+        )
+    )
+    assert bounded.passed, bounded.failure_messages()
+
+
+def test_no_declared_gate_no_chain(sm90: None, monkeypatch: pytest.MonkeyPatch, record_report):
+    """An act_quant that reports no hardware gate (the interpreter's, someone else's kernel)
+    leaves the chained run on the fp32 golden and its bounds: the SM90 chain is not computed."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the SM90 chain ran although the act_quant gate is not the table's")
+
+    monkeypatch.setattr(ReferenceBackend, "sm90_chain", refuse)
+    report = record_report(verify(BASE, backend="optimized", engine="triton", mode="chained"))
+    assert report.passed
+
+
+def test_another_triton_keeps_the_bounds(sm90: None, record_report) -> None:
+    """Gate facts from another Triton version than the table's: not declared, not bitwise."""
+
+    class OtherTriton(cb.Sm90Chain):
+        def act_quant(self, p, x, up, rank):
+            return {**super().act_quant(p, x, up, rank), "gate_triton": "0.0.0"}
+
+    report = record_report(verify(BASE, backend=OtherTriton(engine="triton"), mode="both"))
+    for results in (report.isolated, report.chained):
+        act = by_stage(results)[Stage.ACT_QUANT]
+        assert not any(c.limit == 0 and c.name.startswith("code") for c in act.checks)
+
+
+def test_the_chain_golden_refuses_a_recipe_the_problem_has_not() -> None:
+    from moe_verify.inputs import make_inputs
+
+    golden = ReferenceBackend()
+    x = make_inputs(BASE)
+    trace = golden.run(BASE, x)
+    with pytest.raises(ValueError, match="not a legitimate act_quant recipe"):
+        golden.sm90_chain(BASE, x, trace, "bf16_steps")
+
+
+def test_legitimately_other_route_weights_are_summed_by_the_chain(sm90: None, record_report):
+    """Route weights a renormalization sum order apart (within the route bound): the chain's
+    gather sums with the tested weights, so the gather is still bitwise and passes."""
+    report = record_report(verify(WIDE, backend=cb.OtherSumOrder(engine="triton"), mode="chained"))
+    assert report.passed, report.failure_messages()
+    route = by_stage(report.chained)[Stage.ROUTE]
+    (weights,) = [c for c in route.checks if c.name == "topk_weights"]
+    assert weights.value == cb.OtherSumOrder.ULPS  # they do differ
+
+
+def test_another_quant_recipe_keeps_the_chained_bounds(sm90: None, record_report) -> None:
+    """A tested quant_input that matches the other legitimate recipe feeds the GEMMs other
+    operands than the golden's chain starts from: the chained run keeps the fp32 golden and its
+    bounds, and passes."""
+    problem = WIDE.replace(scale_fmt="float32")
+    report = record_report(
+        verify(problem, backend=cb.ReciprocalQuant(engine="triton"), mode="chained")
+    )
+    chained = by_stage(report.chained)
+    assert chained[Stage.QUANT_INPUT].recipe == "triton_reciprocal"  # it did differ
+    assert report.passed, report.failure_messages()
+    assert chained[Stage.GEMM1].recipe is None  # not held to the chain's bits
