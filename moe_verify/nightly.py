@@ -45,13 +45,18 @@ class Family:
     activation: Activation = Activation()
     recipes: tuple[Recipe, ...] = (Recipe.FP8_BLOCK, Recipe.MXFP8, Recipe.MXFP4_W4A8)
     grouped: bool = False  # DeepSeek-style grouped routing
+    # Experts one rank holds at full size, where the real model runs expert-parallel and its
+    # name's count is global (None: num_experts, the rank holds them all).
+    full_experts: int | None = None
 
 
 FAMILIES = (
     # DeepSeek-V3 EP8-local: 32 of 256 experts, top-8, grouped sigmoid routing.
     Family("dsv3", 32, 8, (1024, 512), (7168, 2048), grouped=True),
     Family("qwen3", 128, 8, (1024, 384), (4096, 1536)),  # Qwen3-MoE: many small experts
-    Family("kimi", 384, 8, (1024, 256), (7168, 2048)),  # Kimi-K2-like: E = 384
+    # Kimi-K2-like: E = 384; at full size EP8-local, 48 of them per rank (all 384 at H = 7168 on
+    # one rank were 96-114 GiB of weights and fp32 golden: out of the H200's memory).
+    Family("kimi", 384, 8, (1024, 256), (7168, 2048), full_experts=48),
     # gpt-oss-like: H = 2880 (22.5 x 128), so only the 1x32 recipe takes it unpadded.
     Family("gptoss", 32, 4, (2880, 2880), (2880, 2880), SWIGLU_CLAMP, (Recipe.MXFP8,)),
     Family("mixtral", 8, 2, (1024, 2048), (4096, 14336)),  # Mixtral-like: E = 8, k = 2, large I
@@ -136,6 +141,7 @@ def _problem(
     tokens: int,
     seed: int,
     size: tuple[int, int] | None = None,
+    num_experts: int | None = None,
 ) -> MoEProblem | None:
     """The problem, or None where MoEProblem refuses the combination (e.g. I per rank not a
     multiple of the recipe's block)."""
@@ -147,7 +153,7 @@ def _problem(
             tokens=tokens,
             hidden=h,
             intermediate=i,
-            num_experts=family.num_experts,
+            num_experts=num_experts or family.num_experts,
             topk=family.topk,
             recipe=recipe,
             scale_fmt=fmt,
@@ -156,8 +162,8 @@ def _problem(
             topology=topo,
             seed=seed,
             shared_experts=shared,
-            num_expert_group=8 if grouped and family.num_experts % 8 == 0 else 1,
-            topk_group=4 if grouped and family.num_experts % 8 == 0 else 1,
+            num_expert_group=8 if grouped and (num_experts or family.num_experts) % 8 == 0 else 1,
+            topk_group=4 if grouped and (num_experts or family.num_experts) % 8 == 0 else 1,
         )
     except ValueError:
         return None
@@ -218,7 +224,8 @@ def _token_edges() -> Iterator[NightlyCase]:
 
 
 def _full_size() -> Iterator[NightlyCase]:
-    """Each family at its real per-rank size, decode and prefill, the SM90 formats."""
+    """Each family at its real per-rank size (its experts too, where it runs expert-parallel),
+    decode and prefill, the SM90 formats."""
     for family in FAMILIES:
         recipe = family.recipes[0]
         fmts = (
@@ -230,10 +237,19 @@ def _full_size() -> Iterator[NightlyCase]:
             for tokens in (1, 128, 4096 if family.name == "dsv3" else 1024):
                 routing = Routing.GROUPED if family.grouped else Routing.SOFTMAX
                 p = _problem(
-                    family, recipe, fmt, "tp:1", routing, tokens, seed=tokens, size=family.full
+                    family,
+                    recipe,
+                    fmt,
+                    "tp:1",
+                    routing,
+                    tokens,
+                    seed=tokens,
+                    size=family.full,
+                    num_experts=family.full_experts,
                 )
                 if p is not None:
-                    yield NightlyCase(p, f"{family.name} at full size, T={tokens}, {fmt}")
+                    local = f" ({p.num_experts} local experts)" if family.full_experts else ""
+                    yield NightlyCase(p, f"{family.name} at full size{local}, T={tokens}, {fmt}")
 
 
 def nightly_cases() -> list[NightlyCase]:

@@ -129,3 +129,13 @@ def test_list_prints_every_case_with_its_edge_and_runs_nothing(
 def test_list_rejects_a_bad_shard(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "--preset", "nightly", "--list", "--shard", "4/3"]) == 2
     assert "--shard" in capsys.readouterr().err
+
+
+def test_every_case_fits_one_h200_with_room() -> None:
+    """Full-size rows are each model's per-rank size: by the preflight's own count every case
+    fits in half an H200 (139 GiB), so one process can run them back to back (all 384 Kimi
+    experts on one rank were 96-114 GiB and ran out of memory there)."""
+    from moe_verify.preflight import estimate
+
+    worst = max(nightly_cases(), key=lambda c: estimate(c.problem).total)
+    assert estimate(worst.problem).total < 70 * 2**30, worst.problem.id
