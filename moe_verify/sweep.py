@@ -167,10 +167,12 @@ def run_in_process(
 
 
 def release_memory() -> None:
-    """Free what a finished case left: its traces sit in reference cycles (a Trace and the
-    reports that point back into it), which only a full collection frees, and the caching
-    allocator keeps freed blocks. Without this a worker held one full-size case's ~70 GiB into
-    the next, and the third Kimi-like case of the nightly ran out of the H200's memory."""
+    """Free what a finished case may leave: anything a reference cycle still holds (a full
+    collection), and the blocks PyTorch's caching allocator keeps reserved after the case freed
+    them, so the next case, or a replacement worker, starts with the GPU's memory free. (On the
+    H200 the third all-384-expert Kimi-like case of the nightly ran out of memory in the worker
+    that had run two; no cross-case leak was found on the CPU, so this is a precaution, and the
+    fix was the EP-local Kimi size in moe_verify/nightly.py.)"""
     gc.collect()
     if torch_cuda_initialized():
         import torch
