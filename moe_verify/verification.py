@@ -54,6 +54,7 @@ from tolerance.invariance import INVARIANCES, Invariance, agreement
 from tolerance.provenance import with_provenance
 from tolerance.recipes import HARDWARE_ACT_RECIPES
 from tolerance.report import Report
+from tolerance.slots import slot_order
 
 
 @dataclass(frozen=True)
@@ -234,8 +235,8 @@ def with_sm90_chain(
     if not same_quantized_input(golden_trace, tested):
         return None  # another legitimate quant_input recipe: the chain would start elsewhere
     reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
-    weights = legitimately_other_weights(golden_trace, tested)
-    return reference.sm90_chain(problem, inputs, golden_trace, act, weights)
+    slots, weights = legitimately_other_route(golden_trace, tested)
+    return reference.sm90_chain(problem, inputs, golden_trace, act, slots, weights)
 
 
 def same_quantized_input(golden: Trace, tested: Trace) -> bool:
@@ -258,27 +259,33 @@ def same_quantized_input(golden: Trace, tested: Trace) -> bool:
     return True
 
 
-def legitimately_other_weights(golden: Trace, tested: Trace) -> torch.Tensor | None:
-    """The tested route's weights where they route exactly as the golden's (the same ids) but
-    are not bit for bit the golden's: each side renormalizes in its own sum order, a legitimate
-    difference of a few ulps that the route check bounds (tolerance/policy.py
-    `renormalized_weight_ulps`). The SM90 chain's gather then sums with them, so it is still
-    compared bit for bit. None where the weights are the golden's or the ids differ (the route
-    check then fails, and names the stage)."""
+def legitimately_other_route(
+    golden: Trace, tested: Trace
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(slots, weights) for the SM90 chain's gather, from a tested route that routes every
+    token to the golden's experts but is not bit for bit the golden's route: `slots` (the
+    golden's slot of each tested slot, tolerance/slots.py `slot_order`) where some token lists
+    its experts in another order, `weights` (the tested ones) where they are not the golden's
+    bit for bit once in the same order. Both are legitimate: the order inside a token is not
+    semantic, and each side renormalizes in its own sum order (a few ulps, which the route check
+    bounds: tolerance/policy.py `renormalized_weight_ulps`). (None, None) where the route is the
+    golden's, or routes elsewhere (the route check then fails, and names the stage)."""
     if tested.failure(Stage.ROUTE) is not None:
-        return None
+        return None, None
     g, t = golden[Stage.ROUTE], tested[Stage.ROUTE]
     ids, weights = t.get("topk_ids"), t.get("topk_weights")
+    g_ids, g_weights = g["topk_ids"], g["topk_weights"]
     if not isinstance(ids, torch.Tensor) or not isinstance(weights, torch.Tensor):
-        return None
-    gw = g["topk_weights"]
-    ids = ids.to(g["topk_ids"].device)
-    if ids.shape != g["topk_ids"].shape or weights.shape != gw.shape or weights.dtype != gw.dtype:
-        return None
-    if not torch.equal(ids.to(g["topk_ids"].dtype), g["topk_ids"]):
-        return None
-    weights = weights.to(gw.device)
-    return None if torch.equal(weights.view(torch.int32), gw.view(torch.int32)) else weights
+        return None, None
+    if ids.shape != g_ids.shape or weights.shape != g_weights.shape:
+        return None, None
+    ids, weights = ids.to(g_ids.device).long(), weights.to(g_weights.device)
+    slots = slot_order(g_ids, ids)
+    if not torch.equal(g_ids.long().gather(1, slots), ids) or weights.dtype != g_weights.dtype:
+        return None, None
+    in_order = bool((slots == torch.arange(ids.shape[1], device=ids.device)).all())
+    same = torch.equal(g_weights.gather(1, slots).view(torch.int32), weights.view(torch.int32))
+    return (None if in_order else slots), (None if same else weights)
 
 
 def compare_rank(

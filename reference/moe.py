@@ -58,6 +58,33 @@ Outputs = dict[str, object]
 _RANK_STAGES = frozenset(Stage) - {Stage.REDUCE}
 
 
+# Each stage's per-slot outputs ([T, k], indexed like topk_ids).
+_PER_SLOT = {
+    Stage.ROUTE: ("topk_ids", "topk_weights"),
+    Stage.PERMUTE: ("inv_perm",),
+    Stage.DISPATCH: ("slot", "slot_expert"),
+}
+
+
+def _slots_in_order(
+    trace: Trace, slots: torch.Tensor | None, topk_weights: torch.Tensor | None
+) -> Trace:
+    """`trace` with its per-slot outputs in the order `slots` gives (out[t, i] = x[t, slots[t,
+    i]]) and its route weights replaced by `topk_weights`; `trace` itself when neither is given."""
+    if slots is None and topk_weights is None:
+        return trace
+    result = Trace(trace.backend, trace.rank)
+    for stage, outs in trace.items():
+        outs = dict(outs)
+        for name in _PER_SLOT.get(stage, ()) if slots is not None else ():
+            if name in outs:
+                outs[name] = outs[name].gather(1, slots.to(outs[name].device))
+        if stage == Stage.ROUTE and topk_weights is not None:
+            outs["topk_weights"] = topk_weights
+        result.add(stage, outs)
+    return result
+
+
 class ReferenceBackend:
     """The golden. `precision` is the GEMM accumulation dtype (float64 for calibration).
 
@@ -293,6 +320,7 @@ class ReferenceBackend:
         x: MoEInputs,
         trace: Trace,
         act_recipe: ActQuantRecipe | None = None,
+        slots: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
     ) -> Trace:
         """`trace` (this golden's, of rank trace.rank) from gemm1 on as SM90 computes the chain:
@@ -304,9 +332,12 @@ class ReferenceBackend:
         #zero-tolerance-on-sm90). A tensor-core mm1 the trace already carries (isolated mode's,
         on the same operands) is reused. The SM90 fp8_block recipe only, as `with_tensor_core`.
 
-        `topk_weights`: the weights the gather sums with, in place of the route's (the harness
-        passes the tested side's where they are a legitimately different rounding of the same
-        routing: the renormalization's sum order), so the gather is still held bit for bit.
+        The gather sums each token's slots in k order. `slots` (int64 [T, k]: slot i of the
+        sum is the route's slot slots[t, i]) and `topk_weights` (the weights in that order) make
+        it sum as a tested route that is a legitimately different rounding of the same routing
+        does: the same experts listed in another order (a tie broken otherwise), weights a
+        renormalization sum order apart. The harness passes them, so the gather is still held
+        bit for bit (moe_verify/verification.py `with_sm90_chain`).
         """
         local = self.shard(p, x, trace.rank)
         recipes = act_quant_recipes(p)
@@ -335,14 +366,7 @@ class ReferenceBackend:
             elif stage == Stage.ACT_QUANT:
                 outs = self._act_quant(p, result["gemm1"]["mm1"], recipes)
             elif stage == Stage.GATHER:
-                up = result
-                if topk_weights is not None:
-                    up = Trace(result.backend, result.rank)
-                    for name_, outs_ in result.items():
-                        if name_ == Stage.ROUTE:
-                            outs_ = {**outs_, "topk_weights": topk_weights}
-                        up.add(name_, outs_)
-                outs = self.gather(p, x, up, trace.rank)
+                outs = self.gather(p, x, _slots_in_order(result, slots, topk_weights), trace.rank)
             result.add(stage, outs)
         return result
 

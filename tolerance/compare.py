@@ -34,6 +34,7 @@ from tolerance.layouts import flatten_batched
 from tolerance.policy import CONTRACT_REASON, policy_for
 from tolerance.recipes import chained_copy_golden, hardware_check
 from tolerance.results import CheckResult, ContractError, StageResult, Worst
+from tolerance.slots import aligned_slots
 
 __all__ = [  # the entry points, and the result types callers read with them
     "CheckResult",
@@ -153,6 +154,8 @@ def keyed_values(
     early = not_compared(stage, golden, other)
     if early is not None:
         raise ContractError(f"{stage} cannot be keyed: {early.reason}")
+    if Mode(mode) is Mode.CHAINED:
+        other = aligned_slots(golden, other)
     if Stage.DISPATCH in golden:
         golden, other = flatten_batched(golden), flatten_batched(other)
     where = torch.device(device) if device is not None else comparison_device(golden, stage)
@@ -177,6 +180,8 @@ def compare(
     """
     mode = Mode(mode)
     names = list(stages) if stages is not None else default_stages(problem, golden, other)
+    if mode is Mode.CHAINED:  # the tested side's own route: its slots in the golden's order
+        other = aligned_slots(golden, other)
     return [
         compare_stage(stage, golden, other, problem, mode=mode, device=device) for stage in names
     ]

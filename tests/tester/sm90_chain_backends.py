@@ -98,3 +98,19 @@ class ReciprocalQuant(Sm90Chain):
 
         q, s = quantize_fp8_groups(x.hidden_states, 128, p.scale_fmt, recipe="triton_reciprocal")
         return {"a1q": q, "a1q_scale": s}
+
+
+class RotatedSlots(Sm90Chain):
+    """Sm90Chain whose route lists each token's experts rotated by one slot (slot i holds what
+    its own top-k put at slot i - 1): the same routing, and every later stage follows its own
+    order, so its gather sums each token's slots in another order."""
+
+    name = "rotated_slots"
+
+    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        outs = super().route(p, x, up, rank)
+        return {
+            **outs,
+            "topk_ids": outs["topk_ids"].roll(1, dims=1),
+            "topk_weights": outs["topk_weights"].roll(1, dims=1),
+        }

@@ -156,3 +156,24 @@ def test_another_quant_recipe_keeps_the_chained_bounds(sm90: None, record_report
     assert chained[Stage.QUANT_INPUT].recipe == "triton_reciprocal"  # it did differ
     assert report.passed, report.failure_messages()
     assert chained[Stage.GEMM1].recipe is None  # not held to the chain's bits
+
+
+K4 = MoEProblem(tokens=32, hidden=256, intermediate=128, num_experts=8, topk=4, alignment=32)
+
+
+@pytest.mark.parametrize("gemm_recipe", [None, "fp32_dequant"], ids=["sm90-chain", "bounds"])
+def test_a_route_in_another_slot_order_is_compared_slot_by_expert(
+    gemm_recipe: str | None, sm90: None, record_report
+) -> None:
+    """A token's experts in another order are the same routing: the chained stages after route
+    are keyed by the golden's slot of each expert, and the SM90 chain's gather sums in the
+    tested order, so the correct kernel passes, bit for bit where the chain applies."""
+    report = record_report(
+        verify(
+            K4, backend=cb.RotatedSlots(engine="triton"), mode="chained", gemm_recipe=gemm_recipe
+        )
+    )
+    assert report.passed, report.failure_messages()
+    gather = by_stage(report.chained)[Stage.GATHER]
+    bitwise = any(c.reason == GATHER_BITWISE.ulp.reason for c in gather.checks)
+    assert bitwise is (gemm_recipe is None)
