@@ -149,23 +149,6 @@ def _from_report(problem: MoEProblem, report: dict, seconds: float) -> CaseOutco
     )
 
 
-def run_in_process(
-    problem: MoEProblem,
-    backend: str,
-    mode: str,
-    engine: str,
-    case_timeout_s: float | None,
-    plot_dir: Path | None,
-) -> CaseOutcome:
-    """One case in this process under its deadline; whatever the backend raises is the case's
-    ERROR, except the user's Ctrl-C and our SIGTERM, which propagate. The case's memory is
-    released before the next case (`release_memory`)."""
-    try:
-        return _run_case(problem, backend, mode, engine, case_timeout_s, plot_dir)
-    finally:
-        release_memory()
-
-
 def release_memory() -> None:
     """Free what a finished case may leave: anything a reference cycle still holds (a full
     collection), and the blocks PyTorch's caching allocator keeps reserved after the case freed
@@ -185,7 +168,7 @@ def torch_cuda_initialized() -> bool:
     return torch is not None and torch.cuda.is_initialized()
 
 
-def _run_case(
+def run_in_process(
     problem: MoEProblem,
     backend: str,
     mode: str,
@@ -193,6 +176,9 @@ def _run_case(
     case_timeout_s: float | None,
     plot_dir: Path | None,
 ) -> CaseOutcome:
+    """One case in this process under its deadline; whatever the backend raises is the case's
+    ERROR, except the user's Ctrl-C and our SIGTERM, which propagate. The case's memory is
+    released before the next case (`release_memory`)."""
     from moe_verify.verification import verify
 
     start = time.perf_counter()
@@ -217,7 +203,11 @@ def _run_case(
         return _error(problem, start, str(exc))
     except BaseException as exc:  # noqa: BLE001 - one broken case never takes the sweep down
         return _error(problem, start, f"{type(exc).__name__}: {exc}")
-    return _from_report(problem, report.to_dict(), time.perf_counter() - start)
+    else:
+        return _from_report(problem, report.to_dict(), time.perf_counter() - start)
+    finally:
+        report = None
+        release_memory()
 
 
 def _error(problem: MoEProblem, start: float, what: str) -> CaseOutcome:

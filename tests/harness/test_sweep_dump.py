@@ -118,3 +118,37 @@ def test_dump_and_replay_reproduce_a_failure(tmp_path: Path) -> None:
     m_sum = aligned_m_sum_upper_bound(16, 2, 4, 32)  # host ints survive in the metadata
     assert golden.stages[0] == "route" and golden["align"]["M_sum"] == m_sum
     assert golden["permute"]["a_perm"].dtype == torch.float8_e4m3fn
+
+
+def test_each_case_releases_its_memory_before_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_in_process frees what the case left (a full collection, the CUDA cache) whether the
+    case passed or raised, with its report no longer referenced."""
+    import gc
+    import weakref
+
+    import moe_verify.sweep as sweep_module
+    import moe_verify.verification as verification
+
+    seen: list[weakref.ref] = []
+    real_verify = verification.verify
+
+    def verify(*args: object, **kwargs: object):
+        report = real_verify(*args, **kwargs)
+        seen.append(weakref.ref(report))
+        return report
+
+    released: list[bool] = []
+
+    def release() -> None:
+        gc.collect()
+        released.append(seen[-1]() is None if seen else True)
+
+    monkeypatch.setattr(verification, "verify", verify)
+    monkeypatch.setattr(sweep_module, "release_memory", release)
+    problem = MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=4)
+    outcome = sweep_module.run_in_process(problem, "optimized", "isolated", "triton", None, None)
+    assert outcome.status == "pass" and released == [True]
+    broken = sweep_module.run_in_process(
+        problem, "no.such:Backend", "isolated", "triton", None, None
+    )
+    assert broken.status == "error" and len(released) == 2
