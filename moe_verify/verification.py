@@ -193,17 +193,31 @@ def declare_hardware_gate(problem: MoEProblem, tested: Trace) -> None:
     if Stage.ACT_QUANT not in tested or tested.failure(Stage.ACT_QUANT) is not None:
         return
     outs = tested[Stage.ACT_QUANT]
-    if outs.get("recipe") is not None or "gate_triton" not in outs:
-        return
-    table = gate_table_provenance()
-    if (outs.get("gate_triton"), outs.get("gate_capability")) != (
-        table.get("triton"),
-        table.get("capability"),
-    ):
+    if outs.get("recipe") is not None or not table_gate(outs):
         return
     twin = sm90_triton_recipe(fused_act_quant_recipe(problem.scale_fmt), problem.activation)
     if twin is not None and twin in act_quant_recipes(problem):
         outs["recipe"] = twin.value
+
+
+def table_gate(outs: dict) -> bool:
+    """A stage's outputs say its gate was computed as the recorded H200 table was: by the same
+    Triton version on a GPU of the same compute capability (optimized/kernels/act_quant.py
+    `gate_source`)."""
+    table = gate_table_provenance()
+    facts = (outs.get("gate_triton"), outs.get("gate_capability"))
+    return "gate_triton" in outs and facts == (table.get("triton"), table.get("capability"))
+
+
+def sm90_shared(tested: Trace) -> bool:
+    """The tested shared experts ran as SM90 computes them: both GEMMs declare the tensor-core
+    recipe, on an SM90 GPU, and the gate is the table's (`table_gate`)."""
+    if Stage.SHARED not in tested or tested.failure(Stage.SHARED) is not None:
+        return False
+    outs = tested[Stage.SHARED]
+    out = outs.get("out")
+    declared = outs.get("recipe") == GemmRecipe.TENSOR_CORE
+    return declared and table_gate(outs) and isinstance(out, torch.Tensor) and sm90_device(out)
 
 
 def with_sm90_chain(
@@ -221,7 +235,9 @@ def with_sm90_chain(
     (`gemm_recipe_applies`) and the tested act_quant declares a recipe with the H200's Triton
     gate that the problem has: the chain is then defined to the bit, and the golden computes it
     with that recipe. Asked for (tensor_core), with the declared act_quant recipe if it is a
-    legitimate one, else the problem's first. Only after the tested run, which says what ran."""
+    legitimate one, else the problem's first. The shared experts join the chain where they ran
+    as SM90 computes them (`sm90_shared`), else keep their bounds. Only after the tested run,
+    which says what ran."""
     recipe = GemmRecipe(gemm_recipe) if gemm_recipe is not None else None
     if recipe is GemmRecipe.FP32_DEQUANT or Stage.GEMM2 not in golden_trace:
         return None
@@ -236,7 +252,8 @@ def with_sm90_chain(
         return None  # another legitimate quant_input recipe: the chain would start elsewhere
     reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
     slots, weights = legitimately_other_route(golden_trace, tested)
-    return reference.sm90_chain(problem, inputs, golden_trace, act, slots, weights)
+    shared = sm90_shared(tested)
+    return reference.sm90_chain(problem, inputs, golden_trace, act, slots, weights, shared)
 
 
 def same_quantized_input(golden: Trace, tested: Trace) -> bool:

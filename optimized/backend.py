@@ -42,15 +42,16 @@ Outputs = dict[str, object]
 StageHook = Callable[[MoEProblem, MoEInputs, Trace, int], Outputs]
 
 
-def gemm_recipe(problem: MoEProblem, choice: EngineChoice, out: torch.Tensor) -> Outputs:
+def gemm_recipe(problem: MoEProblem, engine: Engine, out: torch.Tensor) -> Outputs:
     """{"recipe": "tensor_core"} where the Triton engine's fp8_block GEMM ran compiled on an SM90
     GPU: its chunks then accumulate on the tensor core and are promoted as DeepGEMM's are
     (optimized/kernels/grouped_gemm.py), so its output is the tensor-core recipe's bit for bit
-    (measured on the H200: 100.0000% with fp32 and ceil-UE8M0 scales). DeepGEMM's output says so
-    by its engine; anything else declares nothing."""
+    (measured on the H200: 100.0000% with fp32 and ceil-UE8M0 scales); the shared experts' two
+    GEMMs say it of both. DeepGEMM's output says so by its engine; anything else declares
+    nothing."""
     sm90 = (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0)
     if (
-        choice.engine is not Engine.TRITON
+        engine is not Engine.TRITON
         or problem.recipe is not Recipe.FP8_BLOCK
         or problem.scale_fmt not in sm90
         or interpreter_mode()
@@ -273,7 +274,7 @@ class OptimizedBackend:
             "engine": choice.engine,
             "engine_reason": choice.reason,
             "layout": layout.value,
-            **gemm_recipe(problem, choice, mm1),
+            **gemm_recipe(problem, choice.engine, mm1),
         }
 
     def act_quant(
@@ -340,7 +341,7 @@ class OptimizedBackend:
             "engine": choice.engine,
             "engine_reason": choice.reason,
             "layout": layout.value,
-            **gemm_recipe(problem, choice, mm2),
+            **gemm_recipe(problem, choice.engine, mm2),
         }
 
     def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
@@ -398,7 +399,12 @@ class OptimizedBackend:
         out = grouped_gemm.grouped_gemm(
             a2, a2_scale, group, w2.q, w2.scale, w2.block, every_row, rows
         )
-        return {"out": out, "engine": Engine.TRITON}
+        return {
+            "out": out,
+            "engine": Engine.TRITON,
+            **gemm_recipe(problem, Engine.TRITON, out),
+            **act_quant.gate_source(out.device),
+        }
 
     # -- batched low-latency layout (ep:N+ll) ----------------------------------------------------
 
@@ -460,7 +466,7 @@ class OptimizedBackend:
             "out": out,
             "engine": choice.engine,
             "engine_reason": choice.reason,
-            **gemm_recipe(problem, choice, out),
+            **gemm_recipe(problem, choice.engine, out),
         }
 
     # -- engines ---------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from moe_verify.spec import (
     MoEInputs,
     MoEProblem,
     MSumRecipe,
+    QuantizedWeight,
     Recipe,
     Routing,
     Stage,
@@ -322,12 +323,15 @@ class ReferenceBackend:
         act_recipe: ActQuantRecipe | None = None,
         slots: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
+        shared: bool = False,
     ) -> Trace:
         """`trace` (this golden's, of rank trace.rank) from gemm1 on as SM90 computes the chain:
         gemm1 and gemm2 by the tensor-core recipe (their fp32-dequant outputs beside, under
         "mm1@fp32_dequant" / "mm2@fp32_dequant"), act_quant on that mm1 with `act_recipe` as
         its own recipe (default: the problem's first; the other legitimate recipes beside), and
-        the gather of that mm2. The stages before gemm1 and the shared experts are the trace's.
+        the gather of that mm2; with `shared`, the shared experts the same way (their GEMMs by
+        the tensor-core recipe, their act_quant by `act_recipe`). The stages before gemm1 (and
+        the shared experts without `shared`) are the trace's.
         Chained mode on SM90 compares every stage bit for bit against it (docs/tolerance.md
         #zero-tolerance-on-sm90). A tensor-core mm1 the trace already carries (isolated mode's,
         on the same operands) is reused. The SM90 fp8_block recipe only, as `with_tensor_core`.
@@ -367,6 +371,8 @@ class ReferenceBackend:
                 outs = self._act_quant(p, result["gemm1"]["mm1"], recipes)
             elif stage == Stage.GATHER:
                 outs = self.gather(p, x, _slots_in_order(result, slots, topk_weights), trace.rank)
+            elif stage == Stage.SHARED and shared:
+                outs = self._shared(p, x, trace.rank, recipes[0], tensor_core=True)
             result.add(stage, outs)
         return result
 
@@ -393,6 +399,18 @@ class ReferenceBackend:
     def shared(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         """The shared experts: a dense gated MLP over every token (weight 1), this rank's shard
         of its intermediate dimension, quantized like the routed experts (ref §10.6)."""
+        return self._shared(p, x, rank)
+
+    def _shared(
+        self,
+        p: MoEProblem,
+        x: MoEInputs,
+        rank: int,
+        act_recipe: ActQuantRecipe | None = None,
+        tensor_core: bool = False,
+    ) -> Outputs:
+        """The shared experts, their act_quant by `act_recipe` (default: the scale format's
+        fused kernel), their GEMMs by the tensor-core recipe when `tensor_core` (SM90's chain)."""
         if x.shared_w13 is None or x.shared_w2 is None:
             raise ValueError("shared_experts > 0 needs inputs with shared_w13 / shared_w2")
         w13, w2 = shared_shard(p, x.shared_w13, x.shared_w2, rank)
@@ -403,12 +421,17 @@ class ReferenceBackend:
         else:
             a, a_scale = formats.quantize_fp8_groups(hidden, 128, p.scale_fmt)
         every_row = torch.zeros(hidden.shape[0], dtype=torch.int32, device=hidden.device)
-        mm1 = grouped_gemm(a, a_scale, p.recipe.act_group, w13, every_row, precision=self.precision)
-        a2, a2_scale = act_quant(mm1, p.activation, p.recipe.act_group, p.scale_fmt)
-        out = grouped_gemm(
-            a2, a2_scale, p.recipe.act_group, w2, every_row, precision=self.precision
-        )
-        return {"out": out}
+        group = p.recipe.act_group
+
+        def gemm(a: torch.Tensor, a_scale: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+            if tensor_core:
+                return tensor_core_grouped_gemm(a, a_scale, group, w, every_row)
+            return grouped_gemm(a, a_scale, group, w, every_row, precision=self.precision)
+
+        mm1 = gemm(a, a_scale, w13)
+        a2, a2_scale = act_quant(mm1, p.activation, group, p.scale_fmt, act_recipe)
+        out = gemm(a2, a2_scale, w2)
+        return {"out": out, "recipe": GemmRecipe.TENSOR_CORE.value} if tensor_core else {"out": out}
 
     def dispatch(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         """DeepEP low-latency dispatch: each local expert's slots in a [max_tokens, H] batch."""

@@ -213,6 +213,14 @@ ACT_QUANT_BITWISE = Check(
     scale_flip_frac=Limit(0, f"bit for bit ({_ZERO_DOC})"),
     scale_step=Limit(0, f"bit for bit ({_ZERO_DOC})"),
 )
+SHARED_BITWISE = Check(
+    "gather",
+    "chained against the golden's SM90 chain, the shared experts computed as SM90 computes them "
+    "(both GEMMs by the tensor-core recipe, act_quant with the H200 Triton gate): bit for bit "
+    f"({_ZERO_DOC})",
+    ulp=Limit(0, f"bit for bit ({_ZERO_DOC})"),
+    row_err=Limit(0, f"bit for bit ({_ZERO_DOC})"),
+)
 GATHER_BITWISE = Check(
     "gather",
     "chained against the golden's SM90 chain: the same mm2 bits and route weights, summed in the "

@@ -19,7 +19,7 @@ import torch
 
 from moe_verify.spec import ActQuantRecipe, GemmRecipe, Mode, Stage, Trace
 from tolerance.context import Ctx, tensor_of
-from tolerance.policy import ACT_QUANT_BITWISE, GATHER_BITWISE, Check
+from tolerance.policy import ACT_QUANT_BITWISE, GATHER_BITWISE, SHARED_BITWISE, Check
 from tolerance.results import CheckResult, ContractError
 
 RECIPE_REASON = (
@@ -47,9 +47,9 @@ def sm90_chain(golden: Trace) -> bool:
 def hardware_check(stage: str, golden: Trace, other: Trace, mode: Mode, check: Check) -> Check:
     """The stage's Check where the golden computed the hardware's own recipe (zero tolerance on
     SM90, docs/tolerance.md#zero-tolerance-on-sm90), else `check`: chained against the golden's
-    SM90 chain, act_quant and the gather bit for bit (the GEMMs' verdict is bitwise through
-    `tensor_core_keys`); isolated, act_quant bit for bit where the tested stage declares a
-    recipe with the H200's Triton gate."""
+    SM90 chain, act_quant, the gather and (where the chain computed them as SM90 does) the shared
+    experts bit for bit (the GEMMs' verdict is bitwise through `tensor_core_keys`); isolated,
+    act_quant bit for bit where the tested stage declares a recipe with the H200's Triton gate."""
     chain = mode is Mode.CHAINED and sm90_chain(golden)
     if stage == Stage.ACT_QUANT and Stage.ACT_QUANT in other:
         declared = other[Stage.ACT_QUANT].get("recipe")
@@ -57,6 +57,9 @@ def hardware_check(stage: str, golden: Trace, other: Trace, mode: Mode, check: C
             return ACT_QUANT_BITWISE
     if stage == Stage.GATHER and chain:
         return GATHER_BITWISE
+    if stage == Stage.SHARED and chain and Stage.SHARED in golden:
+        if golden[Stage.SHARED].get("recipe") == GemmRecipe.TENSOR_CORE:
+            return SHARED_BITWISE
     return check
 
 

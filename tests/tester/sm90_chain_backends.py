@@ -7,7 +7,8 @@ GEMMs as DeepGEMM's (the CPU test forces SM90):
   table), reporting the gate facts the optimized kernel reports on that GPU: passes bit for bit;
 - NoFmaPromotion: the tensor core's chunk sums promoted with a separate fp32 multiply and add
   instead of DeepGEMM's FMA (a few bf16 outputs in 10^5 move by an ulp with fp32 scales);
-- OneUlpChain: Sm90Chain with one live element of each GEMM one bf16 ulp up.
+- OneUlpChain: Sm90Chain with one live element of each GEMM one bf16 ulp up;
+- Fp32Shared: shared experts that declare the tensor core but compute exact fp32 math.
 
 The last two stay inside every chained bound; only the bitwise chain catches them.
 """
@@ -22,6 +23,7 @@ import reference.tensor_core as tensor_core
 from moe_verify.spec import MoEInputs, MoEProblem, Trace
 from reference.activation import act_quant, fused_act_quant_recipe, sm90_triton_recipe
 from reference.gate_table import gate_table_provenance
+from reference.moe import ReferenceBackend
 from tests.tester.gemm_recipe_backends import OneUlpGemm, TensorCoreGemm
 
 Outputs = dict[str, object]
@@ -50,6 +52,23 @@ class Sm90Chain(TensorCoreGemm):
             "a2q_scale": s.reshape(*mm1.shape[:-1], s.shape[-1]),
             **table_gate_facts(),
         }
+
+    # the shared experts' GEMMs by the tensor-core recipe (False: exact fp32 math, a fault here)
+    shared_tensor_core = True
+
+    def shared(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        """The shared experts as SM90 computes them (both GEMMs by the tensor-core recipe,
+        act_quant with the table gate), declared as the optimized backend declares its own."""
+        twin = sm90_triton_recipe(fused_act_quant_recipe(p.scale_fmt), p.activation)
+        outs = ReferenceBackend()._shared(p, x, rank, twin, tensor_core=self.shared_tensor_core)
+        return {**outs, "recipe": "tensor_core", **table_gate_facts()}
+
+
+class Fp32Shared(Sm90Chain):
+    """Sm90Chain whose shared experts declare the tensor core but compute exact fp32 math."""
+
+    name = "fp32_shared"
+    shared_tensor_core = False
 
 
 def _mul_then_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from moe_verify.spec import MoEProblem, Stage
 from moe_verify.verification import verify
 from reference.moe import ReferenceBackend
 from tests.tester import sm90_chain_backends as cb
-from tolerance.policy import ACT_QUANT_BITWISE, GATHER_BITWISE
+from tolerance.policy import ACT_QUANT_BITWISE, GATHER_BITWISE, SHARED_BITWISE
 
 pytestmark = pytest.mark.cpu
 
@@ -177,3 +177,25 @@ def test_a_route_in_another_slot_order_is_compared_slot_by_expert(
     gather = by_stage(report.chained)[Stage.GATHER]
     bitwise = any(c.reason == GATHER_BITWISE.ulp.reason for c in gather.checks)
     assert bitwise is (gemm_recipe is None)
+
+
+SHARED = BASE.replace(shared_experts=1)
+
+
+def test_shared_experts_join_the_chain_bit_for_bit(sm90: None, record_report) -> None:
+    report = record_report(verify(SHARED, backend=cb.Sm90Chain(engine="triton"), mode="chained"))
+    assert report.passed, report.failure_messages()
+    shared = by_stage(report.chained)[Stage.SHARED]
+    assert any(c.reason == SHARED_BITWISE.ulp.reason and c.limit == 0 for c in shared.checks)
+
+
+def test_shared_experts_off_the_hardware_fail_bitwise_and_pass_the_bounds(
+    sm90: None, record_report
+) -> None:
+    bitwise = record_report(verify(SHARED, backend=cb.Fp32Shared(engine="triton"), mode="chained"))
+    assert bitwise.first_failure.startswith(Stage.SHARED), bitwise.failure_messages()
+    bounded = record_report(
+        verify(SHARED, backend=cb.Fp32Shared(engine="triton"), mode="chained",
+               gemm_recipe="fp32_dequant")
+    )  # fmt: skip
+    assert bounded.passed, bounded.failure_messages()
