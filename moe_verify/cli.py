@@ -80,10 +80,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         given = {
             "--workspace": args.workspace,
             "--poison": args.poison,
-            "--poison-padding": args.poison_padding,
             "--plot": args.plot,
             "--invariance": args.invariance,
-            "--gemm-recipe": args.gemm_recipe,
         }
         unsupported = [flag for flag, value in given.items() if value]
         if unsupported:

@@ -402,7 +402,7 @@ def verify(
     gemm_recipe = check_gemm_recipe(problem, modes, gemm_recipe)
     padding_poison = check_bool("padding_poison", padding_poison)
     if padding_poison:
-        _check_padding_poison(modes)
+        check_padding_poison(modes)
     poisons = _poisons(poison)
     if not isinstance(backend, str) and (workspace or poisons):
         raise ValueError(
@@ -466,7 +466,7 @@ def verify(
     return report
 
 
-def _check_padding_poison(modes: tuple[Mode, ...]) -> None:
+def check_padding_poison(modes: tuple[Mode, ...]) -> None:
     """The padding poison needs isolated mode."""
     if Mode.ISOLATED not in modes:
         raise ValueError(

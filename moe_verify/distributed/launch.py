@@ -75,10 +75,12 @@ def launch(
     nproc: int | None = None,
     dump_dir: str | None = None,
     case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S,
+    padding_poison: bool = False,
+    gemm_recipe: str | None = None,
 ) -> int:
     """Run `problem` with one torchrun process per rank; the exit code of `moe-verify run`.
     `case_timeout_s` bounds each rank's work (None or 0: no limit), and the whole launch with
-    STARTUP_GRACE_S more."""
+    STARTUP_GRACE_S more. `padding_poison` and `gemm_recipe` reach every rank as `verify`'s do."""
 
     size = problem.topology.size
     if nproc is not None and nproc != size:
@@ -98,6 +100,10 @@ def launch(
         if dump_dir:
             worker += ["--dump-dir", str(Path(dump_dir).resolve())]
         worker += ["--case-timeout", f"{case_timeout_s or 0:g}"]
+        if padding_poison:
+            worker += ["--poison-padding"]
+        if gemm_recipe:
+            worker += ["--gemm-recipe", str(gemm_recipe)]
         torchrun = [
             "--standalone",
             f"--nproc-per-node={size}",
@@ -221,4 +227,6 @@ def launch_from_args(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         dump_dir=args.dump_dir,
         case_timeout_s=getattr(args, "case_timeout", DEFAULT_CASE_TIMEOUT_S) or None,
+        padding_poison=bool(args.poison_padding),
+        gemm_recipe=args.gemm_recipe,
     )

@@ -66,9 +66,11 @@ from moe_verify.distributed import (
 )
 from moe_verify.dump import dump_header, dump_rank_traces
 from moe_verify.inputs import make_inputs
+from moe_verify.poison import poison_padding
 from moe_verify.runner import resolve_backend, run_golden
 from moe_verify.spec import (
     Backend,
+    GemmRecipe,
     Mode,
     MoEInputs,
     MoEProblem,
@@ -77,7 +79,7 @@ from moe_verify.spec import (
     Status,
     Trace,
 )
-from moe_verify.verification import verify_rank
+from moe_verify.verification import check_gemm_recipe, check_padding_poison, verify_rank
 from optimized.triton_compat import interpreter_mode
 from reference.topology import REDUCE_INPUTS, Partial, finish, rank_partial, reduce_ranks
 from tolerance.compare import StageResult, compare_stage
@@ -189,11 +191,18 @@ def local_work(
     modes: tuple[Mode, ...],
     ctx: RankContext,
     keep_traces: bool = False,
+    *,
+    padding_poison: bool = False,
+    gemm_recipe: GemmRecipe | None = None,
 ) -> RankWork:
     """Rank r's inputs, golden and backend traces, and its per-stage results (no collective);
-    the traces and inputs are kept for a dump when `keep_traces`."""
+    the traces and inputs are kept for a dump when `keep_traces`. `padding_poison` and
+    `gemm_recipe` as `verify`'s: the rank's golden with its padding rows poisoned (the reduce
+    reads only gather outputs, which the poison leaves alone), what its GEMMs are held to."""
     inputs = make_inputs(problem, ctx.device)
     golden_trace, golden_reduce = _goldens(problem, inputs, ctx.rank)
+    if padding_poison:
+        golden_trace = poison_padding(golden_trace, problem)
     verdict = verify_rank(
         problem,
         inputs,
@@ -202,6 +211,7 @@ def local_work(
         ctx.rank,
         modes,
         golden_trace=golden_trace,
+        gemm_recipe=gemm_recipe,
     )
     # verify_rank tags a single-rank problem's results without a rank; here every rank says its own
     results = {
@@ -313,9 +323,21 @@ def verify_on_rank(
     modes = Mode.select(args.mode)
     dump_dir = getattr(args, "dump_dir", None)
     timeout = getattr(args, "case_timeout", DEFAULT_CASE_TIMEOUT_S) or None
+    padding_poison = bool(getattr(args, "poison_padding", False))
     try:
+        if padding_poison:
+            check_padding_poison(modes)
+        recipe = check_gemm_recipe(problem, modes, getattr(args, "gemm_recipe", None))
         with deadline(timeout, progress.where):
-            work = local_work(problem, tested, modes, ctx, keep_traces=bool(dump_dir))
+            work = local_work(
+                problem,
+                tested,
+                modes,
+                ctx,
+                keep_traces=bool(dump_dir),
+                padding_poison=padding_poison,
+                gemm_recipe=recipe,
+            )
     except (Exception, CaseTimeout) as exc:  # noqa: BLE001 - this rank's result; collectives go on
         work = _failed_work(modes, ctx.rank, exc)
     backend = f"{tested.name}@torchrun-{ctx.backend}"
@@ -367,7 +389,13 @@ def _dump(
                 inputs = make_inputs(problem, ctx.device)
             run = {}
             if args is not None:
-                run = {"backend": args.backend, "engine": args.engine, "mode": args.mode}
+                run = {
+                    "backend": args.backend,
+                    "engine": args.engine,
+                    "mode": args.mode,
+                    "padding_poison": bool(getattr(args, "poison_padding", False)),
+                    "gemm_recipe": getattr(args, "gemm_recipe", None),
+                }
             dump_header(directory, problem, inputs, report, **run)
         if not work.traces:
             problem_text = "no traces (it failed before comparing)"

@@ -569,7 +569,7 @@ def test_replay_defaults_to_what_the_dump_recorded(
     assert seen == {"directory": tmp_path, "backend": None, "engine": None, "mode": None}
 
 
-@pytest.mark.parametrize("flags", [["--poison", "0xFF"], ["--poison-padding"]], ids=lambda f: f[0])
+@pytest.mark.parametrize("flags", [["--poison", "0xFF"], ["--workspace"]], ids=lambda f: f[0])
 def test_torchrun_refuses_the_flags_its_ranks_do_not_take(
     flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

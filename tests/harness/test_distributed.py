@@ -107,11 +107,12 @@ def _launch(
     topology: str,
     backend: str = "optimized",
     extra: tuple[str, ...] = (),
+    mode: str = "chained",
     **env: str,
 ) -> tuple[subprocess.CompletedProcess[str], dict | None]:
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "moe_verify.cli", "run", "--launcher", "torchrun"]
-    cmd += ["--topology", topology, *SMALL, *extra, "--mode", "chained", "--backend", backend]
+    cmd += ["--topology", topology, *SMALL, *extra, "--mode", mode, "--backend", backend]
     cmd += ["--json", str(report)]
     proc = subprocess.run(
         cmd,
@@ -165,6 +166,27 @@ def test_a_shared_expert_bug_on_one_rank_is_named(tmp_path: Path) -> None:
     assert report["first_failure"] == "shared"
     assert {r["rank"]: r["status"] for r in _results(report, "shared")} == {0: "pass", 1: "fail"}
     assert _results(report, "reduce")[0]["status"] == "fail"
+
+
+@pytest.mark.parametrize(
+    ("backend", "exit_code"),
+    [("optimized", 0), ("tests.tester.field_bugs:PaddingInfBleedsIntoTile", 1)],
+    ids=["correct", "padding-inf-bleeds"],
+)
+def test_the_padding_poison_reaches_every_rank(tmp_path: Path, backend: str, exit_code: int):
+    """--poison-padding under torchrun: each rank's golden has its padding rows poisoned before
+    the isolated stages read them, so the field bug that lets padding reach live rows fails at
+    gemm1 on its ranks, and the correct GEMM passes the same poison."""
+    extra = ("--grouped-layout", "psum", "--poison-padding")
+    proc, report = _launch(tmp_path, "ep:2", backend, extra, mode="isolated")
+    assert proc.returncode == exit_code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None
+    if exit_code:
+        assert report["first_failure"].startswith("gemm1"), report["first_failure"]
+        failed = {
+            r["rank"] for r in report["isolated"] if r["stage"] == "gemm1" and r["status"] == "fail"
+        }
+        assert failed, report["isolated"]
 
 
 def test_a_wrong_rank_is_named(tmp_path: Path) -> None:
