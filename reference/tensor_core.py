@@ -32,6 +32,10 @@ UE8M0, MX and FP4 recipes are not this model and are refused.
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -43,8 +47,11 @@ __all__ = [
     "CHUNK",
     "FRAC_BITS",
     "STEP",
+    "FUSED_ENV",
     "block_step",
     "chunk_accumulators",
+    "chunk_steps",
+    "fused_steps",
     "decode_e4m3",
     "fma_fp32",
     "promote",
@@ -135,7 +142,9 @@ def decode_e4m3(q: Tensor) -> tuple[Tensor, Tensor]:
 # ---------------------------------------------------------------------------------------------
 
 
-def block_step(acc: Tensor, products: Tensor, product_exps: Tensor) -> Tensor:
+def block_step(
+    acc: Tensor, products: Tensor, product_exps: Tensor, *, fused: bool = False
+) -> Tensor:
     """One chained tensor-core step over a batch of output elements.
 
     acc           fp32 [...]: the running chunk accumulator (at most 14 significant bits, or +0)
@@ -148,8 +157,16 @@ def block_step(acc: Tensor, products: Tensor, product_exps: Tensor) -> Tensor:
     block_exp = torch.maximum(product_exps.amax(0).to(torch.int32), _floor_log2(acc))
     block_exp = block_exp.clamp_min(MIN_BLOCK_EXP)
     unit = _pow2(block_exp - FRAC_BITS)
-    terms = torch.div(products, unit, rounding_mode="trunc").sum(0)
-    total = terms + torch.div(acc, unit, rounding_mode="trunc")
+    if fused:
+        # Compiled code: Triton lowers fp32 `/` to div.full.f32 (2 ulps, even where the exact
+        # quotient is representable), so multiply by the exact power of two 2^(13 - E) instead
+        # (normal: E >= 2 * ZERO_EXP), and truncate by the float -> int32 conversion.
+        per_unit = _pow2(FRAC_BITS - block_exp)
+        terms = (products * per_unit).to(torch.int32).sum(0, dtype=torch.int32)
+        total = (terms + (acc * per_unit).to(torch.int32)).to(torch.float32)
+    else:  # eager: ATen's division is IEEE, exact by a power of two, and one fast pass
+        terms = torch.div(products, unit, rounding_mode="trunc").sum(0)
+        total = terms + torch.div(acc, unit, rounding_mode="trunc")
     return _keep_fraction_bits(total * unit, FRAC_BITS)
 
 
@@ -172,17 +189,44 @@ def chunk_accumulators(
         x = x[first * CHUNK : (first + count) * CHUNK]
         return x.reshape(count, CHUNK // STEP, STEP, x.shape[1]).permute(1, 2, 0, 3)
 
+    chained = _fused_chunk_steps() if fused_steps(a_values.device) else chunk_steps
     for first in range(0, chunks, batch):
         count = min(batch, chunks - first)
         av, ae = steps(a_values, first, count), steps(a_exps, first, count)
         bv, be = steps(b_values, first, count), steps(b_exps, first, count)
-        acc = torch.zeros(count, rows, cols, dtype=torch.float32, device=a_values.device)
-        for s in range(CHUNK // STEP):
-            products = av[s, :, :, :, None] * bv[s, :, :, None, :]
-            exps = ae[s, :, :, :, None] + be[s, :, :, None, :]
-            acc = block_step(acc, products, exps)
-        out[first : first + count] = acc
+        out[first : first + count] = chained(av, ae, bv, be)
     return out
+
+
+def chunk_steps(av: Tensor, ae: Tensor, bv: Tensor, be: Tensor, fused: bool = False) -> Tensor:
+    """The four chained block steps of a batch of chunks, each from +0: fp32 [count, rows, cols].
+
+    av, ae: fp32 / int8 [4, 32, count, rows], step s of chunk j at [s, :, j]; bv, be the same
+    [4, 32, count, cols]. `fused`: written for torch.compile (`block_step`)."""
+    acc = torch.zeros(av.shape[2], av.shape[3], bv.shape[3], dtype=torch.float32, device=av.device)
+    for s in range(CHUNK // STEP):
+        products = av[s, :, :, :, None] * bv[s, :, :, None, :]
+        exps = ae[s, :, :, :, None] + be[s, :, :, None, :]
+        acc = block_step(acc, products, exps, fused=fused)
+    return acc
+
+
+# `chunk_steps` fused by torch.compile: every operation in it is exact (products of e4m3 values,
+# integer-valued sums below 2^21, multiplications by powers of two, bit masks), so any fusion or
+# reordering keeps the bits, and the [32, count, rows, cols] temporaries of the eager form are
+# never written: on the H200 the eager form is memory-bound at 14-207x the fp32 golden GEMM
+# (docs/tensor-core.md#speed). Opt-in (MOE_VERIFY_FUSED_TENSOR_CORE=1) until measured on a GPU.
+FUSED_ENV = "MOE_VERIFY_FUSED_TENSOR_CORE"
+
+
+def fused_steps(device: torch.device) -> bool:
+    """Whether the chunk steps run fused (torch.compile) on `device`: asked for by FUSED_ENV."""
+    return os.environ.get(FUSED_ENV, "0") == "1"
+
+
+@functools.cache
+def _fused_chunk_steps() -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    return torch.compile(functools.partial(chunk_steps, fused=True), dynamic=True, fullgraph=True)
 
 
 # ---------------------------------------------------------------------------------------------

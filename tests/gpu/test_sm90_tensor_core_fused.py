@@ -1,0 +1,58 @@
+"""SM90 tier: the tensor-core recipe's fused chunk steps (MOE_VERIFY_FUSED_TENSOR_CORE=1,
+reference/tensor_core.py `chunk_steps` under torch.compile, Triton code on the GPU) give the
+eager form's bits and DeepGEMM's on a DeepSeek-V3 EP8-local gemm1, and how much faster they are
+(printed; docs/tensor-core.md#speed records it)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moe_verify.inputs import make_inputs
+from moe_verify.runner import run_chained
+from moe_verify.spec import MoEProblem
+from optimized.backend import OptimizedBackend
+from reference import tensor_core as tc
+from reference.moe import ReferenceBackend
+
+pytestmark = pytest.mark.sm90
+
+DSV3 = MoEProblem(
+    tokens=128,
+    hidden=7168,
+    intermediate=2048,
+    num_experts=32,
+    topk=8,
+    routing="grouped",
+    num_expert_group=8,
+    topk_group=4,
+)
+
+
+def _timed(f):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = f()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def test_fused_steps_give_deepgemms_bits_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = make_inputs(DSV3, "cuda")
+    t = run_chained(OptimizedBackend(engine="deepgemm"), DSV3, x, 0)
+    w = ReferenceBackend().shard(DSV3, x, 0).w13
+    perm = t["permute"]
+    args = (perm["a_perm"], perm["a_scale_perm"], 128, w, perm["m_indices"])
+    monkeypatch.setenv(tc.FUSED_ENV, "0")
+    eager, eager_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
+    monkeypatch.setenv(tc.FUSED_ENV, "1")
+    _, compile_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
+    fused, fused_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
+    live = perm["m_indices"] >= 0
+    assert torch.equal(fused.view(torch.int16), eager.view(torch.int16))
+    differ = (fused.view(torch.int16) != t["gemm1"]["mm1"].view(torch.int16))[live]
+    assert not bool(differ.any()), f"{int(differ.sum())} live outputs differ from DeepGEMM's"
+    print(f"\ngemm1 DSV3 T=128: eager {eager_s:.3f} s, fused {fused_s:.3f} s "
+          f"(first call with the compile {compile_s:.1f} s)")  # fmt: skip

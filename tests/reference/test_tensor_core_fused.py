@@ -1,0 +1,61 @@
+"""The tensor-core recipe's fused chunk steps (torch.compile of `chunk_steps`, opt-in through
+MOE_VERIFY_FUSED_TENSOR_CORE) give the eager form's bits: on the H200's recorded vectors, and on
+random operands whose exponents spread over the whole e4m3 range. One compile (dynamic shapes)
+serves every case here; a C++ compiler is needed on the CPU, as torch.compile needs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from moe_verify.spec import QuantizedWeight
+from reference import tensor_core as tc
+from tests.reference import test_tensor_core_vectors as recorded
+
+pytestmark = [
+    pytest.mark.cpu,
+    pytest.mark.skipif(
+        shutil.which("g++") is None and shutil.which("c++") is None,
+        reason="torch.compile on the CPU needs a C++ compiler (g++ / c++ on PATH): none here",
+    ),
+]
+
+
+@pytest.fixture
+def fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(tc.FUSED_ENV, "1")
+
+
+def _spread_e4m3(shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(shape, generator=g) * 2.0 ** torch.randint(-12, 6, shape, generator=g).float()
+    x[torch.rand(shape, generator=g) < 0.05] = 0.0  # zeros never set a block exponent
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("m, n, k", [(48, 160, 512), (7, 64, 256)], ids=["48x160x512", "7x64x256"])
+def test_fused_steps_give_the_eager_bits(m: int, n: int, k: int, monkeypatch, fused) -> None:
+    g = torch.Generator().manual_seed(m)
+    a, b = _spread_e4m3((m, k), g), _spread_e4m3((n, k), g)
+    sa = torch.rand(m, k // 128, generator=g) + 0.5
+    sb = torch.rand(-(-n // 128), k // 128, generator=g) + 0.5
+    out = tc.tensor_core_gemm(a, sa, b, sb)
+    assert tc.fused_steps(a.device)
+    monkeypatch.setenv(tc.FUSED_ENV, "0")
+    eager = tc.tensor_core_gemm(a, sa, b, sb)
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+
+
+@pytest.mark.parametrize("key", recorded.KEYS, ids=lambda k: f"{k[0]}-{k[1]}")
+def test_fused_steps_reproduce_the_h200(key: tuple, fused) -> None:
+    layout, _ = key
+    v = recorded.VECTORS[key]
+    live = recorded._live(layout, v)
+    w = QuantizedWeight(v["b"], v["b_scale"], (128, 128))
+    if layout == "contiguous":
+        out = tc.tensor_core_grouped_gemm(v["a"], v["a_scale"], 128, w, v["m_indices"])
+    else:
+        out = tc.tensor_core_masked_gemm(v["a"], v["a_scale"], w, v["masked_m"])
+    differ = (out.view(torch.int16) != v["out"].view(torch.int16))[live]
+    assert not bool(differ.any()), f"{int(differ.sum())} of {differ.numel()} live outputs differ"
