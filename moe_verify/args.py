@@ -170,8 +170,9 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
         "--gemm-recipe",
         choices=[r.value for r in GemmRecipe],
         default=None,
-        help="what isolated gemm1/gemm2 are held to; default: bit for bit to the golden's "
-        "tensor-core recipe where the stage ran DeepGEMM on SM90, else bounded against fp32 "
+        help="what gemm1/gemm2 are held to; default: bit for bit to the golden's tensor-core "
+        "recipe where the stage ran DeepGEMM on SM90 (isolated on the same operands; chained "
+        "against the golden's SM90 chain, every stage bit for bit), else bounded against fp32 "
         "dequant math; tensor_core: bit for bit always (fp8_block, fp32 or ceil-UE8M0 scales); "
         "fp32_dequant: bounded always",
     )

@@ -8,8 +8,10 @@ A dump directory holds one directory per failing case, named by the case id:
                           in older dumps, and when the dumping caller did not say)
   report.json             the report that failed
   inputs.safetensors      every MoEInputs tensor, keyed by field (QuantizedWeight as field.q/.scale)
-  <side>_r<rank>.safetensors  each trace (golden, isolated, chained), keyed "stage/name"; host
-                          values (M_sum, engine, skip reasons) in the file's metadata
+  <side>_r<rank>.safetensors  each trace (golden, isolated, chained; golden_sm90_chain, the
+                          golden a chained run was held to bit for bit, where there was one),
+                          keyed "stage/name"; host values (M_sum, engine, skip reasons) in the
+                          file's metadata
 
 A dump is read as untrusted input (it may come from anyone's bug report): every file through
 moe_verify.safe_io, so a bad one is a ValueError naming it, never a hang or a traceback.
@@ -205,7 +207,8 @@ def dump_case(
         gemm_recipe=gemm_recipe,
     )
     for run in runs:
-        dump_rank_traces(out, run.rank, {"golden": run.golden, **run.tested})
+        sides = {"golden": run.golden, "golden_sm90_chain": run.chained_golden, **run.tested}
+        dump_rank_traces(out, run.rank, sides)
     return out
 
 

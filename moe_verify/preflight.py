@@ -13,7 +13,9 @@ counts, at their largest,
   it quantizes through;
 - one rank's weight shards, once for the golden and once for the tested backend;
 - three traces of one rank (the golden's, the tested backend's chained and isolated ones), each
-  with every stage output sized for the largest legitimate M_sum;
+  with every stage output sized for the largest legitimate M_sum; a fourth for the fp8_block
+  recipe with SM90 scales, whose chained run may be held to the golden's SM90 chain, and for it
+  the GEMM outputs of the tensor-core recipe beside the fp32 ones (the isolated golden's too);
 - the golden's fp32 temporaries (dequantized activations and one expert's weight, the activation's
   fp32 halves);
 - comparison temporaries: four fp32 copies of the largest stage tensor;
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify.spec import MoEProblem, Placement, Recipe, Stage, TopologyKind
+from moe_verify.spec import MoEProblem, Placement, Recipe, ScaleFmt, Stage, TopologyKind
 
 _FP32, _BF16, _FP8 = 4, 2, 1
 # Golden, tested chained, tested isolated: the traces one rank holds at once.
@@ -143,17 +145,24 @@ def estimate(problem: MoEProblem) -> Estimate:
     items += _weight_items("rank weight shard w2", p, e_l, h, i, 2)
 
     m = _max_m_sum(p, e_l)
+    sm90 = p.recipe is Recipe.FP8_BLOCK and p.scale_fmt is not ScaleFmt.UE8M0_PACKED
+    traces = _TRACES + 1 if sm90 else _TRACES
     stages = [
-        Item(f"{Stage.QUANT_INPUT} a1q", (t, h), _FP8 + _FP32 / group, _TRACES),
-        Item(f"{Stage.PERMUTE} a1q", (m, h), _FP8 + _FP32 / group, _TRACES),
-        Item(f"{Stage.GEMM1} out (bf16)", (m, 2 * i), _BF16, _TRACES),
-        Item(f"{Stage.ACT_QUANT} a2q", (m, i), _FP8 + _FP32 / group, _TRACES),
-        Item(f"{Stage.GEMM2} out (bf16)", (m, h), _BF16, _TRACES),
-        Item(f"{Stage.GATHER} out", (t, h), _FP32, _TRACES),
+        Item(f"{Stage.QUANT_INPUT} a1q", (t, h), _FP8 + _FP32 / group, traces),
+        Item(f"{Stage.PERMUTE} a1q", (m, h), _FP8 + _FP32 / group, traces),
+        Item(f"{Stage.GEMM1} out (bf16)", (m, 2 * i), _BF16, traces),
+        Item(f"{Stage.ACT_QUANT} a2q", (m, i), _FP8 + _FP32 / group, traces),
+        Item(f"{Stage.GEMM2} out (bf16)", (m, h), _BF16, traces),
+        Item(f"{Stage.GATHER} out", (t, h), _FP32, traces),
     ]
     if p.shared_experts:
-        stages.append(Item(f"{Stage.SHARED} out", (t, h), _FP32, _TRACES))
+        stages.append(Item(f"{Stage.SHARED} out", (t, h), _FP32, traces))
     items += stages
+    if sm90:  # the tensor-core mm1 / mm2 beside the fp32 ones, in two goldens
+        items += [
+            Item(f"{Stage.GEMM1} tensor-core out (bf16)", (m, 2 * i), _BF16, 2),
+            Item(f"{Stage.GEMM2} tensor-core out (bf16)", (m, h), _BF16, 2),
+        ]
     items += [
         Item("golden gemm1 dequantized a1q (fp32)", (m, h), _FP32),
         Item("golden gemm1 one expert's weight (fp32)", (2 * i, h), _FP32),
@@ -167,7 +176,7 @@ def estimate(problem: MoEProblem) -> Estimate:
         )
     )
     items.append(
-        Item("per-rank partial outputs for the reduce", (t, h), _FP32, _TRACES * p.topology.size)
+        Item("per-rank partial outputs for the reduce", (t, h), _FP32, traces * p.topology.size)
     )
     return Estimate(tuple(items))
 

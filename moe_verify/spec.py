@@ -136,6 +136,13 @@ REPORT_STAGES: tuple[Stage, ...] = (
     Stage.SHARED,
     Stage.REDUCE,
 )
+# Each stage's per-slot outputs: [T, k], indexed like route's topk_ids, so a token's slot order
+# runs through them.
+PER_SLOT_OUTPUTS: dict[Stage, tuple[str, ...]] = {
+    Stage.ROUTE: ("topk_ids", "topk_weights"),
+    Stage.PERMUTE: ("inv_perm",),
+    Stage.DISPATCH: ("slot", "slot_expert"),
+}
 
 
 class Mode(enum.StrEnum):

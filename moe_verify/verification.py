@@ -91,7 +91,9 @@ def verify_rank(
     """Run, compare and tag one rank: the golden of `rank` (or `golden_trace`, already run), the
     tested backend in each of `modes`, every stage of the rank compared on `compare_device` (the
     golden's device by default). Isolated GEMM stages are held bit for bit to the golden's
-    tensor-core recipe where `gemm_recipe_applies` (`with_gemm_recipe`)."""
+    tensor-core recipe where `gemm_recipe_applies` (`with_gemm_recipe`); a chained run to the
+    golden's SM90 chain where `with_sm90_chain` builds one; a tested act_quant whose gate is the
+    recorded table's is declared as that recipe first (`declare_hardware_gate`)."""
     run = run_rank(problem, inputs, tested, golden, rank, modes, golden_trace)
     for trace in run.tested.values():
         declare_hardware_gate(problem, trace)
@@ -120,10 +122,10 @@ def sm90_device(t: torch.Tensor) -> bool:
 
 
 def check_gemm_recipe(
-    problem: MoEProblem, modes: tuple[Mode, ...], gemm_recipe: GemmRecipe | str | None
+    problem: MoEProblem, gemm_recipe: GemmRecipe | str | None
 ) -> GemmRecipe | None:
     """`gemm_recipe` as a GemmRecipe (None: automatic); a ValueError where an explicit
-    tensor_core cannot apply (not the SM90 fp8_block recipe, or no isolated mode)."""
+    tensor_core cannot apply (not the SM90 fp8_block recipe with fp32 or ceil-UE8M0 scales)."""
     if gemm_recipe is None:
         return None
     try:
@@ -234,8 +236,10 @@ def with_sm90_chain(
     Automatically (gemm_recipe None) where both tested GEMMs are held to the tensor-core recipe
     (`gemm_recipe_applies`) and the tested act_quant declares a recipe with the H200's Triton
     gate that the problem has: the chain is then defined to the bit, and the golden computes it
-    with that recipe. Asked for (tensor_core), with the declared act_quant recipe if it is a
-    legitimate one, else the problem's first. The shared experts join the chain where they ran
+    with that recipe. Asked for (tensor_core), with any legitimate act_quant recipe the tested
+    stage declares. A tested act_quant that declares none keeps the chained bounds either way:
+    the chain's gemm2 would read one recipe's a2q while the matcher could pass the stage on
+    another. The shared experts join the chain where they ran
     as SM90 computes them (`sm90_shared`), else keep their bounds. Only after the tested run,
     which says what ran."""
     recipe = GemmRecipe(gemm_recipe) if gemm_recipe is not None else None
@@ -246,8 +250,8 @@ def with_sm90_chain(
     legit = act_quant_recipes(problem)
     declared = tested[Stage.ACT_QUANT].get("recipe") if Stage.ACT_QUANT in tested else None
     act = next((r for r in legit if r == declared), None)
-    if recipe is None and (act is None or act not in HARDWARE_ACT_RECIPES):
-        return None
+    if act is None or (recipe is None and act not in HARDWARE_ACT_RECIPES):
+        return None  # the chain's gemm2 reads the act_quant recipe the tested stage computes
     if not same_quantized_input(golden_trace, tested):
         return None  # another legitimate quant_input recipe: the chain would start elsewhere
     reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
@@ -392,14 +396,16 @@ def verify(
     #3650). It changes what isolated mode feeds the tested stages only: chained mode runs the
     tested side on its own outputs and is unaffected, so mode "chained" alone is refused.
 
-    `gemm_recipe`: what isolated gemm1 / gemm2 are held to. None (automatic): bit for bit to the
-    golden's tensor-core recipe where the tested stage ran DeepGEMM on an SM90 GPU, else bounded
-    against fp32 dequant math; "tensor_core": bit for bit wherever the SM90 fp8_block recipe
-    applies (on a CPU too: the Triton interpreter's exact math then fails it); "fp32_dequant":
-    bounded always. The bound is reported beside a bitwise verdict (docs/tolerance.md).
+    `gemm_recipe`: what gemm1 / gemm2 are held to. None (automatic): bit for bit to the golden's
+    tensor-core recipe where the tested stage ran DeepGEMM on an SM90 GPU (or declares the
+    recipe), isolated on the same operands and chained against the golden's SM90 chain, every
+    stage then bit for bit (`with_sm90_chain`), else bounded against fp32 dequant math;
+    "tensor_core": bit for bit wherever the SM90 fp8_block recipe applies (on a CPU too: the
+    Triton interpreter's exact math then fails it); "fp32_dequant": bounded always. The bound is
+    reported beside a bitwise verdict (docs/tolerance.md#zero-tolerance-on-sm90).
     """
     modes = Mode.select(mode)
-    gemm_recipe = check_gemm_recipe(problem, modes, gemm_recipe)
+    gemm_recipe = check_gemm_recipe(problem, gemm_recipe)
     padding_poison = check_bool("padding_poison", padding_poison)
     if padding_poison:
         check_padding_poison(modes)

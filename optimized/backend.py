@@ -42,19 +42,25 @@ Outputs = dict[str, object]
 StageHook = Callable[[MoEProblem, MoEInputs, Trace, int], Outputs]
 
 
-def gemm_recipe(problem: MoEProblem, engine: Engine, out: torch.Tensor) -> Outputs:
+# The Triton GEMM tile whose SM90 bits were measured to be the tensor core's (docs/gpu-results.md).
+MEASURED_BLOCK_ROWS = 128
+
+
+def gemm_recipe(problem: MoEProblem, engine: Engine, out: torch.Tensor, alignment: int) -> Outputs:
     """{"recipe": "tensor_core"} where the Triton engine's fp8_block GEMM ran compiled on an SM90
     GPU: its chunks then accumulate on the tensor core and are promoted as DeepGEMM's are
     (optimized/kernels/grouped_gemm.py), so its output is the tensor-core recipe's bit for bit
-    (measured on the H200: 100.0000% with fp32 and ceil-UE8M0 scales); the shared experts' two
-    GEMMs say it of both. DeepGEMM's output says so by its engine; anything else declares
-    nothing."""
+    (measured on the H200: 100.0000% with fp32 and ceil-UE8M0 scales), for the one tile measured:
+    128-row blocks (`grouped_gemm.default_block_m(alignment)`; smaller blocks may lower tl.dot to
+    another MMA, whose accumulation is not modelled). The shared experts' two GEMMs say it of
+    both. DeepGEMM's output says so by its engine; anything else declares nothing."""
     sm90 = (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0)
     if (
         engine is not Engine.TRITON
         or problem.recipe is not Recipe.FP8_BLOCK
         or problem.scale_fmt not in sm90
         or interpreter_mode()
+        or grouped_gemm.default_block_m(alignment) != MEASURED_BLOCK_ROWS
         or not out.is_cuda
         or torch.cuda.get_device_capability(out.device)[0] != 9
     ):
@@ -274,7 +280,7 @@ class OptimizedBackend:
             "engine": choice.engine,
             "engine_reason": choice.reason,
             "layout": layout.value,
-            **gemm_recipe(problem, choice.engine, mm1),
+            **gemm_recipe(problem, choice.engine, mm1, upstream["align"]["alignment"]),
         }
 
     def act_quant(
@@ -341,7 +347,7 @@ class OptimizedBackend:
             "engine": choice.engine,
             "engine_reason": choice.reason,
             "layout": layout.value,
-            **gemm_recipe(problem, choice.engine, mm2),
+            **gemm_recipe(problem, choice.engine, mm2, upstream["align"]["alignment"]),
         }
 
     def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
@@ -402,7 +408,7 @@ class OptimizedBackend:
         return {
             "out": out,
             "engine": Engine.TRITON,
-            **gemm_recipe(problem, Engine.TRITON, out),
+            **gemm_recipe(problem, Engine.TRITON, out, rows),
             **act_quant.gate_source(out.device),
         }
 
@@ -466,7 +472,7 @@ class OptimizedBackend:
             "out": out,
             "engine": choice.engine,
             "engine_reason": choice.reason,
-            **gemm_recipe(problem, choice.engine, out),
+            **gemm_recipe(problem, choice.engine, out, t_max),
         }
 
     # -- engines ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from moe_verify.spec import (
+    PER_SLOT_OUTPUTS,
     ActQuantRecipe,
     GemmRecipe,
     GroupedLayout,
@@ -59,14 +60,6 @@ Outputs = dict[str, object]
 _RANK_STAGES = frozenset(Stage) - {Stage.REDUCE}
 
 
-# Each stage's per-slot outputs ([T, k], indexed like topk_ids).
-_PER_SLOT = {
-    Stage.ROUTE: ("topk_ids", "topk_weights"),
-    Stage.PERMUTE: ("inv_perm",),
-    Stage.DISPATCH: ("slot", "slot_expert"),
-}
-
-
 def _slots_in_order(
     trace: Trace, slots: torch.Tensor | None, topk_weights: torch.Tensor | None
 ) -> Trace:
@@ -77,7 +70,7 @@ def _slots_in_order(
     result = Trace(trace.backend, trace.rank)
     for stage, outs in trace.items():
         outs = dict(outs)
-        for name in _PER_SLOT.get(stage, ()) if slots is not None else ():
+        for name in PER_SLOT_OUTPUTS.get(stage, ()) if slots is not None else ():
             if name in outs:
                 outs[name] = outs[name].gather(1, slots.to(outs[name].device))
         if stage == Stage.ROUTE and topk_weights is not None:

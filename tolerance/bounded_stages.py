@@ -242,7 +242,8 @@ def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group: int) -> 
 def gemm_checks(ctx: Ctx, stage: str, name: str) -> list[CheckResult]:
     """The layout the problem forces (if it forces one), then the live rows: bounded against the
     golden's fp32 dequant math, or, where the golden carries the tensor-core recipe of the stage
-    (isolated mode; `tensor_core_keys`), bit for bit against it with the bound reported beside."""
+    (isolated mode, or chained against its SM90 chain; `tensor_core_keys`), bit for bit against
+    it with the bound reported beside."""
     forced = layout_check(ctx, stage)
     hardware = tensor_core_keys(ctx, stage)
     exact = ctx

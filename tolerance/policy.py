@@ -185,12 +185,14 @@ def _gemm(atol_reason: str) -> Check:
 
 
 # Not a table row: the golden carries this recipe only where the harness computed it (the stage
-# ran DeepGEMM on an SM90 GPU, or it was asked for), so it is chosen by the trace, not the problem.
+# ran DeepGEMM on an SM90 GPU, or declares the recipe, or it was asked for), so it is chosen by
+# the trace, not the problem.
 TENSOR_CORE_GEMM = Check(
     "exact",
-    "isolated, where the tested GEMM ran DeepGEMM's SM90 kernel (or the tensor-core recipe was "
-    "asked for): live rows bit for bit against the golden's tensor-core recipe on the same fp8 "
-    "operands (reference/tensor_core.py: the Hopper FP8 block accumulation, 100% of the recorded "
+    "where the tested GEMM ran DeepGEMM's SM90 kernel, or declares the recipe (the Triton engine "
+    "compiled for SM90), or the recipe was asked for: live rows bit for bit against the golden's "
+    "tensor-core recipe, in isolated mode on the same fp8 operands, chained against the golden's "
+    "SM90 chain (reference/tensor_core.py: the Hopper FP8 block accumulation, 100% of the recorded "
     "H200 outputs), with the fp32-dequant bound reported beside it as the distance to exact math. "
     "The Triton engine under the CPU interpreter computes exact fp32 math (tl.dot is numpy's "
     "dot), not the tensor core's, so asked for there it fails "

@@ -14,14 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_verify.spec import Stage, Trace
-
-# The per-slot ([T, k]) outputs of each stage, indexed like topk_ids.
-PER_SLOT = {
-    Stage.ROUTE: ("topk_ids", "topk_weights"),
-    Stage.PERMUTE: ("inv_perm",),
-    Stage.DISPATCH: ("slot", "slot_expert"),
-}
+from moe_verify.spec import PER_SLOT_OUTPUTS, Stage, Trace
 
 
 def slot_order(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -42,9 +35,10 @@ def slot_order(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def aligned_slots(golden: Trace, other: Trace) -> Trace:
-    """`other` with its per-slot tensors (`PER_SLOT`) in the golden's slot order, where its
-    route lists some token's experts in another order; `other` itself where the orders agree or
-    the routes cannot be aligned (a failed or missing route, another shape: route fails then)."""
+    """`other` with its per-slot tensors (moe_verify.spec `PER_SLOT_OUTPUTS`) in the golden's
+    slot order, where its route lists some token's experts in another order; `other` itself
+    where the orders agree or the routes cannot be aligned (a failed or missing route, another
+    shape: route fails then)."""
     if any(Stage.ROUTE not in t or t.failure(Stage.ROUTE) is not None for t in (golden, other)):
         return other
     golden_ids, other_ids = golden[Stage.ROUTE]["topk_ids"], other[Stage.ROUTE]["topk_ids"]
@@ -58,7 +52,7 @@ def aligned_slots(golden: Trace, other: Trace) -> Trace:
     for stage, outs in other.items():
         names = [
             n
-            for n in PER_SLOT.get(stage, ())
+            for n in PER_SLOT_OUTPUTS.get(stage, ())
             if isinstance(outs.get(n), torch.Tensor) and outs[n].shape == idx.shape
         ]
         if names:

@@ -327,7 +327,7 @@ def verify_on_rank(
     try:
         if padding_poison:
             check_padding_poison(modes)
-        recipe = check_gemm_recipe(problem, modes, getattr(args, "gemm_recipe", None))
+        recipe = check_gemm_recipe(problem, getattr(args, "gemm_recipe", None))
         with deadline(timeout, progress.where):
             work = local_work(
                 problem,

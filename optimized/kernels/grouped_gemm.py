@@ -347,8 +347,9 @@ def _chunking(fmt: int, a_group: int, a_packed: bool, k: int) -> tuple[int, bool
     return a_group, False
 
 
-def _default_block_m(alignment: int) -> int:
-    """Largest power of two dividing `alignment`, within [16, 128] (tl.dot needs M >= 16)."""
+def default_block_m(alignment: int) -> int:
+    """The rows of a block by default: the largest power of two dividing `alignment`, within
+    [16, 128] (tl.dot needs M >= 16)."""
     block = 1
     while alignment % (block * 2) == 0 and block < 128:
         block *= 2
@@ -501,7 +502,7 @@ def grouped_gemm(
     elif validate:
         _check_m_indices(fn, grouped_layout, b.shape[0], alignment)
     if block_m is None:
-        block_m = _default_block_m(alignment)
+        block_m = default_block_m(alignment)
     if not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
         fail(fn, f"block_m must be a power of two >= 16, got {block_m!r}")
 

@@ -99,16 +99,32 @@ def test_a_planted_fault_fails_bitwise_and_passes_the_bounds(
     assert bounded.passed, bounded.failure_messages()
 
 
-def test_no_declared_gate_no_chain(sm90: None, monkeypatch: pytest.MonkeyPatch, record_report):
-    """An act_quant that reports no hardware gate (the interpreter's, someone else's kernel)
-    leaves the chained run on the fp32 golden and its bounds: the SM90 chain is not computed."""
+class NoGateFacts(cb.Sm90Chain):
+    """The SM90 chain's GEMMs, and an act_quant that reports no gate facts (the interpreter's,
+    someone else's kernel), so nothing declares its recipe."""
+
+    def act_quant(self, p, x, up, rank):
+        outs = super().act_quant(p, x, up, rank)
+        return {k: v for k, v in outs.items() if not k.startswith("gate_")}
+
+
+@pytest.mark.parametrize("gemm_recipe", [None, "tensor_core"], ids=["automatic", "asked-for"])
+def test_no_declared_act_quant_recipe_no_chain(
+    gemm_recipe: str | None, sm90: None, monkeypatch: pytest.MonkeyPatch, record_report
+) -> None:
+    """GEMMs held to the tensor core, but an act_quant whose recipe nobody declares: the chain's
+    gemm2 would read one recipe's a2q while the matcher may pass the stage on another, so the
+    chained run keeps the fp32 golden and its bounds, asked for or not, and the SM90 chain is
+    not computed."""
 
     def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the SM90 chain ran although the act_quant gate is not the table's")
+        raise AssertionError("the SM90 chain ran although no act_quant recipe was declared")
 
     monkeypatch.setattr(ReferenceBackend, "sm90_chain", refuse)
-    report = record_report(verify(BASE, backend="optimized", engine="triton", mode="chained"))
-    assert report.passed
+    backend = NoGateFacts(engine="triton")
+    report = record_report(verify(BASE, backend=backend, mode="chained", gemm_recipe=gemm_recipe))
+    assert report.passed, report.failure_messages()
+    assert by_stage(report.chained)[Stage.GEMM2].recipe is None
 
 
 def test_another_triton_keeps_the_bounds(sm90: None, record_report) -> None:
