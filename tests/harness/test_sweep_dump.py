@@ -152,3 +152,20 @@ def test_each_case_releases_its_memory_before_the_next(monkeypatch: pytest.Monke
         problem, "no.such:Backend", "isolated", "triton", None, None
     )
     assert broken.status == "error" and len(released) == 2
+
+
+def test_releasing_a_broken_cuda_context_does_not_mask_the_case(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a kernel broke the CUDA context, empty_cache raises: the case's own outcome stands."""
+    import moe_verify.sweep as sweep_module
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", broken)
+    sweep_module.release_memory()  # does not raise
+    problem = MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=4)
+    outcome = sweep_module.run_in_process(problem, "optimized", "isolated", "triton", None, None)
+    assert outcome.status == "pass"
