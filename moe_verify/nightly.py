@@ -147,13 +147,14 @@ def _problem(
     multiple of the recipe's block)."""
     topo, shared = _topology(topology, family)
     h, i = size if size is not None else family.small
-    grouped = routing is Routing.GROUPED
+    experts = num_experts or family.num_experts
+    grouped = routing is Routing.GROUPED and experts % 8 == 0
     try:
         return MoEProblem(
             tokens=tokens,
             hidden=h,
             intermediate=i,
-            num_experts=num_experts or family.num_experts,
+            num_experts=experts,
             topk=family.topk,
             recipe=recipe,
             scale_fmt=fmt,
@@ -162,8 +163,8 @@ def _problem(
             topology=topo,
             seed=seed,
             shared_experts=shared,
-            num_expert_group=8 if grouped and (num_experts or family.num_experts) % 8 == 0 else 1,
-            topk_group=4 if grouped and (num_experts or family.num_experts) % 8 == 0 else 1,
+            num_expert_group=8 if grouped else 1,
+            topk_group=4 if grouped else 1,
         )
     except ValueError:
         return None

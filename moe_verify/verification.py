@@ -52,7 +52,7 @@ from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
 from tolerance.invariance import INVARIANCES, Invariance, agreement
 from tolerance.provenance import with_provenance
-from tolerance.recipes import HARDWARE_ACT_RECIPES
+from tolerance.recipes import HARDWARE_ACT_RECIPES, same_bits
 from tolerance.report import Report
 from tolerance.slots import slot_order
 
@@ -239,9 +239,8 @@ def with_sm90_chain(
     with that recipe. Asked for (tensor_core), with any legitimate act_quant recipe the tested
     stage declares. A tested act_quant that declares none keeps the chained bounds either way:
     the chain's gemm2 would read one recipe's a2q while the matcher could pass the stage on
-    another. The shared experts join the chain where they ran
-    as SM90 computes them (`sm90_shared`), else keep their bounds. Only after the tested run,
-    which says what ran."""
+    another. The shared experts join the chain where they ran as SM90 computes them
+    (`sm90_shared`), else keep their bounds. Only after the tested run, which says what ran."""
     recipe = GemmRecipe(gemm_recipe) if gemm_recipe is not None else None
     if recipe is GemmRecipe.FP32_DEQUANT or Stage.GEMM2 not in golden_trace:
         return None
@@ -266,18 +265,11 @@ def same_quantized_input(golden: Trace, tested: Trace) -> bool:
     that matches another legitimate recipe keeps the chained bounds.)"""
     if tested.failure(Stage.QUANT_INPUT) is not None:
         return False
-    for name in ("a1q", "a1q_scale"):
-        g, t = golden[Stage.QUANT_INPUT].get(name), tested[Stage.QUANT_INPUT].get(name)
-        if not isinstance(t, torch.Tensor) or t.shape != g.shape or t.dtype != g.dtype:
-            return False
-        t = t.to(g.device)
-        if g.dtype.itemsize == 1:
-            g, t = g.view(torch.uint8), t.view(torch.uint8)
-        elif g.dtype == torch.float32:
-            g, t = g.view(torch.int32), t.view(torch.int32)
-        if not torch.equal(g, t):
-            return False
-    return True
+    g, t = golden[Stage.QUANT_INPUT], tested[Stage.QUANT_INPUT]
+    return all(
+        isinstance(t.get(name), torch.Tensor) and same_bits(t[name].to(g[name].device), g[name])
+        for name in ("a1q", "a1q_scale")
+    )
 
 
 def legitimately_other_route(
@@ -302,10 +294,10 @@ def legitimately_other_route(
         return None, None
     ids, weights = ids.to(g_ids.device).long(), weights.to(g_weights.device)
     slots = slot_order(g_ids, ids)
-    if not torch.equal(g_ids.long().gather(1, slots), ids) or weights.dtype != g_weights.dtype:
+    if not torch.equal(g_ids.long().gather(1, slots), ids):
         return None, None
     in_order = bool((slots == torch.arange(ids.shape[1], device=ids.device)).all())
-    same = torch.equal(g_weights.gather(1, slots).view(torch.int32), weights.view(torch.int32))
+    same = same_bits(weights, g_weights.gather(1, slots))
     return (None if in_order else slots), (None if same else weights)
 
 

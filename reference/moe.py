@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 
 from moe_verify.spec import (
-    PER_SLOT_OUTPUTS,
     ActQuantRecipe,
     GemmRecipe,
     GroupedLayout,
@@ -63,19 +62,13 @@ _RANK_STAGES = frozenset(Stage) - {Stage.REDUCE}
 def _slots_in_order(
     trace: Trace, slots: torch.Tensor | None, topk_weights: torch.Tensor | None
 ) -> Trace:
-    """`trace` with its per-slot outputs in the order `slots` gives (out[t, i] = x[t, slots[t,
-    i]]) and its route weights replaced by `topk_weights`; `trace` itself when neither is given."""
+    """`trace` with its per-slot outputs in the order `slots` gives (`Trace.in_slot_order`) and
+    its route weights replaced by `topk_weights`; `trace` itself when neither is given."""
     if slots is None and topk_weights is None:
         return trace
-    result = Trace(trace.backend, trace.rank)
-    for stage, outs in trace.items():
-        outs = dict(outs)
-        for name in PER_SLOT_OUTPUTS.get(stage, ()) if slots is not None else ():
-            if name in outs:
-                outs[name] = outs[name].gather(1, slots.to(outs[name].device))
-        if stage == Stage.ROUTE and topk_weights is not None:
-            outs["topk_weights"] = topk_weights
-        result.add(stage, outs)
+    result = trace.in_slot_order(slots) if slots is not None else trace.only(trace.stages)
+    if topk_weights is not None:
+        result[Stage.ROUTE]["topk_weights"] = topk_weights
     return result
 
 

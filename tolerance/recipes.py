@@ -169,7 +169,8 @@ def _fmt(x: float) -> str:
 _COPY_STAGES = (Stage.PERMUTE, Stage.DISPATCH)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bits (fp8 as bytes, fp32 as int32: -0 and NaN payloads count)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype.itemsize == 1:
@@ -190,7 +191,7 @@ def quant_recipe_of(ctx: Ctx) -> str | None:
     for recipe in names:
         keys = recipes[recipe]
         if all(
-            _same_bits(
+            same_bits(
                 tensor_of(ctx.other, Stage.QUANT_INPUT, name, ctx.device),
                 tensor_of(ctx.golden, Stage.QUANT_INPUT, key, ctx.device),
             )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_verify.spec import PER_SLOT_OUTPUTS, Stage, Trace
+from moe_verify.spec import Stage, Trace
 
 
 def slot_order(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -47,15 +47,4 @@ def aligned_slots(golden: Trace, other: Trace) -> Trace:
     other_ids = other_ids.to(golden_ids.device)
     if torch.equal(other_ids.long(), golden_ids.long()):
         return other
-    idx = slot_order(other_ids, golden_ids)
-    result = Trace(other.backend, other.rank)
-    for stage, outs in other.items():
-        names = [
-            n
-            for n in PER_SLOT_OUTPUTS.get(stage, ())
-            if isinstance(outs.get(n), torch.Tensor) and outs[n].shape == idx.shape
-        ]
-        if names:
-            outs = {**outs, **{n: outs[n].gather(1, idx.to(outs[n].device)) for n in names}}
-        result.add(stage, outs)
-    return result
+    return other.in_slot_order(slot_order(other_ids, golden_ids))
