@@ -78,11 +78,14 @@ _E4M3_NAN = 0x7F  # S.1111.111 is NaN; e4m3fn has no infinities
 _F32_BIAS = 127
 _F32_MANTISSA_BITS = 23
 
-# Elements per vectorized step operation ([32, chunks, rows, cols]) and columns per tile: small
-# on the CPU, so that temporaries stay in cache and the allocator reuses them; large on a GPU, so
-# that kernel launches are few (about 1.2 GiB of temporaries). Any GEMM runs in bounded memory.
+# Elements per vectorized step operation and columns per tile. Eager, a step materializes
+# [32, chunks, rows, cols] temporaries: small on the CPU, so that they stay in cache and the
+# allocator reuses them; large on a GPU, so that kernel launches are few (about 1.2 GiB). Fused,
+# only the [chunks, rows, cols] accumulators are written, so a GPU tile is rows x cols <= 2^25
+# with chunk batches of 2^27 accumulators (512 MiB). Any GEMM runs in bounded memory.
 _CPU_STEP_ELEMENTS, _CPU_TILE_COLS = 1 << 20, 128
 _GPU_STEP_ELEMENTS, _GPU_TILE_COLS = 1 << 27, 4096
+_FUSED_GPU_TILE_ELEMENTS = 1 << 25
 
 
 def _step_elements(device: torch.device) -> int:
@@ -91,6 +94,19 @@ def _step_elements(device: torch.device) -> int:
 
 def _tile_cols(device: torch.device) -> int:
     return _CPU_TILE_COLS if device.type == "cpu" else _GPU_TILE_COLS
+
+
+def _chunk_batch(rows: int, cols: int, device: torch.device) -> int:
+    """Chunks computed at once for a rows x cols tile."""
+    per_chunk = max(1, rows * cols) * (1 if fused_steps(device) else STEP)
+    return max(1, _step_elements(device) // per_chunk)
+
+
+def _row_tile(cols: int, device: torch.device) -> int:
+    """Rows per tile: one chunk's step within budget (eager) or the fused GPU tile."""
+    if fused_steps(device) and device.type != "cpu":
+        return max(1, _FUSED_GPU_TILE_ELEMENTS // cols)
+    return max(1, _step_elements(device) // (STEP * cols))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +198,7 @@ def chunk_accumulators(
     cols = b_values.shape[1]
     chunks = k // CHUNK
     out = torch.empty(chunks, rows, cols, dtype=torch.float32, device=a_values.device)
-    batch = max(1, _step_elements(a_values.device) // (STEP * max(1, rows * cols)))
+    batch = _chunk_batch(rows, cols, a_values.device)
 
     def steps(x: Tensor, first: int, count: int) -> Tensor:
         """[K, width] -> [4, 32, count, width]: step s of chunk `first + j` is [s, :, j]."""
@@ -215,18 +231,30 @@ def chunk_steps(av: Tensor, ae: Tensor, bv: Tensor, be: Tensor, fused: bool = Fa
 # integer-valued sums below 2^21, multiplications by powers of two, bit masks), so any fusion or
 # reordering keeps the bits, and the [32, count, rows, cols] temporaries of the eager form are
 # never written: on the H200 the eager form is memory-bound at 14-207x the fp32 golden GEMM
-# (docs/tensor-core.md#speed). Opt-in (MOE_VERIFY_FUSED_TENSOR_CORE=1) until measured on a GPU.
+# (docs/tensor-core.md#speed). The promotion's FMA is compiled too (one pass per chunk).
+# Default: fused on a GPU, eager on the CPU (where compiling costs more than it saves in tests);
+# MOE_VERIFY_FUSED_TENSOR_CORE=1 or 0 forces either.
 FUSED_ENV = "MOE_VERIFY_FUSED_TENSOR_CORE"
 
 
 def fused_steps(device: torch.device) -> bool:
-    """Whether the chunk steps run fused (torch.compile) on `device`: asked for by FUSED_ENV."""
-    return os.environ.get(FUSED_ENV, "0") == "1"
+    """Whether the chunk steps and the promotion run compiled (torch.compile) on `device`."""
+    forced = os.environ.get(FUSED_ENV, "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"{FUSED_ENV}: expected 0 or 1, got {forced!r}")
+    return device.type == "cuda"
 
 
 @functools.cache
 def _fused_chunk_steps() -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     return torch.compile(functools.partial(chunk_steps, fused=True), dynamic=True, fullgraph=True)
+
+
+@functools.cache
+def _fused_fma() -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    return torch.compile(fma_fp32, dynamic=True, fullgraph=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,15 +283,18 @@ def fma_fp32(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return s.to(torch.float32)
 
 
-def promote(chunks: Tensor, scales: Tensor) -> Tensor:
-    """fp32 [rows, cols]: final = fma(scales[c], chunks[c], final) for c in K order, from +0.
+def promote(chunks: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tensor:
+    """fp32 [rows, cols]: final = fma(fp32(scale_a[c] * scale_b[c]), chunks[c], final) for c in
+    K order, from +0.
 
-    chunks fp32 [C, rows, cols] (chunk_accumulators); scales fp32 [C, rows, cols], the fp32
-    product sa * sb of each chunk's two scales.
+    chunks fp32 [C, rows, cols] (chunk_accumulators); scale_a fp32 [C, rows, 1] and scale_b fp32
+    [C, 1, cols] (or any shapes that broadcast to chunks'), each chunk's two scales. Their product
+    is one eager IEEE multiply per chunk, so no compiler can contract it into the FMA.
     """
+    fma = _fused_fma() if fused_steps(chunks.device) else fma_fp32
     final = torch.zeros(chunks.shape[1:], dtype=torch.float32, device=chunks.device)
     for c in range(chunks.shape[0]):
-        final = fma_fp32(scales[c], chunks[c], final)
+        final = fma(scale_a[c] * scale_b[c], chunks[c], final)
     return final
 
 
@@ -307,11 +338,6 @@ def _require_sm90_weight(w: QuantizedWeight) -> None:
     _require_fp32_scales("w.scale", w.scale)
 
 
-def _row_tile(cols: int, device: torch.device) -> int:
-    """Rows per tile so that one step operation of a single chunk stays within budget."""
-    return max(1, _step_elements(device) // (STEP * cols))
-
-
 def _gemm_decoded(
     a_values: Tensor, a_exps: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor
 ) -> Tensor:
@@ -329,8 +355,8 @@ def _gemm_decoded(
         for m0 in range(0, m, rows):
             m1 = min(m, m0 + rows)
             chunks = chunk_accumulators(a_values[:, m0:m1], a_exps[:, m0:m1], b_values, b_exps)
-            scales = sa[:, m0:m1, None] * sb[:, None, n0:n1]  # one fp32 multiply per chunk
-            out[m0:m1, n0:n1] = promote(chunks, scales).to(torch.bfloat16)
+            final = promote(chunks, sa[:, m0:m1, None], sb[:, None, n0:n1])
+            out[m0:m1, n0:n1] = final.to(torch.bfloat16)
     return out
 
 

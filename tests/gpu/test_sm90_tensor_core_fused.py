@@ -1,7 +1,7 @@
-"""SM90 tier: the tensor-core recipe's fused chunk steps (MOE_VERIFY_FUSED_TENSOR_CORE=1,
-reference/tensor_core.py `chunk_steps` under torch.compile, Triton code on the GPU) give the
-eager form's bits and DeepGEMM's on a DeepSeek-V3 EP8-local gemm1, and how much faster they are
-(printed; docs/tensor-core.md#speed records it)."""
+"""SM90 tier: the tensor-core recipe's fused form (reference/tensor_core.py `chunk_steps` and the
+promotion's FMA under torch.compile, Triton code on the GPU; the default on CUDA) gives the eager
+form's bits and DeepGEMM's on a DeepSeek-V3 EP8-local gemm1, and how fast both are beside the fp32
+golden GEMM (printed; docs/tensor-core.md#speed records it)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from moe_verify.runner import run_chained
 from moe_verify.spec import MoEProblem
 from optimized.backend import OptimizedBackend
 from reference import tensor_core as tc
+from reference.gemm import grouped_gemm
 from reference.moe import ReferenceBackend
 
 pytestmark = pytest.mark.sm90
@@ -45,14 +46,19 @@ def test_fused_steps_give_deepgemms_bits_faster(monkeypatch: pytest.MonkeyPatch)
     w = ReferenceBackend().shard(DSV3, x, 0).w13
     perm = t["permute"]
     args = (perm["a_perm"], perm["a_scale_perm"], 128, w, perm["m_indices"])
+    monkeypatch.delenv(tc.FUSED_ENV, raising=False)
+    assert tc.fused_steps(perm["a_perm"].device), "the fused form is the default on CUDA"
     monkeypatch.setenv(tc.FUSED_ENV, "0")
     eager, eager_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
     monkeypatch.setenv(tc.FUSED_ENV, "1")
     _, compile_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
     fused, fused_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
+    _, fp32_s = _timed(lambda: grouped_gemm(*args))
     live = perm["m_indices"] >= 0
     assert torch.equal(fused.view(torch.int16), eager.view(torch.int16))
     differ = (fused.view(torch.int16) != t["gemm1"]["mm1"].view(torch.int16))[live]
     assert not bool(differ.any()), f"{int(differ.sum())} live outputs differ from DeepGEMM's"
-    print(f"\ngemm1 DSV3 T=128: eager {eager_s:.3f} s, fused {fused_s:.3f} s "
-          f"(first call with the compile {compile_s:.1f} s)")  # fmt: skip
+    print(
+        f"\ngemm1 DSV3 T=128: eager {eager_s:.3f} s, fused {fused_s:.3f} s (first call with the "
+        f"compile {compile_s:.1f} s), fp32 golden {fp32_s:.4f} s"
+    )

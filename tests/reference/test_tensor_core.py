@@ -478,7 +478,7 @@ def test_promote_matches_scalar_fp32_model() -> None:
         torch.rand(chunks, 1, cols, generator=g)
         * 2.0 ** torch.randint(-20, 0, (chunks, 1, cols), generator=g).float()
     )
-    got = promote(values, scales)
+    got = promote(values, scales, torch.ones(chunks, 1, 1))
     want = []
     for n in range(cols):
         final = Fraction(0)
