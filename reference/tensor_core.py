@@ -146,11 +146,14 @@ def decode_e4m3(q: Tensor) -> tuple[Tensor, Tensor]:
     field = (codes >> 3) & 0xF
     exponent = torch.where(field == 0, _E4M3_MIN_EXP, field - _E4M3_BIAS)
     is_zero = (codes & 0x7F) == 0
-    # int16, though a sum of two fits int8: torch.compile's CPU code reduces int8 max wrongly
-    # (rows of negative values give 0; torch 2.13), and exponents are mostly negative.
+    # int16, though a sum of two fits int8: torch.compile's CPU code reduces an int8 max along
+    # memory wrongly (rows of negative values give 0; torch 2.13), and exponents are mostly
+    # negative. The steps reduce across a leading axis, which it gets right, but need not rely
+    # on that.
     exponent = torch.where(is_zero, ZERO_EXP, exponent).to(torch.int16).to(q.device)
     values = codes.to(torch.uint8).view(_FP8).float().to(q.device)
-    index = q.view(torch.uint8).contiguous().long()  # contiguous in q's logical order
+    # Contiguous in q's logical order (a transposed q gives K-major tables, as the steps want).
+    index = q.view(torch.uint8).contiguous().long()
     return values[index], exponent[index]
 
 
@@ -165,14 +168,13 @@ def block_step(
     """One chained tensor-core step over a batch of output elements.
 
     acc           fp32 [...]: the running chunk accumulator (at most 14 significant bits, or +0)
-    products      fp32 [32, ...] (eager) or [..., 32] (fused): the step's exact products a_k b_k
-    product_exps  int16, the same shape: ea_k + eb_k of each product (<= ZERO_EXP + 8 for a zero)
+    products      fp32 [32, ...]: the step's exact products a_k * b_k
+    product_exps  int16 [32, ...]: ea_k + eb_k of each product (<= ZERO_EXP + 8 for a zero one)
     Returns the new accumulator, fp32 [...]. A zero result is +0 as the hardware's: an IEEE sum
     is -0 only when every addend is, and the accumulator's own term is never -0 (the accumulator
     starts at +0, and a nonzero one is at or above the unit, so it never truncates to zero).
     """
-    k_axis = -1 if fused else 0  # eager: whole-tensor elementwise passes; fused: along memory
-    block_exp = torch.maximum(product_exps.amax(k_axis).to(torch.int32), _floor_log2(acc))
+    block_exp = torch.maximum(product_exps.amax(0).to(torch.int32), _floor_log2(acc))
     block_exp = block_exp.clamp_min(MIN_BLOCK_EXP)
     unit = _pow2(block_exp - FRAC_BITS)
     if fused:
@@ -180,7 +182,7 @@ def block_step(
         # quotient is representable), so multiply by the exact power of two 2^(13 - E) instead
         # (normal: E >= 2 * ZERO_EXP), and truncate by the float -> int32 conversion.
         per_unit = _pow2(FRAC_BITS - block_exp)
-        terms = (products * per_unit[..., None]).to(torch.int32).sum(-1, dtype=torch.int32)
+        terms = (products * per_unit).to(torch.int32).sum(0, dtype=torch.int32)
         total = (terms + (acc * per_unit).to(torch.int32)).to(torch.float32)
     else:  # eager: ATen's division is IEEE, exact by a power of two, and one fast pass
         terms = torch.div(products, unit, rounding_mode="trunc").sum(0)
@@ -193,26 +195,21 @@ def chunk_accumulators(
 ) -> Tensor:
     """The tensor core's unscaled sum of every 128-wide K chunk: fp32 [K/128, rows, cols].
 
-    a_values fp32 [rows, K] and a_exps int16 [rows, K] (decoded); b_* the same [cols, K]. Chunks
-    are independent (each starts from +0), so a batch of them runs at once.
+    a_values fp32 [K, rows] and a_exps int16 [K, rows] (decoded, K-major); b_* the same [K, cols].
+    Chunks are independent (each starts from +0), so a batch of them runs at once.
     """
-    rows, k = a_values.shape
-    cols = b_values.shape[0]
+    k, rows = a_values.shape
+    cols = b_values.shape[1]
     chunks = k // CHUNK
     out = torch.empty(chunks, rows, cols, dtype=torch.float32, device=a_values.device)
     batch = _chunk_batch(rows, cols, a_values.device)
 
-    fused = fused_steps(a_values.device)
-
     def steps(x: Tensor, first: int, count: int) -> Tensor:
-        """[width, K] -> the steps of chunks `first ..`: [4, count, width, 32] fused (k innermost:
-        a fused step reduces along memory), [4, 32, count, width] eager (copied, so that its
-        whole-tensor passes run over contiguous columns)."""
-        x = x[:, first * CHUNK : (first + count) * CHUNK]
-        x = x.reshape(x.shape[0], count, CHUNK // STEP, STEP)
-        return x.permute(2, 1, 0, 3) if fused else x.permute(2, 3, 1, 0).contiguous()
+        """[K, width] -> [4, 32, count, width]: step s of chunk `first + j` is [s, :, j]."""
+        x = x[first * CHUNK : (first + count) * CHUNK]
+        return x.reshape(count, CHUNK // STEP, STEP, x.shape[1]).permute(1, 2, 0, 3)
 
-    chained = _fused_chunk_steps() if fused else chunk_steps
+    chained = _fused_chunk_steps() if fused_steps(a_values.device) else chunk_steps
     for first in range(0, chunks, batch):
         count = min(batch, chunks - first)
         av, ae = steps(a_values, first, count), steps(a_exps, first, count)
@@ -224,20 +221,12 @@ def chunk_accumulators(
 def chunk_steps(av: Tensor, ae: Tensor, bv: Tensor, be: Tensor, fused: bool = False) -> Tensor:
     """The four chained block steps of a batch of chunks, each from +0: fp32 [count, rows, cols].
 
-    av, ae: fp32 / int16 [4, count, rows, 32] (fused) or [4, 32, count, rows] (eager), step s of
-    chunk j at [s, j] or [s, :, j]; bv, be the same with cols. `fused`: written for
-    torch.compile (`block_step`)."""
-    count, rows, cols = (
-        (av.shape[1], av.shape[2], bv.shape[2]) if fused else av.shape[2:] + bv.shape[3:]
-    )
-    acc = torch.zeros(count, rows, cols, dtype=torch.float32, device=av.device)
+    av, ae: fp32 / int16 [4, 32, count, rows], step s of chunk j at [s, :, j]; bv, be the same
+    [4, 32, count, cols]. `fused`: written for torch.compile (`block_step`)."""
+    acc = torch.zeros(av.shape[2], av.shape[3], bv.shape[3], dtype=torch.float32, device=av.device)
     for s in range(CHUNK // STEP):
-        if fused:  # [count, rows, cols, 32]
-            products = av[s, :, :, None, :] * bv[s, :, None, :, :]
-            exps = ae[s, :, :, None, :] + be[s, :, None, :, :]
-        else:  # [32, count, rows, cols]
-            products = av[s, :, :, :, None] * bv[s, :, :, None, :]
-            exps = ae[s, :, :, :, None] + be[s, :, :, None, :]
+        products = av[s, :, :, :, None] * bv[s, :, :, None, :]
+        exps = ae[s, :, :, :, None] + be[s, :, :, None, :]
         acc = block_step(acc, products, exps, fused=fused)
     return acc
 
@@ -245,8 +234,9 @@ def chunk_steps(av: Tensor, ae: Tensor, bv: Tensor, be: Tensor, fused: bool = Fa
 # `chunk_steps` fused by torch.compile: every operation in it is exact (products of e4m3 values,
 # integer-valued sums below 2^21, multiplications by powers of two, bit masks), so any fusion or
 # reordering keeps the bits, and the [32, count, rows, cols] temporaries of the eager form are
-# never written: on the H200 the eager form is memory-bound at 14-207x the fp32 golden GEMM
-# (docs/tensor-core.md#speed). The promotion's FMA is compiled too (one pass per chunk).
+# never written: on the H200 the eager form is memory-bound at 14-207x the fp32 golden GEMM, the
+# fused one 8-34x (docs/tensor-core.md#speed). The promotion's FMA is compiled too (one pass per
+# chunk). Reducing along memory instead ([..., 32] products) measured 1.3-1.6x slower there.
 # Default: fused on a GPU, eager on the CPU (where compiling costs more than it saves in tests);
 # MOE_VERIFY_FUSED_TENSOR_CORE=1 or 0 forces either.
 FUSED_ENV = "MOE_VERIFY_FUSED_TENSOR_CORE"
@@ -356,9 +346,9 @@ def _require_sm90_weight(w: QuantizedWeight) -> None:
 def _gemm_decoded(
     a_values: Tensor, a_exps: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor
 ) -> Tensor:
-    """bf16 [M, N] from A decoded (fp32 / int16 [M, K]) with fp32 scales [M, K/128], and
+    """bf16 [M, N] from A decoded K-major (fp32 / int16 [K, M]) with fp32 scales [M, K/128], and
     fp8 B [N, K] with fp32 block scales [ceil(N/128), K/128]. Runs in tiles of columns and rows."""
-    m, n = a_values.shape[0], b.shape[0]
+    m, n = a_values.shape[1], b.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=b.device)
     sa = a_scale.t()  # [C, M]
     sb = b_scale.repeat_interleave(CHUNK, dim=0)[:n].t()  # [C, N]: the block scale of each column
@@ -366,10 +356,10 @@ def _gemm_decoded(
     rows = _row_tile(cols, b.device)
     for n0 in range(0, n, cols):
         n1 = min(n, n0 + cols)
-        b_values, b_exps = decode_e4m3(b[n0:n1])
+        b_values, b_exps = decode_e4m3(b[n0:n1].t())
         for m0 in range(0, m, rows):
             m1 = min(m, m0 + rows)
-            chunks = chunk_accumulators(a_values[m0:m1], a_exps[m0:m1], b_values, b_exps)
+            chunks = chunk_accumulators(a_values[:, m0:m1], a_exps[:, m0:m1], b_values, b_exps)
             final = promote(chunks, sa[:, m0:m1, None], sb[:, None, n0:n1])
             out[m0:m1, n0:n1] = final.to(torch.bfloat16)
     return out
@@ -402,7 +392,7 @@ def tensor_core_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) -> 
     b_scale  fp32 [ceil(N/128), K/128]: 128x128 block scales
     """
     _require_operands(a, a_scale, b, b_scale)
-    a_values, a_exps = decode_e4m3(a)
+    a_values, a_exps = decode_e4m3(a.t())
     return _gemm_decoded(a_values, a_exps, a_scale, b, b_scale)
 
 

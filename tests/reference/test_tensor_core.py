@@ -177,8 +177,8 @@ def fp8(values: list[float]) -> torch.Tensor:
 
 def vector_chunks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """chunk_accumulators of fp8 a [M, K] and b [N, K]: fp32 [K/128, M, N]."""
-    av, ae = decode_e4m3(a)
-    bv, be = decode_e4m3(b)
+    av, ae = decode_e4m3(a.t())
+    bv, be = decode_e4m3(b.t())
     return chunk_accumulators(av, ae, bv, be)
 
 
