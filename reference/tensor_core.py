@@ -137,7 +137,7 @@ def _keep_fraction_bits(x: Tensor, bits: int) -> Tensor:
 
 
 def decode_e4m3(q: Tensor) -> tuple[Tensor, Tensor]:
-    """fp8 e4m3 [...] -> (values fp32 [...], exponents int16 [...]).
+    """fp8 e4m3 [...] -> (values fp32 [...], exponents int8 [...]).
 
     The exponent is the model's: the unbiased exponent field, -6 for subnormals (which keep
     their denormal significand), ZERO_EXP for +-0. NaN codes are refused by the callers.
@@ -146,11 +146,10 @@ def decode_e4m3(q: Tensor) -> tuple[Tensor, Tensor]:
     field = (codes >> 3) & 0xF
     exponent = torch.where(field == 0, _E4M3_MIN_EXP, field - _E4M3_BIAS)
     is_zero = (codes & 0x7F) == 0
-    # int16, though a sum of two fits int8: torch.compile's CPU code reduces an int8 max along
-    # memory wrongly (rows of negative values give 0; torch 2.13), and exponents are mostly
-    # negative. The steps reduce across a leading axis, which it gets right, but need not rely
-    # on that.
-    exponent = torch.where(is_zero, ZERO_EXP, exponent).to(torch.int16).to(q.device)
+    # int8 sums fit. (torch.compile's CPU code reduces an int8 max *along memory* wrongly: rows
+    # of negative values give 0, torch 2.13. The steps reduce across a leading axis, which it
+    # gets right; tests/reference/test_tensor_core_fused.py's all-below-one case guards that.)
+    exponent = torch.where(is_zero, ZERO_EXP, exponent).to(torch.int8).to(q.device)
     values = codes.to(torch.uint8).view(_FP8).float().to(q.device)
     # Contiguous in q's logical order (a transposed q gives K-major tables, as the steps want).
     index = q.view(torch.uint8).contiguous().long()
@@ -169,7 +168,7 @@ def block_step(
 
     acc           fp32 [...]: the running chunk accumulator (at most 14 significant bits, or +0)
     products      fp32 [32, ...]: the step's exact products a_k * b_k
-    product_exps  int16 [32, ...]: ea_k + eb_k of each product (<= ZERO_EXP + 8 for a zero one)
+    product_exps  int8 [32, ...]: ea_k + eb_k of each product (<= ZERO_EXP + 8 for a zero one)
     Returns the new accumulator, fp32 [...]. A zero result is +0 as the hardware's: an IEEE sum
     is -0 only when every addend is, and the accumulator's own term is never -0 (the accumulator
     starts at +0, and a nonzero one is at or above the unit, so it never truncates to zero).
@@ -195,7 +194,7 @@ def chunk_accumulators(
 ) -> Tensor:
     """The tensor core's unscaled sum of every 128-wide K chunk: fp32 [K/128, rows, cols].
 
-    a_values fp32 [K, rows] and a_exps int16 [K, rows] (decoded, K-major); b_* the same [K, cols].
+    a_values fp32 [K, rows] and a_exps int8 [K, rows] (decoded, K-major); b_* the same [K, cols].
     Chunks are independent (each starts from +0), so a batch of them runs at once.
     """
     k, rows = a_values.shape
@@ -221,7 +220,7 @@ def chunk_accumulators(
 def chunk_steps(av: Tensor, ae: Tensor, bv: Tensor, be: Tensor, fused: bool = False) -> Tensor:
     """The four chained block steps of a batch of chunks, each from +0: fp32 [count, rows, cols].
 
-    av, ae: fp32 / int16 [4, 32, count, rows], step s of chunk j at [s, :, j]; bv, be the same
+    av, ae: fp32 / int8 [4, 32, count, rows], step s of chunk j at [s, :, j]; bv, be the same
     [4, 32, count, cols]. `fused`: written for torch.compile (`block_step`)."""
     acc = torch.zeros(av.shape[2], av.shape[3], bv.shape[3], dtype=torch.float32, device=av.device)
     for s in range(CHUNK // STEP):
@@ -346,7 +345,7 @@ def _require_sm90_weight(w: QuantizedWeight) -> None:
 def _gemm_decoded(
     a_values: Tensor, a_exps: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor
 ) -> Tensor:
-    """bf16 [M, N] from A decoded K-major (fp32 / int16 [K, M]) with fp32 scales [M, K/128], and
+    """bf16 [M, N] from A decoded K-major (fp32 / int8 [K, M]) with fp32 scales [M, K/128], and
     fp8 B [N, K] with fp32 block scales [ceil(N/128), K/128]. Runs in tiles of columns and rows."""
     m, n = a_values.shape[1], b.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=b.device)
