@@ -32,6 +32,7 @@ UE8M0, MX and FP4 recipes are not this model and are refused.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -251,14 +252,37 @@ def fused_steps(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _compiled(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """`fn` under torch.compile with dynamic shapes, called with the compiler settings that keep
+    its graphs few: sizes that merely coincide (rows == cols, rows == chunks) share no symbol, so
+    only sizes of 1 specialize (at most 8 graphs for the three sizes of a step), and the limit is
+    raised above that. Past the limit torch would run `fn` uncompiled: the same bits, but with
+    the eager form's temporaries at the fused tiles' size."""
+    # torch's own (private) settings modules, imported only when something is compiled
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as shapes_config
+
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+
+    def call(*args: Tensor) -> Tensor:
+        with contextlib.ExitStack() as settings:
+            if hasattr(shapes_config, "use_duck_shape"):
+                settings.enter_context(shapes_config.patch(use_duck_shape=False))
+            settings.enter_context(dynamo_config.patch(**{limit: 32}))
+            return compiled(*args)
+
+    return call
+
+
 @functools.cache
 def _fused_chunk_steps() -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    return torch.compile(functools.partial(chunk_steps, fused=True), dynamic=True, fullgraph=True)
+    return _compiled(functools.partial(chunk_steps, fused=True))
 
 
 @functools.cache
 def _fused_fma() -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    return torch.compile(fma_fp32, dynamic=True, fullgraph=True)
+    return _compiled(fma_fp32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,3 +69,19 @@ def test_fused_steps_reproduce_the_h200(key: tuple, fused) -> None:
         out = tc.tensor_core_masked_gemm(v["a"], v["a_scale"], w, v["masked_m"])
     differ = (out.view(torch.int16) != v["out"].view(torch.int16))[live]
     assert not bool(differ.any()), f"{int(differ.sum())} of {differ.numel()} live outputs differ"
+
+
+def test_coinciding_sizes_compile_no_new_graphs(fused) -> None:
+    """Sizes that merely coincide (rows == chunks here: 4 rows, K = 512) must not specialize a
+    graph, or a nightly's many shapes pass torch's recompile limit and the steps run uncompiled
+    at the fused tiles' size. One graph each for the steps and the promotion's FMA serves all
+    four GEMMs (torch's default duck shaping compiled five)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(4)
+    for m, n, k in [(4, 64, 512), (5, 64, 512), (64, 64, 512), (3, 96, 384)]:
+        a, b = _spread_e4m3((m, k), g, 6), _spread_e4m3((n, k), g, 6)
+        tc.tensor_core_gemm(a, torch.ones(m, k // 128), b, torch.ones(-(-n // 128), k // 128))
+    assert counters["stats"]["unique_graphs"] - before == 2
