@@ -3,10 +3,11 @@
 Each planted backend is the optimized path with one small Triton kernel added after one stage: a
 store one element past a 16-float tensor (no page fault, so a plain run passes; only memcheck
 sees it, and only with PyTorch's caching allocator off), the far store of
-tests/tester/gpu_fault_backends.py (a hardware fault), and a shared-memory race (every thread of
+tests/tester/gpu_fault_backends.py (a hardware fault), a shared-memory race (every thread of
 four warps stores its own value to one shared word and reads it back, no barrier between; Triton
-never emits that itself, so the race is written in PTX). The sanitizer must name the planted
-kernel, the stage it ran in and the case; the correct backend's case must have 0 errors.
+never emits that itself, so the race is written in PTX), and a read of a never-written allocation
+(initcheck's). The sanitizer must name the planted kernel, the stage it ran in and the case; the
+correct backend's case must have 0 errors under each of the four tools.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def _racy_shared_kernel(out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, seen + total.to(tl.int32))
 
 
+@triton.jit
+def _read_unwritten(src_ptr, out_ptr):
+    # Reads memory nobody wrote: torch.empty, with PyTorch's caching allocator off a fresh
+    # cudaMalloc. Any value is "fine" to a plain run; only initcheck sees it.
+    tl.store(out_ptr, tl.load(src_ptr))
+
+
 class OnePastTheEndInPermute(OptimizedBackend):
     """permute, then a store one element past a small tensor."""
 
@@ -80,6 +88,18 @@ class SharedRaceInActQuant(OptimizedBackend):
         out = super().act_quant(problem, inputs, upstream, rank)
         buf = torch.zeros(128, dtype=torch.int32, device="cuda")
         _racy_shared_kernel[(1,)](buf, BLOCK=128, num_warps=4)
+        return out
+
+
+class UnwrittenReadInGemm2(OptimizedBackend):
+    """gemm2, then a kernel that reads a never-written allocation."""
+
+    name = "unwritten-read-in-gemm2"
+
+    def gemm2(self, problem, inputs, upstream, rank):
+        out = super().gemm2(problem, inputs, upstream, rank)
+        src, dst = torch.empty(16, device="cuda"), torch.zeros(1, device="cuda")
+        _read_unwritten[(1,)](src, dst)
         return out
 
 
@@ -127,7 +147,19 @@ def test_a_shared_memory_race_is_pinpointed_by_racecheck(record_property) -> Non
     assert report.where.stage == "act_quant", report.to_summary()
 
 
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_an_unwritten_read_is_pinpointed_by_initcheck(record_property) -> None:
+    extra = ["--backend", f"{MODULE}:UnwrittenReadInGemm2"]
+    report = _planted(record_property, "initcheck", extra, baseline=True)
+    assert report.first.kernel_base == "_read_unwritten", report.to_summary()
+    # initcheck does not stop the run: the stage is the breadcrumb's when the error came
+    assert report.where.stage == "gemm2", report.to_summary()
+    assert report.baseline_rc == 0, report.to_summary()
+
+
+# Each tool's slowdown on a correct case is recorded (docs/gpu-results.md). initcheck and
+# synccheck have not run on the H200 yet: a correct kernel reading padding rows it never wrote
+# would show up here first.
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "initcheck", "synccheck"])
 def test_the_correct_backend_is_clean(tool: str, record_property) -> None:
     report = _sanitize(tool, [], baseline=True)
     record_property("sanitize_summary", report.to_summary())
