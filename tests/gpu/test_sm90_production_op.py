@@ -17,18 +17,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import reference
-from moe_verify.inputs import make_inputs
-from moe_verify.spec import GroupedLayout, Mode, MoEProblem, Recipe, ScaleFmt, Trace
+from moe_verify.spec import Engine, GroupedLayout, Mode, MoEProblem, Recipe, ScaleFmt, Trace
 from optimized import op
-from optimized.production import (
-    ForwardConfig,
-    ProductionForward,
-    RankWeights,
-    Taps,
-    prepare_rank_weights,
-    workspace_bytes,
-)
+from optimized.production import ProductionForward, Taps
+from tests.optimized.op_calls import OpCall, op_call
 from tolerance.compare import compare
 
 pytestmark = pytest.mark.sm90
@@ -73,39 +65,11 @@ CASES = [
 PARAMS = [pytest.param(c, id=c.id) for c in CASES]
 
 
-@dataclass(frozen=True)
-class GpuCall:
-    problem: MoEProblem
-    cfg: ForwardConfig
-    hidden_states: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    weights: RankWeights
-    workspace: torch.Tensor
-    golden: Trace
-
-    def args(self) -> tuple:
-        w = self.weights
-        return (
-            self.hidden_states, self.topk_ids, self.topk_weights, w.w13.q, w.w13_scale, w.w2.q,
-            w.w2_scale, w.expert_map, self.workspace,
-        )  # fmt: skip
-
-    def run(self) -> torch.Tensor:
-        return torch.ops.moe_verify.fused_moe(*self.args(), **op.op_args(self.cfg))
-
-
-def gpu_call(case: GpuCase, seed_offset: int = 0) -> GpuCall:
-    p = case.problem(seed_offset)
-    x = make_inputs(p, "cuda")
-    golden = reference.run(p, x, 0)
-    route = golden["route"]
-    cfg = ForwardConfig.for_problem(p, 0, p.tokens, engine="deepgemm")
-    weights = prepare_rank_weights(cfg, p, x.w13_q, x.w2_q, 0)
-    ws = torch.empty(workspace_bytes(cfg, p.tokens), dtype=torch.uint8, device="cuda")
-    return GpuCall(
-        p, cfg, x.hidden_states, route["topk_ids"], route["topk_weights"], weights, ws, golden
-    )
+def gpu_call(case: GpuCase, seed_offset: int = 0) -> tuple[OpCall, torch.Tensor]:
+    """The op's call on DeepGEMM and one workspace for all of a test's runs (a CUDA graph
+    replays into the buffers it was captured with)."""
+    call = op_call(case.problem(seed_offset), Engine.DEEPGEMM, "cuda")
+    return call, call.workspace()
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -118,10 +82,10 @@ def _metadata(t: torch.Tensor) -> tuple[object, ...]:
 
 @pytest.mark.parametrize("case", PARAMS)
 def test_fake_matches_real(case: GpuCase) -> None:
-    call = gpu_call(case)
-    real = call.run()
+    call, ws = gpu_call(case)
+    real = call.run(workspace=ws)
     mode = FakeTensorMode()
-    args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in call.args()]
+    args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in call.args(ws)]
     with mode:
         fake = torch.ops.moe_verify.fused_moe(*args, **op.op_args(call.cfg))
     assert _metadata(fake) == _metadata(real), (
@@ -131,13 +95,13 @@ def test_fake_matches_real(case: GpuCase) -> None:
 
 @pytest.mark.parametrize("case", PARAMS)
 def test_op_equals_the_forward_and_passes_the_golden(case: GpuCase) -> None:
-    call = gpu_call(case)
+    call, ws = gpu_call(case)
     taps: Taps = {}
     with op.recording(taps):
-        out = call.run()
+        out = call.run(workspace=ws)
     direct = ProductionForward().forward(
         call.cfg, call.hidden_states, call.topk_ids, call.topk_weights, call.weights,
-        torch.empty_like(call.workspace),
+        torch.empty_like(ws),
     )  # fmt: skip
     assert _bitwise_equal(out, direct), f"{case.id}: op and ProductionForward.forward differ"
     trace = Trace("production")
@@ -162,11 +126,11 @@ def syncs_raise() -> Iterator[None]:
 
 @pytest.mark.parametrize("case", PARAMS)
 def test_no_host_syncs(case: GpuCase) -> None:
-    call = gpu_call(case)
+    call, ws = gpu_call(case)
     assert call.cfg.host_syncs == 0
-    call.run()  # warm-up: DeepGEMM JIT-compiles its kernels on first use
+    call.run(workspace=ws)  # warm-up: DeepGEMM JIT-compiles its kernels on first use
     with syncs_raise():
-        call.run()
+        call.run(workspace=ws)
     torch.cuda.synchronize()
 
 
@@ -178,39 +142,39 @@ def test_the_sync_check_raises_on_a_sync() -> None:
 
 @pytest.mark.parametrize("case", PARAMS)
 def test_cuda_graph_replay_equals_eager(case: GpuCase) -> None:
-    call = gpu_call(case)
+    call, ws = gpu_call(case)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        call.run()  # warm-up outside the capture (DeepGEMM JIT, allocator pools)
+        call.run(workspace=ws)  # warm-up outside the capture (DeepGEMM JIT, allocator pools)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = call.run()
+        static_out = call.run(workspace=ws)
     graph.replay()
-    eager = call.run()
+    eager = call.run(workspace=ws)
     assert _bitwise_equal(static_out, eager), f"{case.id}: replay differs from eager"
     # New routing (another seed's) copied into the captured inputs: the replay must follow it.
-    other = gpu_call(case, seed_offset=1)
+    other, _ = gpu_call(case, seed_offset=1)
     for static, new in ((call.hidden_states, other.hidden_states),
                         (call.topk_ids, other.topk_ids),
                         (call.topk_weights, other.topk_weights)):  # fmt: skip
         static.copy_(new)
     graph.replay()
-    eager = call.run()
+    eager = call.run(workspace=ws)
     assert _bitwise_equal(static_out, eager), f"{case.id}: replay with new routing differs"
 
 
 class RankMoE(torch.nn.Module):
     """One rank's weights and workspace as buffers, the op in forward."""
 
-    def __init__(self, call: GpuCall) -> None:
+    def __init__(self, call: OpCall, workspace: torch.Tensor) -> None:
         super().__init__()
         self.kwargs = op.op_args(call.cfg)
         w = call.weights
         for name, t in (("w13", w.w13.q), ("w13_scale", w.w13_scale), ("w2", w.w2.q),
                         ("w2_scale", w.w2_scale), ("expert_map", w.expert_map),
-                        ("workspace", call.workspace)):  # fmt: skip
+                        ("workspace", workspace)):  # fmt: skip
             self.register_buffer(name, t)
 
     def forward(
@@ -224,8 +188,8 @@ class RankMoE(torch.nn.Module):
 
 @pytest.mark.parametrize("case", [PARAMS[0], PARAMS[4]])
 def test_compiled_equals_eager(case: GpuCase) -> None:
-    call = gpu_call(case)
-    model = RankMoE(call)
+    call, ws = gpu_call(case)
+    model = RankMoE(call, ws)
     inputs = (call.hidden_states, call.topk_ids, call.topk_weights)
     eager = model(*inputs)
     compiled = torch.compile(model, fullgraph=True)(*inputs)

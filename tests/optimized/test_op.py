@@ -20,18 +20,11 @@ import torch
 import torch._functorch.config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import reference
-from moe_verify.inputs import make_inputs
 from moe_verify.spec import Engine, GroupedLayout, Mode, MoEProblem, Recipe, ScaleFmt, Trace
 from optimized import op
-from optimized.production import (
-    ForwardConfig,
-    ProductionForward,
-    RankWeights,
-    Taps,
-    prepare_rank_weights,
-    workspace_bytes,
-)
+from optimized.production import ForwardConfig, ProductionForward, RankWeights, Taps
+from tests.optimized import op_calls
+from tests.optimized.op_calls import OpCall
 from tolerance.compare import compare
 
 pytestmark = pytest.mark.cpu
@@ -73,49 +66,8 @@ class OpCase:
         )
 
 
-@dataclass(frozen=True)
-class OpCall:
-    """Everything one op call takes, built from the golden's routing of rank 0."""
-
-    problem: MoEProblem
-    cfg: ForwardConfig
-    hidden_states: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    weights: RankWeights
-    golden: Trace
-
-    def workspace(self) -> torch.Tensor:
-        return torch.empty(
-            workspace_bytes(self.cfg, self.hidden_states.shape[0]),
-            dtype=torch.uint8,
-            device=self.hidden_states.device,
-        )
-
-    def args(self, workspace: torch.Tensor) -> tuple:
-        """The op's tensor arguments, in schema order."""
-        return op.tensor_args(
-            self.hidden_states, self.topk_ids, self.topk_weights, self.weights, workspace
-        )
-
-    def run(
-        self, forward: str = "optimized", workspace: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        ws = self.workspace() if workspace is None else workspace
-        return torch.ops.moe_verify.fused_moe(*self.args(ws), **op.op_args(self.cfg, forward))
-
-
 def op_call(case: OpCase) -> OpCall:
-    p = case.problem()
-    x = make_inputs(p)
-    golden = reference.run(p, x, 0)
-    route = golden["route"]
-    hidden = x.hidden_states
-    if "token_index" in route:  # ep+ht: the rank receives only the tokens routed to it
-        hidden = hidden[route["token_index"]]
-    cfg = ForwardConfig.for_problem(p, 0, hidden.shape[0], Engine.TRITON)
-    weights = prepare_rank_weights(cfg, p, x.w13_q, x.w2_q, 0)
-    return OpCall(p, cfg, hidden, route["topk_ids"], route["topk_weights"], weights, golden)
+    return op_calls.op_call(case.problem(), Engine.TRITON)
 
 
 # Every (recipe, scale format) the problem allows, on each layout it can run.
