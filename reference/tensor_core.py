@@ -82,11 +82,12 @@ _F32_MANTISSA_BITS = 23
 # Elements per vectorized step operation and columns per tile. Eager, a step materializes
 # [32, chunks, rows, cols] temporaries: small on the CPU, so that they stay in cache and the
 # allocator reuses them; large on a GPU, so that kernel launches are few (about 1.2 GiB). Fused,
-# only the [chunks, rows, cols] accumulators are written, so a GPU tile is rows x cols <= 2^25
-# with chunk batches of 2^27 accumulators (512 MiB). Any GEMM runs in bounded memory.
+# only the [chunks, rows, cols] accumulators are written, so a GPU tile is rows x cols <= 2^24
+# with chunk batches of 2^27 accumulators (512 MiB); a tile's K/128 chunks are held for the
+# promotion (3.5 GiB at K = 7168). Any GEMM runs in bounded memory.
 _CPU_STEP_ELEMENTS, _CPU_TILE_COLS = 1 << 20, 128
 _GPU_STEP_ELEMENTS, _GPU_TILE_COLS = 1 << 27, 4096
-_FUSED_GPU_TILE_ELEMENTS = 1 << 25
+_FUSED_GPU_TILE_ELEMENTS = 1 << 24
 
 
 def _step_elements(device: torch.device) -> int:
