@@ -201,6 +201,20 @@ def test_a_wrong_rank_is_named(tmp_path: Path) -> None:
     assert "gather@r1" in proc.stdout
 
 
+def test_a_bug_on_the_last_of_four_ranks_is_named(tmp_path: Path) -> None:
+    """Four gloo ranks, ep:4 over six experts (ranks 0 and 1 hold two, ranks 2 and 3 one): only
+    rank 3 drops its expert's slots, and only rank 3 is blamed."""
+    backend = "tests.tester.wrong_backends:LastExpertDroppedOnLastRank"
+    extra = ("-E", "6", "-T", "16")
+    proc, report = _launch(tmp_path, "ep:4", backend, extra)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and report["failed_ranks"] == [3], report and report["failed_ranks"]
+    assert report["first_failure"] == "gather"
+    gather = {r["rank"]: r["status"] for r in _results(report, "gather")}
+    assert gather == {0: "pass", 1: "pass", 2: "pass", 3: "fail"}, gather
+    assert "gather@r3" in proc.stdout
+
+
 def test_a_failing_torchrun_case_dumps_every_rank_and_replays(tmp_path: Path) -> None:
     from moe_verify.dump import load_trace
     from moe_verify.verification import replay

@@ -119,6 +119,13 @@ CASES: list[Expect] = [
         "gather",
         "gather",
     ),  # -1 slots keep a nonzero weight
+    Expect(
+        wrong.LastExpertDroppedOnLastRank,
+        BASE.replace(num_experts=6, topology=Topology.parse("ep:4")),
+        "gather",
+        "gather",
+        rank=3,
+    ),  # E % N = 2: ranks 0, 1 hold two experts, ranks 2, 3 one; rank 3's is expert 5
 ]
 
 

@@ -19,6 +19,7 @@ from moe_verify.inputs import make_inputs
 from moe_verify.spec import FP8_MAX, STAGES, MoEInputs, MoEProblem, Trace
 from optimized.backend import OptimizedBackend
 from optimized.kernels import scatter
+from reference.topology import placement
 
 Outputs = dict[str, object]
 FP8 = torch.float8_e4m3fn
@@ -573,6 +574,27 @@ class InvalidSlotGathered(OptimizedBackend):
         return out
 
 
+class LastExpertDroppedOnLastRank(OptimizedBackend):
+    """gather, the last rank only: the slots of its highest expert get no weight.
+
+    A per-rank off-by-one that only the last rank reaches: under vLLM's placement the first
+    E % N ranks hold one expert more than the rest, so a loop bound or offset that is right on
+    rank 0 can be one short on the last rank. anchors #3 (a fault on one EP rank, always the same
+    one) and #20 (ranks dropping contributions silently), class (e). Written for the linear
+    placement, whose route ids are the ones the ranks hold (no EPLB replicas).
+    """
+
+    name = "last_expert_dropped_on_last_rank"
+
+    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        if rank != p.topology.size - 1:
+            return super().gather(p, x, up, rank)
+        route = up["route"]
+        dropped = route["topk_ids"] == placement(p)[rank][-1]
+        weights = torch.where(dropped, 0.0, route["topk_weights"])
+        return super().gather(p, x, _with(up, "route", topk_weights=weights), rank)
+
+
 WRONG_BACKENDS: tuple[type[OptimizedBackend], ...] = (
     MisroutedToken,
     RoutedScalingTwice,
@@ -602,4 +624,5 @@ WRONG_BACKENDS: tuple[type[OptimizedBackend], ...] = (
     TopkWeightsIgnored,
     Bf16GatherAccumulation,
     InvalidSlotGathered,
+    LastExpertDroppedOnLastRank,
 )
