@@ -98,15 +98,15 @@ def _tile_cols(device: torch.device) -> int:
     return _CPU_TILE_COLS if device.type == "cpu" else _GPU_TILE_COLS
 
 
-def _chunk_batch(rows: int, cols: int, device: torch.device) -> int:
+def _chunk_batch(rows: int, cols: int, device: torch.device, fused: bool) -> int:
     """Chunks computed at once for a rows x cols tile."""
-    per_chunk = max(1, rows * cols) * (1 if fused_steps(device) else STEP)
+    per_chunk = max(1, rows * cols) * (1 if fused else STEP)
     return max(1, _step_elements(device) // per_chunk)
 
 
-def _row_tile(cols: int, device: torch.device) -> int:
+def _row_tile(cols: int, device: torch.device, fused: bool) -> int:
     """Rows per tile: one chunk's step within budget (eager) or the fused GPU tile."""
-    if fused_steps(device) and device.type != "cpu":
+    if fused and device.type != "cpu":
         return max(1, _FUSED_GPU_TILE_ELEMENTS // cols)
     return max(1, _step_elements(device) // (STEP * cols))
 
@@ -192,25 +192,26 @@ def block_step(
 
 
 def chunk_accumulators(
-    a_values: Tensor, a_exps: Tensor, b_values: Tensor, b_exps: Tensor
+    a_values: Tensor, a_exps: Tensor, b_values: Tensor, b_exps: Tensor, fused: bool = False
 ) -> Tensor:
     """The tensor core's unscaled sum of every 128-wide K chunk: fp32 [K/128, rows, cols].
 
     a_values fp32 [K, rows] and a_exps int8 [K, rows] (decoded, K-major); b_* the same [K, cols].
-    Chunks are independent (each starts from +0), so a batch of them runs at once.
+    Chunks are independent (each starts from +0), so a batch of them runs at once. `fused`:
+    the steps compiled (`fused_steps`).
     """
     k, rows = a_values.shape
     cols = b_values.shape[1]
     chunks = k // CHUNK
     out = torch.empty(chunks, rows, cols, dtype=torch.float32, device=a_values.device)
-    batch = _chunk_batch(rows, cols, a_values.device)
+    batch = _chunk_batch(rows, cols, a_values.device, fused)
 
     def steps(x: Tensor, first: int, count: int) -> Tensor:
         """[K, width] -> [4, 32, count, width]: step s of chunk `first + j` is [s, :, j]."""
         x = x[first * CHUNK : (first + count) * CHUNK]
         return x.reshape(count, CHUNK // STEP, STEP, x.shape[1]).permute(1, 2, 0, 3)
 
-    chained = _fused_chunk_steps() if fused_steps(a_values.device) else chunk_steps
+    chained = _fused_chunk_steps() if fused else chunk_steps
     for first in range(0, chunks, batch):
         count = min(batch, chunks - first)
         av, ae = steps(a_values, first, count), steps(a_exps, first, count)
@@ -238,19 +239,24 @@ def chunk_steps(av: Tensor, ae: Tensor, bv: Tensor, be: Tensor, fused: bool = Fa
 # never written: on the H200 the eager form is memory-bound at 14-207x the fp32 golden GEMM, the
 # fused one 8-34x (docs/tensor-core.md#speed). The promotion's FMA is compiled too (one pass per
 # chunk). Reducing along memory instead ([..., 32] products) measured 1.3-1.6x slower there.
-# Default: fused on a GPU, eager on the CPU (where compiling costs more than it saves in tests);
-# MOE_VERIFY_FUSED_TENSOR_CORE=1 or 0 forces either.
+# Default: fused on a GPU for GEMMs of at least FUSED_MIN_MULTIPLIES, eager otherwise. A compile
+# costs 20-40 s cold and seconds with inductor's cache warm, once per process; eager runs about
+# 84e9 multiplies per second on the H200, so below 2^37 (1.6 s eager) a one-off run, a sanitized
+# case or a test spends more compiling than it saves. On the CPU compiling costs more than it
+# saves in tests. MOE_VERIFY_FUSED_TENSOR_CORE=1 or 0 forces either, on any device and size.
 FUSED_ENV = "MOE_VERIFY_FUSED_TENSOR_CORE"
+FUSED_MIN_MULTIPLIES = 1 << 37
 
 
-def fused_steps(device: torch.device) -> bool:
-    """Whether the chunk steps and the promotion run compiled (torch.compile) on `device`."""
+def fused_steps(device: torch.device, multiplies: int) -> bool:
+    """Whether a GEMM of `multiplies` (M x N x K over its live rows) on `device` runs compiled
+    (torch.compile: the chunk steps and the promotion)."""
     forced = os.environ.get(FUSED_ENV, "")
     if forced in ("0", "1"):
         return forced == "1"
     if forced:
         raise ValueError(f"{FUSED_ENV}: expected 0 or 1, got {forced!r}")
-    return device.type == "cuda"
+    return device.type == "cuda" and multiplies >= FUSED_MIN_MULTIPLIES
 
 
 def _compiled(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -312,15 +318,16 @@ def fma_fp32(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return s.to(torch.float32)
 
 
-def promote(chunks: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tensor:
+def promote(chunks: Tensor, scale_a: Tensor, scale_b: Tensor, fused: bool = False) -> Tensor:
     """fp32 [rows, cols]: final = fma(fp32(scale_a[c] * scale_b[c]), chunks[c], final) for c in
     K order, from +0.
 
     chunks fp32 [C, rows, cols] (chunk_accumulators); scale_a fp32 [C, rows, 1] and scale_b fp32
     [C, 1, cols] (or any shapes that broadcast to chunks'), each chunk's two scales. Their product
-    is one eager IEEE multiply per chunk, so no compiler can contract it into the FMA.
+    is one eager IEEE multiply per chunk, so no compiler can contract it into the FMA. `fused`:
+    the FMA compiled.
     """
-    fma = _fused_fma() if fused_steps(chunks.device) else fma_fp32
+    fma = _fused_fma() if fused else fma_fp32
     final = torch.zeros(chunks.shape[1:], dtype=torch.float32, device=chunks.device)
     for c in range(chunks.shape[0]):
         final = fma(scale_a[c] * scale_b[c], chunks[c], final)
@@ -368,7 +375,7 @@ def _require_sm90_weight(w: QuantizedWeight) -> None:
 
 
 def _gemm_decoded(
-    a_values: Tensor, a_exps: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor
+    a_values: Tensor, a_exps: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, fused: bool
 ) -> Tensor:
     """bf16 [M, N] from A decoded K-major (fp32 / int8 [K, M]) with fp32 scales [M, K/128], and
     fp8 B [N, K] with fp32 block scales [ceil(N/128), K/128]. Runs in tiles of columns and rows."""
@@ -377,14 +384,16 @@ def _gemm_decoded(
     sa = a_scale.t()  # [C, M]
     sb = b_scale.repeat_interleave(CHUNK, dim=0)[:n].t()  # [C, N]: the block scale of each column
     cols = max(1, min(n, _tile_cols(b.device)))
-    rows = _row_tile(cols, b.device)
+    rows = _row_tile(cols, b.device, fused)
     for n0 in range(0, n, cols):
         n1 = min(n, n0 + cols)
         b_values, b_exps = decode_e4m3(b[n0:n1].t())
         for m0 in range(0, m, rows):
             m1 = min(m, m0 + rows)
-            chunks = chunk_accumulators(a_values[:, m0:m1], a_exps[:, m0:m1], b_values, b_exps)
-            final = promote(chunks, sa[:, m0:m1, None], sb[:, None, n0:n1])
+            chunks = chunk_accumulators(
+                a_values[:, m0:m1], a_exps[:, m0:m1], b_values, b_exps, fused
+            )
+            final = promote(chunks, sa[:, m0:m1, None], sb[:, None, n0:n1], fused)
             out[m0:m1, n0:n1] = final.to(torch.bfloat16)
     return out
 
@@ -407,17 +416,22 @@ def _require_operands(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) ->
     _require_codes("b", b)
 
 
-def tensor_core_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) -> Tensor:
+def tensor_core_gemm(
+    a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, *, fused: bool | None = None
+) -> Tensor:
     """bf16 [M, N]: DeepGEMM's SM90 fp8_gemm_nt (recipe (1, 128, 128)) as the tensor core does it.
 
     a        fp8 e4m3 [M, K], K a multiple of 128
     a_scale  fp32 [M, K/128]: per-token 1x128 scales
     b        fp8 e4m3 [N, K]
     b_scale  fp32 [ceil(N/128), K/128]: 128x128 block scales
+    fused    compiled or eager (the same bits); None: `fused_steps` decides by this GEMM's size
     """
     _require_operands(a, a_scale, b, b_scale)
+    if fused is None:
+        fused = fused_steps(a.device, a.shape[0] * b.shape[0] * a.shape[1])
     a_values, a_exps = decode_e4m3(a.t())
-    return _gemm_decoded(a_values, a_exps, a_scale, b, b_scale)
+    return _gemm_decoded(a_values, a_exps, a_scale, b, b_scale, fused)
 
 
 def _require_activations(
@@ -447,10 +461,12 @@ def tensor_core_grouped_gemm(
     m_indices int32 [M_sum] (expert of each row, -1 for padding rows, which are left zero).
     """
     _require_activations(a, a_scale, a_group, w, 2)
-    num_experts, n, _ = w.shape
+    num_experts, n, k = w.shape
     out = torch.zeros(a.shape[0], n, dtype=torch.bfloat16, device=a.device)
-    for e, rows in expert_rows(m_indices, num_experts, a.shape[0]):
-        out[rows] = tensor_core_gemm(a[rows], a_scale[rows], w.q[e], w.scale[e])
+    groups = expert_rows(m_indices, num_experts, a.shape[0])
+    fused = fused_steps(a.device, sum(rows.numel() for _, rows in groups) * n * k)
+    for e, rows in groups:
+        out[rows] = tensor_core_gemm(a[rows], a_scale[rows], w.q[e], w.scale[e], fused=fused)
     return out
 
 
@@ -483,7 +499,10 @@ def tensor_core_masked_gemm(
         f"{masked_m.tolist()}",
     )
     out = torch.zeros(num_experts, m_max, n, dtype=torch.bfloat16, device=a.device)
-    for e, live in enumerate(masked_m.tolist()):
+    counts = masked_m.tolist()
+    fused = fused_steps(a.device, sum(counts) * n * w.shape[2])
+    for e, live in enumerate(counts):
         if live:
-            out[e, :live] = tensor_core_gemm(a[e, :live], a_scale[e, :live], w.q[e], w.scale[e])
+            a_e, s_e = a[e, :live], a_scale[e, :live]
+            out[e, :live] = tensor_core_gemm(a_e, s_e, w.q[e], w.scale[e], fused=fused)
     return out
