@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moe_verify.spec import MoEProblem, QuantizedWeight, ScaleFmt
-from reference import formats
+from reference import formats, tensor_core
 from reference.gemm import grouped_gemm
 from reference.tensor_core import (
     chunk_accumulators,
@@ -708,3 +708,21 @@ def test_dense_refuses_k_not_a_multiple_of_128() -> None:
     a = torch.zeros(2, 192, dtype=FP8)
     with pytest.raises(ValueError, match="K a multiple of 128"):
         tensor_core_gemm(a, torch.ones(2, 1), torch.zeros(4, 192, dtype=FP8), torch.ones(1, 1))
+
+
+def test_the_default_compiles_large_gpu_gemms_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled on CUDA from FUSED_MIN_MULTIPLIES up (a DSV3 T=4096 gemm1, 9.6e11 multiplies),
+    eager below it (a one-off DSV3 T=128 gemm1, 1.2e11) and on the CPU; the switch overrides
+    both ways, and anything but 0 or 1 is refused by name."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(tensor_core.FUSED_ENV, raising=False)
+    assert tensor_core.fused_steps(cuda, 32768 * 4096 * 7168)
+    assert not tensor_core.fused_steps(cuda, 4096 * 4096 * 7168)
+    assert not tensor_core.fused_steps(cpu, 32768 * 4096 * 7168)
+    monkeypatch.setenv(tensor_core.FUSED_ENV, "1")
+    assert tensor_core.fused_steps(cpu, 1)
+    monkeypatch.setenv(tensor_core.FUSED_ENV, "0")
+    assert not tensor_core.fused_steps(cuda, 1 << 50)
+    monkeypatch.setenv(tensor_core.FUSED_ENV, "yes")
+    with pytest.raises(ValueError, match=tensor_core.FUSED_ENV):
+        tensor_core.fused_steps(cuda, 1)

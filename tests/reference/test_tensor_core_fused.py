@@ -85,21 +85,3 @@ def test_coinciding_sizes_compile_no_new_graphs(fused) -> None:
         a, b = _spread_e4m3((m, k), g, 6), _spread_e4m3((n, k), g, 6)
         tc.tensor_core_gemm(a, torch.ones(m, k // 128), b, torch.ones(-(-n // 128), k // 128))
     assert counters["stats"]["unique_graphs"] - before == 2
-
-
-def test_the_default_compiles_large_gpu_gemms_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compiled on CUDA from FUSED_MIN_MULTIPLIES up (a DSV3 T=4096 gemm1, 9.6e11 multiplies),
-    eager below it (a one-off DSV3 T=128 gemm1, 1.2e11) and on the CPU; the switch overrides
-    both ways, and anything but 0 or 1 is refused by name."""
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.delenv(tc.FUSED_ENV, raising=False)
-    assert tc.fused_steps(cuda, 32768 * 4096 * 7168)
-    assert not tc.fused_steps(cuda, 4096 * 4096 * 7168)
-    assert not tc.fused_steps(cpu, 32768 * 4096 * 7168)
-    monkeypatch.setenv(tc.FUSED_ENV, "1")
-    assert tc.fused_steps(cpu, 1)
-    monkeypatch.setenv(tc.FUSED_ENV, "0")
-    assert not tc.fused_steps(cuda, 1 << 50)
-    monkeypatch.setenv(tc.FUSED_ENV, "yes")
-    with pytest.raises(ValueError, match=tc.FUSED_ENV):
-        tc.fused_steps(cuda, 1)
