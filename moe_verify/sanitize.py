@@ -52,6 +52,7 @@ from moe_verify.contain import (
     kill_group,
     terminate_as_exit,
 )
+from reference.tensor_core import FUSED_ENV
 
 SANITIZER = "compute-sanitizer"
 DEFAULT_CUDA_HOME = Path("/usr/local/cuda")
@@ -440,8 +441,12 @@ def sanitizer_command(
 
 
 def _child_env(base: Mapping[str, str], crumb: Path | None) -> dict[str, str]:
-    # Progress bars would only interleave with the sanitizer's lines in the shared pipe.
+    # Progress bars would only interleave with the sanitizer's lines in the shared pipe. The
+    # golden's tensor-core model runs eager (unless the caller asked otherwise), in the baseline
+    # too: compiling it would put torch.compile's Triton kernels and their compile under the
+    # sanitizer, and make the slowdown a compile's.
     env = dict(base, MOE_VERIFY_PROGRESS="0", PYTHONFAULTHANDLER="1")
+    env.setdefault(FUSED_ENV, "0")
     if crumb is not None:
         env.update(
             PYTORCH_NO_CUDA_MEMORY_CACHING="1",

@@ -148,9 +148,6 @@ def decode_e4m3(q: Tensor) -> tuple[Tensor, Tensor]:
     field = (codes >> 3) & 0xF
     exponent = torch.where(field == 0, _E4M3_MIN_EXP, field - _E4M3_BIAS)
     is_zero = (codes & 0x7F) == 0
-    # int8 sums fit. (torch.compile's CPU code reduces an int8 max *along memory* wrongly: rows
-    # of negative values give 0, torch 2.13. The steps reduce across a leading axis, which it
-    # gets right; tests/reference/test_tensor_core_fused.py's all-below-one case guards that.)
     exponent = torch.where(is_zero, ZERO_EXP, exponent).to(torch.int8).to(q.device)
     values = codes.to(torch.uint8).view(_FP8).float().to(q.device)
     # Contiguous in q's logical order (a transposed q gives K-major tables, as the steps want).
@@ -175,6 +172,9 @@ def block_step(
     is -0 only when every addend is, and the accumulator's own term is never -0 (the accumulator
     starts at +0, and a nonzero one is at or above the unit, so it never truncates to zero).
     """
+    # An int8 max across the leading axis: torch.compile's CPU code (torch 2.13, the CPU tier's)
+    # takes an int8 max *along memory* of negative values as 0; this one it gets right, and
+    # tests/reference/test_tensor_core_fused.py's all-below-one case fails on the other layout.
     block_exp = torch.maximum(product_exps.amax(0).to(torch.int32), _floor_log2(acc))
     block_exp = block_exp.clamp_min(MIN_BLOCK_EXP)
     unit = _pow2(block_exp - FRAC_BITS)
@@ -263,8 +263,8 @@ def _compiled(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """`fn` under torch.compile with dynamic shapes, called with the compiler settings that keep
     its graphs few: sizes that merely coincide (rows == cols, rows == chunks) share no symbol, so
     only sizes of 1 specialize (at most 8 graphs for the three sizes of a step), and the limit is
-    raised above that. Past the limit torch would run `fn` uncompiled: the same bits, but with
-    the eager form's temporaries at the fused tiles' size."""
+    raised above that. Past the limit, fullgraph=True makes torch raise (FailOnRecompileLimitHit)
+    and the case errors: loud, never silently slow."""
     # torch's own (private) settings modules, imported only when something is compiled
     import torch._dynamo.config as dynamo_config
     import torch.fx.experimental._config as shapes_config

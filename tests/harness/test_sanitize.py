@@ -31,6 +31,7 @@ from moe_verify.sanitize import (
     sanitize_run,
 )
 from moe_verify.spec import MoEProblem
+from reference.tensor_core import FUSED_ENV
 
 pytestmark = pytest.mark.cpu
 
@@ -335,7 +336,8 @@ options = {{}}
 while args and args[0].startswith("--"):
     options[args[0]] = args[1]
     args = args[2:]
-watched = ("PYTORCH_NO_CUDA_MEMORY_CACHING", "MOE_VERIFY_BREADCRUMB", "CUDA_LAUNCH_BLOCKING")
+watched = ("PYTORCH_NO_CUDA_MEMORY_CACHING", "MOE_VERIFY_BREADCRUMB", "CUDA_LAUNCH_BLOCKING",
+           "MOE_VERIFY_FUSED_TENSOR_CORE")
 record = {{"argv": sys.argv[1:], "options": options, "child": args, "pid": os.getpid(),
           "env": {{k: os.environ.get(k) for k in watched}}}}
 json.dump(record, open(scenario["record"], "w"))
@@ -420,6 +422,7 @@ def test_the_command_line_and_environment(fake: Fake) -> None:
     assert rec["env"]["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1"
     assert rec["env"]["CUDA_LAUNCH_BLOCKING"] == "1"
     assert rec["env"]["MOE_VERIFY_BREADCRUMB"]
+    assert rec["env"][FUSED_ENV] == "0", "the golden's tensor-core model is compiled under it"
     assert report.command[-len(rec["child"]) :] == rec["child"]
 
 

@@ -712,7 +712,7 @@ def test_dense_refuses_k_not_a_multiple_of_128() -> None:
 
 def test_the_default_compiles_large_gpu_gemms_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled on CUDA from FUSED_MIN_MULTIPLIES up (a DSV3 T=4096 gemm1, 9.6e11 multiplies),
-    eager below it (a one-off DSV3 T=128 gemm1, 1.2e11) and on the CPU; the switch overrides
+    eager below it (4096 live rows of a DSV3 gemm1, 1.2e11) and on the CPU; the switch overrides
     both ways, and anything but 0 or 1 is refused by name."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.delenv(tensor_core.FUSED_ENV, raising=False)

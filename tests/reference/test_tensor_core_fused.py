@@ -1,5 +1,6 @@
-"""The tensor-core recipe's fused chunk steps (torch.compile of `chunk_steps`, opt-in through
-MOE_VERIFY_FUSED_TENSOR_CORE) give the eager form's bits: on the H200's recorded vectors, and on
+"""The tensor-core recipe's fused form (torch.compile of `chunk_steps` and of the promotion's FMA;
+forced here through MOE_VERIFY_FUSED_TENSOR_CORE=1, the CPU default being eager) gives the eager
+form's bits: on the H200's recorded vectors, and on
 random operands whose exponents spread over the whole e4m3 range. One compile (dynamic shapes)
 serves every case here; a C++ compiler is needed on the CPU, as torch.compile needs."""
 
@@ -73,9 +74,9 @@ def test_fused_steps_reproduce_the_h200(key: tuple, fused) -> None:
 
 def test_coinciding_sizes_compile_no_new_graphs(fused) -> None:
     """Sizes that merely coincide (rows == chunks here: 4 rows, K = 512) must not specialize a
-    graph, or a nightly's many shapes pass torch's recompile limit and the steps run uncompiled
-    at the fused tiles' size. One graph each for the steps and the promotion's FMA serves all
-    four GEMMs (torch's default duck shaping compiled five)."""
+    graph, or a nightly's many shapes pass torch's recompile limit and the case errors
+    (FailOnRecompileLimitHit, fullgraph=True). One graph each for the steps and the promotion's
+    FMA serves all four GEMMs (torch's default duck shaping compiled five)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
