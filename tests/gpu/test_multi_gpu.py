@@ -12,6 +12,10 @@ docs/gpu-results.md. A case needs as many GPUs as ranks and is skipped, saying s
   T = 4096 global, grouped routing), and tp:8 at I = 2048 (E = 32).
 - A bug on the last rank only (tests/tester/wrong_backends.py LastExpertDroppedOnLastRank), at
   ep:4 and ep:8: named with its rank, at gather.
+
+Each case runs twice (torchrun, then emulated); at 8 ranks a case can take minutes, so on a
+lent machine with a per-command limit run them one at a time, by node id:
+`pytest -m multi_gpu "tests/gpu/test_multi_gpu.py::test_nccl_ranks_match_golden[ep:8]"`.
 """
 
 from __future__ import annotations
