@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -39,6 +40,22 @@ class StageTiming:
     @property
     def of_ceiling(self) -> float:
         return self.achieved / self.ceiling if self.ceiling else float("nan")
+
+
+T = TypeVar("T")
+
+
+def timed_once(fn: Callable[[], T]) -> tuple[T, float]:
+    """`fn`'s result and the wall seconds of this one call, the GPU (if any) synchronized before
+    and after: a first call's compile or JIT counts, as a measurement script wants to report."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
 
 
 def _timer(fn: Callable[[], object], repeats: int) -> float:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
+from moe_verify.bench import timed_once
 from moe_verify.inputs import make_inputs
 from moe_verify.runner import run_chained, run_golden
 from moe_verify.spec import MoEProblem, Routing, ScaleFmt
@@ -65,21 +64,11 @@ def keyed(g: torch.Tensor, g_inv: torch.Tensor, t: torch.Tensor, t_inv: torch.Te
     return equal_fraction(g[g_inv[live].long()], t[t_inv[live].long()])
 
 
-def timed(f: Callable[[], object]) -> tuple[object, float]:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = f()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - start
-
-
 def probe(name: str, problem: MoEProblem, device: str, engine: str) -> dict:
     x = make_inputs(problem, device)
     golden = ReferenceBackend()
-    g, t_golden = timed(lambda: run_golden(golden, problem, x, 0))
-    t, t_tested = timed(lambda: run_chained(OptimizedBackend(engine=engine), problem, x, 0))
+    g, t_golden = timed_once(lambda: run_golden(golden, problem, x, 0))
+    t, t_tested = timed_once(lambda: run_chained(OptimizedBackend(engine=engine), problem, x, 0))
     local = golden.shard(problem, x, 0)
     gp, tp = g["permute"], t["permute"]
     g_inv, t_inv = gp["inv_perm"], tp["inv_perm"]
@@ -92,10 +81,10 @@ def probe(name: str, problem: MoEProblem, device: str, engine: str) -> dict:
     out["a_perm"] = keyed(gp["a_perm"], g_inv, tp["a_perm"], t_inv)
     # Each stage against its recipe on the tested chain's own upstream
     rows = tp["m_indices"]
-    tc1, out["tc_gemm1_s"] = timed(
+    tc1, out["tc_gemm1_s"] = timed_once(
         lambda: tensor_core_grouped_gemm(tp["a_perm"], tp["a_scale_perm"], 128, local.w13, rows)
     )
-    fp1, out["fp32_gemm1_s"] = timed(
+    fp1, out["fp32_gemm1_s"] = timed_once(
         lambda: grouped_gemm(tp["a_perm"], tp["a_scale_perm"], 128, local.w13, rows)
     )
     live = rows >= 0
@@ -106,10 +95,10 @@ def probe(name: str, problem: MoEProblem, device: str, engine: str) -> dict:
     out["act_codes_vs_table"] = equal_fraction(q, t["act_quant"]["a2q"][live])
     out["act_scales_vs_table"] = equal_fraction(s, t["act_quant"]["a2q_scale"][live])
     aq = t["act_quant"]
-    tc2, out["tc_gemm2_s"] = timed(
+    tc2, out["tc_gemm2_s"] = timed_once(
         lambda: tensor_core_grouped_gemm(aq["a2q"], aq["a2q_scale"], 128, local.w2, rows)
     )
-    _, out["fp32_gemm2_s"] = timed(
+    _, out["fp32_gemm2_s"] = timed_once(
         lambda: grouped_gemm(aq["a2q"], aq["a2q_scale"], 128, local.w2, rows)
     )
     out["gemm2_vs_tc"] = equal_fraction(tc2[live], t["gemm2"]["mm2"][live])

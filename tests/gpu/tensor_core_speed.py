@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
+from moe_verify.bench import timed_once
 from moe_verify.spec import QuantizedWeight
 from reference import tensor_core as tc
 from reference.gemm import grouped_gemm
@@ -39,14 +38,6 @@ def _codes(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     return codes.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
-def _timed(f: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = f()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start
-
-
 def measure(name: str, experts: int, rows: int, n: int, k: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     a = _codes((experts * rows, k), g)
@@ -59,15 +50,15 @@ def measure(name: str, experts: int, rows: int, n: int, k: int) -> None:
     m_indices = torch.arange(experts, device="cuda", dtype=torch.int32).repeat_interleave(rows)
     args = (a, sa, 128, w, m_indices)
     multiplies = experts * rows * n * k
-    _, fp32_s = _timed(lambda: grouped_gemm(*args))
-    _, fp32_s = _timed(lambda: grouped_gemm(*args))
+    _, fp32_s = timed_once(lambda: grouped_gemm(*args))
+    _, fp32_s = timed_once(lambda: grouped_gemm(*args))
     line = f"{name}: {multiplies:.2e} multiplies; fp32 golden {fp32_s * 1e3:.1f} ms"
     outs = {}
     forms = ("1",) if os.environ.get("SKIP_EAGER") else ("0", "1")
     for form in forms:
         os.environ[tc.FUSED_ENV] = form
-        _, first_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
-        outs[form], s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
+        _, first_s = timed_once(lambda: tc.tensor_core_grouped_gemm(*args))
+        outs[form], s = timed_once(lambda: tc.tensor_core_grouped_gemm(*args))
         label = "fused" if form == "1" else "eager"
         line += f"; {label} {s:.3f} s ({s / fp32_s:.0f}x, first call {first_s:.1f} s)"
     if len(outs) == 2:

@@ -5,11 +5,10 @@ beside the fp32 golden GEMM (printed; docs/tensor-core.md#speed records it)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
+from moe_verify.bench import timed_once
 from moe_verify.inputs import make_inputs
 from moe_verify.runner import run_chained
 from moe_verify.spec import MoEProblem
@@ -32,14 +31,6 @@ DSV3 = MoEProblem(
 )
 
 
-def _timed(f):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = f()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start
-
-
 def test_fused_steps_give_deepgemms_bits_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     x = make_inputs(DSV3, "cuda")
     t = run_chained(OptimizedBackend(engine="deepgemm"), DSV3, x, 0)
@@ -47,12 +38,12 @@ def test_fused_steps_give_deepgemms_bits_faster(monkeypatch: pytest.MonkeyPatch)
     perm = t["permute"]
     args = (perm["a_perm"], perm["a_scale_perm"], 128, w, perm["m_indices"])
     monkeypatch.setenv(tc.FUSED_ENV, "0")
-    eager, eager_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
+    eager, eager_s = timed_once(lambda: tc.tensor_core_grouped_gemm(*args))
     monkeypatch.setenv(tc.FUSED_ENV, "1")
-    _, compile_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
-    fused, fused_s = _timed(lambda: tc.tensor_core_grouped_gemm(*args))
+    _, compile_s = timed_once(lambda: tc.tensor_core_grouped_gemm(*args))
+    fused, fused_s = timed_once(lambda: tc.tensor_core_grouped_gemm(*args))
     grouped_gemm(*args)  # warm, as the others are
-    _, fp32_s = _timed(lambda: grouped_gemm(*args))
+    _, fp32_s = timed_once(lambda: grouped_gemm(*args))
     live = perm["m_indices"] >= 0
     assert torch.equal(fused.view(torch.int16), eager.view(torch.int16))
     differ = (fused.view(torch.int16) != t["gemm1"]["mm1"].view(torch.int16))[live]
