@@ -374,11 +374,14 @@ def _keyed(
 
 
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor, group: int) -> RowValues:
-    """Rows of fp8 codes (uint8) x their per-group scales, fp32."""
+    """Rows of fp8 codes (uint8) x their per-group scales (stored as `scale_values` reads them),
+    fp32. Only the rows asked for are read: padding rows may never have been written."""
+    groups = codes.shape[1] // group
 
     def rows(idx: torch.Tensor) -> torch.Tensor:
         values = codes[idx].view(torch.float8_e4m3fn).to(torch.float32)
-        return values * scales[idx].to(torch.float32).repeat_interleave(group, dim=1)
+        scale = scale_values(scales[idx], groups).to(torch.float32)
+        return values * scale.repeat_interleave(group, dim=1)
 
     return rows
 
@@ -415,8 +418,7 @@ def _act_quant_picture(ctx: Ctx, stage: Stage) -> _Picture:
     g_q, o_q = (fp8_codes(q) for q in ctx.pair(stage, "a2q"))
     if o_q.dim() != 2 or o_q.shape[1] != g_q.shape[1]:
         raise _NoPicture(f"a2q is {tuple(o_q.shape)}, golden {tuple(g_q.shape)}")
-    groups = g_q.shape[1] // group
-    g_s, o_s = (scale_values(s, groups) for s in ctx.pair(stage, "a2q_scale"))
+    g_s, o_s = ctx.pair(stage, "a2q_scale")
     o_rows = min(o_q.shape[0], o_s.shape[0])
     slots = downstream_slots(ctx)
     values = _keyed(slots, o_rows, _dequantized(o_q, o_s, group), _dequantized(g_q, g_s, group))
