@@ -35,6 +35,7 @@ Single-threaded, as the runner is.
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -43,6 +44,20 @@ import torch
 from moe_verify.spec import MoEInputs, QuantizedWeight, Trace
 
 __all__ = ["Guarded", "guarded_inputs"]
+
+# `moe-verify run --sanitize TOOL` names the tool to its sanitized child (moe_verify/sanitize.py).
+SANITIZER_TOOL_ENV = "MOE_VERIFY_SANITIZER_TOOL"
+
+
+def guards_own_upstream() -> bool:
+    """Whether a chained stage's upstream, the tested side's own earlier outputs, is copied and
+    checked for in-place writes. Not under initcheck: the copy and the check read every byte,
+    padding rows the backend's kernels never wrote included (they may: the layout leaves them
+    unspecified), and initcheck would report the harness's reads as the case's errors. The plain
+    run that `--sanitize` makes first still checks them; the inputs and the golden's upstream
+    (isolated mode) are always guarded, every byte of them is written."""
+    return os.environ.get(SANITIZER_TOOL_ENV) != "initcheck"
+
 
 # Elements compared per step: bounds the boolean temporary of one comparison.
 _CHUNK_ELEMENTS = 1 << 26
@@ -189,7 +204,7 @@ class Guarded:
     return the same list.
     """
 
-    def __init__(self, upstream: Trace, inputs: MoEInputs) -> None:
+    def __init__(self, upstream: Trace, inputs: MoEInputs, copy_upstream: bool = True) -> None:
         if not isinstance(upstream, Trace):
             raise TypeError(f"upstream: expected a Trace, got {type(upstream).__name__}")
         if not isinstance(inputs, MoEInputs):
@@ -201,7 +216,8 @@ class Guarded:
         self._tested.holder = self
         self._watches: list[_Watch] = []
         self._writes: list[str] | None = None
-        self._upstream = self._copy_trace(upstream)
+        # Without `copy_upstream` the stage gets `upstream` itself, unwatched (guards_own_upstream)
+        self._upstream = self._copy_trace(upstream) if copy_upstream else upstream
 
     def _copy_trace(self, upstream: Trace) -> Trace:
         copies: dict[int, torch.Tensor] = {}

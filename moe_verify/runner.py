@@ -26,7 +26,7 @@ import torch
 from moe_verify import progress
 from moe_verify.contain import CaseTimeout, expired, terminated, user_interrupted
 from moe_verify.poison import poisoned_allocations
-from moe_verify.protect import Guarded
+from moe_verify.protect import Guarded, guards_own_upstream
 from moe_verify.spec import (
     Backend,
     Engine,
@@ -222,7 +222,8 @@ def run_stage_into(
     progress.stage_started(trace.rank, side, stage)
     _breadcrumb(problem, trace.rank, stage, side)
     poison = poisoned_allocations() if stage in POISONED_STAGES else contextlib.nullcontext()
-    guard = None if golden else Guarded(upstream, inputs)
+    own = Mode(mode) is Mode.CHAINED  # the upstream is the tested side's own trace
+    guard = None if golden else Guarded(upstream, inputs, not own or guards_own_upstream())
     handed_upstream = upstream if guard is None else guard.upstream
     handed_inputs = inputs if guard is None else guard.inputs
     try:

@@ -52,6 +52,7 @@ from moe_verify.contain import (
     kill_group,
     terminate_as_exit,
 )
+from moe_verify.protect import SANITIZER_TOOL_ENV
 from reference.tensor_core import FUSED_ENV
 
 SANITIZER = "compute-sanitizer"
@@ -440,7 +441,9 @@ def sanitizer_command(
     ]
 
 
-def _child_env(base: Mapping[str, str], crumb: Path | None) -> dict[str, str]:
+def _child_env(
+    base: Mapping[str, str], crumb: Path | None, tool: str | None = None
+) -> dict[str, str]:
     # Progress bars would only interleave with the sanitizer's lines in the shared pipe. The
     # golden's tensor-core model runs eager (unless the caller asked otherwise), in the baseline
     # too: compiling it would put torch.compile's Triton kernels and their compile under the
@@ -455,6 +458,9 @@ def _child_env(base: Mapping[str, str], crumb: Path | None) -> dict[str, str]:
             CUDA_LAUNCH_BLOCKING="1",
             MOE_VERIFY_BREADCRUMB=str(crumb),
         )
+    env.pop(SANITIZER_TOOL_ENV, None)
+    if tool is not None:  # the sanitized child: initcheck turns one harness check off
+        env[SANITIZER_TOOL_ENV] = tool
     return env
 
 
@@ -689,7 +695,7 @@ def sanitize_run(
                 at_error.append(Crumb.read(crumb_path))
 
         start = time.perf_counter()
-        done = _stream(cmd, _child_env(base, crumb_path), timeout_s, cwd, on_line)
+        done = _stream(cmd, _child_env(base, crumb_path, tool), timeout_s, cwd, on_line)
         wall = time.perf_counter() - start
         final = Crumb.read(crumb_path)
     lines = done.stdout.split("\n") if done.stdout else []

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.protect import Guarded, guarded_inputs
+from moe_verify.protect import SANITIZER_TOOL_ENV, Guarded, guarded_inputs
+from moe_verify.runner import run_chained, run_isolated
 from moe_verify.spec import MoEInputs, MoEProblem, ScaleFmt, Trace
 from optimized import OptimizedBackend
 from reference import ReferenceBackend
@@ -231,3 +232,37 @@ def test_what_is_not_a_trace_or_inputs_is_refused() -> None:
         Guarded(golden, None)
     with pytest.raises(TypeError, match="upstream: expected a Trace, got dict"):
         Guarded({}, inputs)
+
+
+class WritesIntoItsInputs(OptimizedBackend):
+    """act_quant flips a bit of the shared w2 scales in place."""
+
+    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
+        _flip(x.w2_q.scale)
+        return super().act_quant(p, x, up, rank)
+
+
+def _act_quant_failure(trace: Trace) -> str:
+    failure = trace.failure("act_quant")
+    return "" if failure is None else str(failure)
+
+
+def test_under_initcheck_only_a_chained_stages_own_upstream_goes_unguarded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under `--sanitize initcheck` the guard would read the padding rows the backend's kernels
+    never wrote (moe_verify/protect.py guards_own_upstream): a chained stage gets its own trace
+    itself. The golden's upstream (isolated) and the inputs stay guarded; other tools guard all."""
+    inputs, golden = _golden()
+    upstream_writer = WritesIntoItsUpstream(engine="triton")
+    input_writer = WritesIntoItsInputs(engine="triton")
+    wrote = "wrote in place into gemm1.mm1"
+    assert wrote in _act_quant_failure(run_chained(upstream_writer, PROBLEM, inputs, 0))
+    monkeypatch.setenv(SANITIZER_TOOL_ENV, "memcheck")
+    assert wrote in _act_quant_failure(run_chained(upstream_writer, PROBLEM, inputs, 0))
+    monkeypatch.setenv(SANITIZER_TOOL_ENV, "initcheck")
+    assert _act_quant_failure(run_chained(upstream_writer, PROBLEM, inputs, 0)) == ""
+    isolated = run_isolated(upstream_writer, PROBLEM, inputs, golden, 0)
+    assert wrote in _act_quant_failure(isolated)
+    chained = _act_quant_failure(run_chained(input_writer, PROBLEM, inputs, 0))
+    assert "wrote in place into inputs.w2_q.scale: 1 of" in chained

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from moe_verify import sanitize
+from moe_verify.protect import SANITIZER_TOOL_ENV
 from moe_verify.sanitize import (
     Crumb,
     SanitizerUnavailable,
@@ -337,7 +338,7 @@ while args and args[0].startswith("--"):
     options[args[0]] = args[1]
     args = args[2:]
 watched = ("PYTORCH_NO_CUDA_MEMORY_CACHING", "MOE_VERIFY_BREADCRUMB", "CUDA_LAUNCH_BLOCKING",
-           "MOE_VERIFY_FUSED_TENSOR_CORE")
+           "MOE_VERIFY_FUSED_TENSOR_CORE", "MOE_VERIFY_SANITIZER_TOOL")
 record = {{"argv": sys.argv[1:], "options": options, "child": args, "pid": os.getpid(),
           "env": {{k: os.environ.get(k) for k in watched}}}}
 json.dump(record, open(scenario["record"], "w"))
@@ -423,6 +424,7 @@ def test_the_command_line_and_environment(fake: Fake) -> None:
     assert rec["env"]["CUDA_LAUNCH_BLOCKING"] == "1"
     assert rec["env"]["MOE_VERIFY_BREADCRUMB"]
     assert rec["env"][FUSED_ENV] == "0", "the golden's tensor-core model is compiled under it"
+    assert rec["env"][SANITIZER_TOOL_ENV] == "racecheck"
     assert report.command[-len(rec["child"]) :] == rec["child"]
 
 
