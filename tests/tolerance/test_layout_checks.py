@@ -303,3 +303,13 @@ def test_act_quant_reads_no_padding_row_of_the_tested_side(
     assert result.status == Status.PASS
     assert "aten.index.Tensor" in reads.ops  # the live rows were read, through an index
     assert reads.ops <= _VIEW_OR_INDEX, sorted(reads.ops - _VIEW_OR_INDEX)
+
+
+def test_act_quant_scales_that_are_not_rows_fail_their_shape_check(
+    golden: Trace, other: Trace, problem: MoEProblem
+) -> None:
+    # Checked before any row is picked, so the failure shows the tensor the kernel returned.
+    scale = other["act_quant"]["a2q_scale"]
+    other["act_quant"]["a2q_scale"] = scale.reshape(-1).contiguous()
+    check = _failed(_stage(golden, other, problem, "act_quant"))["a2q_scale shape"]
+    assert f"{tuple(other['act_quant']['a2q_scale'].shape)}" in check.detail
