@@ -12,6 +12,8 @@ originals; after the stage, `.writes()` names every tensor it wrote in place ("q
   (stage outputs are up to ~1 GB each at DeepSeek-V3 EP8, a few GB for a late stage's upstream).
   Copies keep the shape, the strides and the bytes (packed UE8M0 scales are MN-major with
   TMA-aligned columns, and a kernel reads the strides); one tensor under two names gets one copy.
+  One exception: a chained stage's own upstream under `--sanitize initcheck` is handed as it is
+  (`guards_own_upstream` says why).
 - The inputs are copied once per inputs object (`guarded_inputs`), not per stage: every stage,
   mode and rank of a case shares them, and so do the golden's runs of later ranks. At DeepSeek-V3
   size (E=256) they are tens of GB (11 GB of FP8 weights, more with the bf16 masters and the
