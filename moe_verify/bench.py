@@ -11,16 +11,13 @@ the same GEMM. GEMM FLOPs count live rows only (padding rows are waste, reported
 from __future__ import annotations
 
 import functools
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
 from moe_verify.inputs import make_inputs
 from moe_verify.spec import Engine, Mode, MoEProblem, Stage, Trace
+from moe_verify.timing import median_seconds
 
 # Bytes moved by a bandwidth-bound stage, from its inputs and outputs (read + write).
 _GEMM_STAGES = (Stage.GEMM1, Stage.GEMM2)
@@ -42,47 +39,11 @@ class StageTiming:
         return self.achieved / self.ceiling if self.ceiling else float("nan")
 
 
-T = TypeVar("T")
-
-
-def timed_once(fn: Callable[[], T]) -> tuple[T, float]:
-    """`fn`'s result and the wall seconds of this one call, the GPU (if any) synchronized before
-    and after: a first call's compile or JIT counts, as a measurement script wants to report."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - start
-
-
-def _timer(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `fn` (CUDA events on a GPU, perf_counter on a CPU), after a warm-up."""
-    fn()
-    samples = []
-    cuda = torch.cuda.is_available()
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """Bytes/s of a device-to-device copy (read + write counted), measured now."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = _timer(lambda: dst.copy_(src), repeats)
+    seconds = median_seconds(lambda: dst.copy_(src), repeats)
     return 2 * src.numel() / seconds
 
 
@@ -90,7 +51,7 @@ def matmul_rate(device: torch.device, m: int, n: int, k: int, repeats: int = 10)
     """FLOP/s of a dense bf16 matmul of the given shape, measured now."""
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-    seconds = _timer(lambda: a @ b, repeats)
+    seconds = median_seconds(lambda: a @ b, repeats)
     return 2.0 * m * n * k / seconds
 
 
@@ -145,7 +106,7 @@ def bench(
                 )
                 continue
             run = functools.partial(backend.run_stage, stage, problem, inputs, up, 0)
-            seconds = _timer(run, repeats)
+            seconds = median_seconds(run, repeats)
             out = backend.run_stage(stage, problem, inputs, up, 0)
             if stage in _GEMM_STAGES:
                 m_indices = up["permute"]["m_indices"]
@@ -209,13 +170,15 @@ def compare_cost(
     places = [here] if here.type == "cpu" else [here, torch.device("cpu")]
     out = []
     for where in places:
-        samples = []
-        for _ in range(repeats):  # comparisons end in host reads, so wall time is device time
-            t0 = time.perf_counter()
+
+        def both_modes(where: torch.device = where) -> None:
             for mode in Mode:
                 compare_rank(problem, run, mode, where)
-            samples.append(time.perf_counter() - t0)
-        out.append(CompareTiming(str(where), statistics.median(samples)))
+
+        # Comparisons end in host reads, so the stream is idle at both of the timer's events and
+        # they span the whole call, host work included. No warm-up: a first comparison's cost is
+        # part of what a run pays.
+        out.append(CompareTiming(str(where), median_seconds(both_modes, repeats, warmup=0)))
     return out
 
 

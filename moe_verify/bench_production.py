@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify.bench import _timer, copy_bandwidth
+from moe_verify.bench import copy_bandwidth
 from moe_verify.device import default_device
 from moe_verify.inputs import make_inputs
 from moe_verify.spec import (
@@ -52,6 +52,7 @@ from moe_verify.spec import (
     Trace,
     check_int,
 )
+from moe_verify.timing import median_seconds, replay_seconds
 from optimized import deepgemm, op
 from optimized.backend import OptimizedBackend
 from optimized.production import (
@@ -534,29 +535,12 @@ def _count(x: int | None) -> str:
 # -- measuring -------------------------------------------------------------------------------
 
 
-def _capture(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
-    """`CALLS_PER_GRAPH` calls of `fn` captured in one CUDA graph after one warm-up call on a
-    side stream (JIT compiles and allocator growth happen outside the capture, as
-    torch.cuda.graph requires)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    return graph
-
-
 def _time(fn: Callable[[], object], capture: bool, device: torch.device, repeats: int) -> float:
     """Median seconds of one call of `fn`: replays of its graph (divided by the calls captured
     in it) when `capture`, else eager calls."""
     if not capture:
-        return _timer(fn, repeats)
-    graph = _capture(fn, device)
-    return _timer(graph.replay, repeats) / CALLS_PER_GRAPH
+        return median_seconds(fn, repeats)
+    return replay_seconds(fn, device, repeats, CALLS_PER_GRAPH)
 
 
 def _deepgemm_alone(
@@ -770,7 +754,7 @@ def _verification(
         if stage is Stage.ROUTE:
             continue  # production takes the routing as its input
         run = functools.partial(backend.run_stage, stage, problem, inputs, trace.upto(stage), rank)
-        rows.append(VerificationRow(stage.value, _timer(run, repeats) * 1e6))
+        rows.append(VerificationRow(stage.value, median_seconds(run, repeats) * 1e6))
     return tuple(rows)
 
 

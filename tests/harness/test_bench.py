@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from moe_verify.bench import bench, compare_cost, timed_once, to_markdown
+from moe_verify.bench import bench, compare_cost, to_markdown
 from moe_verify.spec import MoEProblem
 
 pytestmark = pytest.mark.cpu
@@ -33,9 +31,3 @@ def test_compare_cost_times_the_comparisons_where_the_golden_lives() -> None:
     assert costs[0].seconds > 0
     table = to_markdown(problem, [], costs)
     assert "| cpu |" in table and "1.00x" in table
-
-
-def test_timed_once_returns_the_result_and_the_calls_seconds() -> None:
-    out, seconds = timed_once(lambda: time.sleep(0.05) or "done")
-    assert out == "done"
-    assert 0.05 <= seconds < 5.0
