@@ -1,8 +1,9 @@
-"""The field's new bug classes (ref/anchors-2026-12.md §5, N1..N26) as wrong backends.
+"""Bug classes reported from the field in 2026 (vLLM, SGLang, DeepGEMM, FlashInfer, Triton) as
+wrong backends.
 
 Each class is the optimized path (`OptimizedBackend`, or `ProductionForward` for a bug that lives
 only under graph replay) with ONE stage method overridden, the way the field bug sat in a real
-kernel or its host code; the docstring names the bug (its N row and thread), what it does wrong
+kernel or its host code; the docstring names the bug (its public thread), what it does wrong
 and the stage that must catch it. `CATCHES` says, per class, the problem (and poison) that
 reaches the bug and where the suite must catch it, so the GPU tier can reuse the table.
 
@@ -10,13 +11,13 @@ Three classes need inputs that random draws never reach, all made by the product
 
 - `MoEProblem.tiny_tokens` (moe_verify/inputs.py): tokens whose every group's amax is below
   448 * 2^-127, so their MXFP8 scale is E8M0 byte 0 (2^-127), the code Triton's decoder read as
-  zero (N24);
+  zero (Triton #11624);
 - `verify(..., padding_poison=True)` (moe_verify/poison.py `poison_padding`): padding rows of
   the golden's permuted activations at the largest e4m3 code and, where the layout leaves them
   unspecified (psum gap and tail rows), their scales at the largest fp32, so a GEMM that computes
-  padding rows overflows to Inf there (N17: random inputs hid it, since every padding row of a
-  fresh scatter is zero);
-- the stale ids of N1 come from `moe_verify.graph` (its padded replays plant them).
+  padding rows overflows to Inf there (FlashInfer #3650: random inputs hid it, since every
+  padding row of a fresh scatter is zero);
+- the stale ids of vLLM PR #41834 come from `moe_verify.graph` (its padded replays plant them).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _packed_bytes(packed: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class CeilScaleAfterQuant(OptimizedBackend):
-    """quant_input (N20, SGLang PRs #28418/#28307): the group is quantized against its plain fp32
+    """quant_input (SGLang PRs #28418/#28307): the group is quantized against its plain fp32
     scale amax/448, and the scale is ceiled to a power of two only afterwards; the codes are
     never requantized against the ceiled scale.
 
@@ -85,7 +86,7 @@ class CeilScaleAfterQuant(OptimizedBackend):
 
 
 class NonPow2ScalesIntoUe8m0(OptimizedBackend):
-    """quant_input (N19, SGLang #39193): the non-UE8M0 branch (DEEPGEMM_SCALE_UE8M0 false) hands
+    """quant_input (SGLang #39193): the non-UE8M0 branch (DEEPGEMM_SCALE_UE8M0 false) hands
     a UE8M0 consumer plain fp32 scales amax/448, which are not powers of two.
 
     The consumer keeps only their exponent field (DeepGEMM's fp32 -> UE8M0 transform, or this
@@ -111,7 +112,7 @@ def decode_e8m0_zero_as_zero(byte: torch.Tensor) -> torch.Tensor:
 
 
 class E8m0ZeroByteAsZero(OptimizedBackend):
-    """gemm1 (N24, Triton PRs #11624 / #11737): the GEMM decodes the activations' E8M0 scale bytes
+    """gemm1 (Triton PRs #11624 / #11737): the GEMM decodes the activations' E8M0 scale bytes
     with a shift into the exponent field, which reads byte 0 (2^-127) as 0.0, as `tl.dot_scaled`
     and the interpreter's `_e8m0_to_f32` did.
 
@@ -140,7 +141,7 @@ def scale_bytes_as_numbers(scale: torch.Tensor) -> torch.Tensor:
 
 
 class E8m0BytesCopiedAsNumbers(OptimizedBackend):
-    """gemm1 (N4, vLLM #43416, fix PR #51946): the FP8 experts' fp32 block scales were loaded by
+    """gemm1 (vLLM #43416, fix PR #51946): the FP8 experts' fp32 block scales were loaded by
     `copy_` from a byte view of the checkpoint's float8_e8m0fnu scales, so each holds its
     exponent byte as a number (120.0 for 2^-7) instead of the power of two it encodes.
 
@@ -172,7 +173,7 @@ def accumulators(
 
 
 class PaddingInfBleedsIntoTile(OptimizedBackend):
-    """gemm1 (N17, FlashInfer PR #3650): the grouped GEMM computes each expert's padding rows too
+    """gemm1 (FlashInfer PR #3650): the grouped GEMM computes each expert's padding rows too
     (every row of its last aligned tile), its epilogue zeroes them by multiplying with their 0
     gate, and the persistent epilogue's shared staging tile adds that product into the tile's
     live rows: harmless while a padding accumulator is finite, NaN (0 x Inf) in every column
@@ -216,7 +217,7 @@ class PaddingInfBleedsIntoTile(OptimizedBackend):
 
 
 class ScaleFmtFromArch(OptimizedBackend):
-    """act_quant (N8, vLLM PR #28358, review P1): the scale format is taken from the GPU arch
+    """act_quant (vLLM PR #28358, review P1): the scale format is taken from the GPU arch
     (`DeepGemmQuantScaleFMT.from_target_arch()`: SM100 means packed UE8M0) instead of the E8M0
     switch (`is_deep_gemm_e8m0_used()`), so with VLLM_USE_DEEP_GEMM_E8M0=0 on Blackwell act_quant
     emits int32 packed scales where GEMM2 expects fp32.
@@ -238,11 +239,11 @@ MANY_WARPS_FROM = 4096 // 128  # groups from which it launches WARPS warps
 
 
 class LlActQuantWarpRemainder(OptimizedBackend):
-    """act_quant (N7, vLLM PR #28366): the low-latency kernel persistent_masked_m_silu_mul_quant
-    (bf16 steps, anchors-2026-12.md §1.3) launches 8 warps from H >= 4096 on and gives each warp
-    G // 8 of a row's G groups, assuming they split evenly: with G = 33 (E, T, H) = (8, 128,
-    128 * 33), group 32 of every row is never computed and keeps what its buffer held (zero here,
-    a fresh page).
+    """act_quant (vLLM PR #28366): the low-latency kernel persistent_masked_m_silu_mul_quant
+    (bf16 steps, vLLM tests/kernels/moe/test_silu_mul_fp8_quant_deep_gemm.py) launches 8 warps
+    from H >= 4096 on and gives each warp G // 8 of a row's G groups, assuming they split
+    evenly: with G = 33 (E, T, H) = (8, 128, 128 * 33), group 32 of every row is never computed
+    and keeps what its buffer held (zero here, a fresh page).
 
     Reached on the batched layout (ep:N+ll) with I = 128 * 33; act_quant must catch it, naming
     the rows and the unwritten columns 4096..4223. Below 32 groups (one warp) it is right.
@@ -264,10 +265,10 @@ class LlActQuantWarpRemainder(OptimizedBackend):
 
 
 class LocalCountBoundsIds(ProductionForward):
-    """align (N1, vLLM test_expert_map_bounds, PR #41834): the count kernel guards its expert_map
-    read with the one expert count it is given, the LOCAL one (`0 <= id < E_l`), instead of the
-    table size: stale positive ids (123456789 in CUDA-graph padding rows) are skipped, but so is
-    every valid global id >= E_l.
+    """align (vLLM tests/kernels/moe/test_expert_map_bounds.py, PR #41834): the count kernel
+    guards its expert_map read with the one expert count it is given, the LOCAL one
+    (`0 <= id < E_l`), instead of the table size: stale positive ids (123456789 in CUDA-graph
+    padding rows) are skipped, but so is every valid global id >= E_l.
 
     vLLM's fix bounds by the global count "because the local count is not a safe bound under EP".
     Without an expert map (TP) local and global ids coincide and every replay passes, stale ones
@@ -305,10 +306,10 @@ LL_33_GROUPS = BASE.replace(
 
 @dataclass(frozen=True)
 class Catch:
-    """A wrong backend, its field bug (N row of anchors-2026-12.md §5 and its thread), the case
-    that reaches it, and the stage isolated mode must name. `poisoned`: the golden's permute
-    padding poisoned (`verify(..., padding_poison=True)`). `names`: text the failure messages
-    must contain (the rows, columns or entry blamed)."""
+    """A wrong backend, its field bug (the public thread), the case that reaches it, and the
+    stage isolated mode must name. `poisoned`: the golden's permute padding poisoned
+    (`verify(..., padding_poison=True)`). `names`: text the failure messages must contain (the
+    rows, columns or entry blamed)."""
 
     backend: type[OptimizedBackend]
     bug: str
@@ -323,18 +324,16 @@ class Catch:
 
 
 CATCHES: tuple[Catch, ...] = (
-    Catch(E8m0ZeroByteAsZero, "N24 Triton #11624", TINY, "gemm1", ("token 0",)),
-    Catch(E8m0BytesCopiedAsNumbers, "N4 vLLM #43416", CEIL, "gemm1", ("expert",)),
+    Catch(E8m0ZeroByteAsZero, "Triton #11624", TINY, "gemm1", ("token 0",)),
+    Catch(E8m0BytesCopiedAsNumbers, "vLLM #43416", CEIL, "gemm1", ("expert",)),
     # ^ SM90's fp32 power-of-two weight scales, as DeepSeek-V4's FP8 experts load them
-    Catch(CeilScaleAfterQuant, "N20 SGLang #28418", CEIL, "quant_input", ("token",)),
-    Catch(NonPow2ScalesIntoUe8m0, "N19 SGLang #39193", PACKED, "quant_input", ("token",)),
+    Catch(CeilScaleAfterQuant, "SGLang #28418", CEIL, "quant_input", ("token",)),
+    Catch(NonPow2ScalesIntoUe8m0, "SGLang #39193", PACKED, "quant_input", ("token",)),
     # ^ packed UE8M0: the permute's packer keeps only the exponent field
-    Catch(ScaleFmtFromArch, "N8 vLLM #28358", BASE, "act_quant", ("a2q_scale", "int32")),
+    Catch(ScaleFmtFromArch, "vLLM #28358", BASE, "act_quant", ("a2q_scale", "int32")),
     # ^ E8M0 off (float32 scales), on what the kernel takes for an SM100
-    Catch(
-        LlActQuantWarpRemainder, "N7 vLLM #28366", LL_33_GROUPS, "act_quant", ("column 4", "token")
-    ),
-    Catch(PaddingInfBleedsIntoTile, "N17 FlashInfer #3650", PSUM, "gemm1", ("NaN",), poisoned=True),
+    Catch(LlActQuantWarpRemainder, "vLLM #28366", LL_33_GROUPS, "act_quant", ("column 4", "token")),
+    Catch(PaddingInfBleedsIntoTile, "FlashInfer #3650", PSUM, "gemm1", ("NaN",), poisoned=True),
     # ^ ~8 live rows per 32-row segment: every expert has gap rows in its last tile
 )
 
@@ -359,13 +358,13 @@ class GraphCatch:
 GRAPH_CATCHES: tuple[GraphCatch, ...] = (
     GraphCatch(
         LocalCountBoundsIds,
-        "N1 vLLM test_expert_map_bounds",
+        "vLLM PR #41834",
         "tp:1",  # no expert map: the local count is the table size, stale ids are skipped
         (("capture-softmax", None), ("one-live", None)),  # one-live: 7 rows of stale ids
     ),
     GraphCatch(
         LocalCountBoundsIds,
-        "N1 vLLM test_expert_map_bounds",
+        "vLLM PR #41834",
         "ep:2",  # rank 1 hosts experts 2, 3: global ids >= E_l = 2
         (("capture-softmax", "align"), ("half-live", "align")),  # with and without stale ids
         ranks=(1,),

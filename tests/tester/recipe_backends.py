@@ -2,9 +2,10 @@
 
 Each is the optimized path with one stage replaced by a direct torch computation of a vLLM
 kernel's arithmetic, independent of `reference/`: vLLM 0.32's fp8_utils.py
-`_per_token_group_quant_fp8`, and anchors-2026-12.md §1.3 for the CUDA kernel
-`persistent_masked_m_silu_mul_quant`. The right ones must pass and be named; the near misses (a
-declaration that does not hold, an arithmetic no kernel uses) must fail at their stage.
+`_per_token_group_quant_fp8`, and vLLM's tests/kernels/moe/test_silu_mul_fp8_quant_deep_gemm.py
+for the CUDA kernel `persistent_masked_m_silu_mul_quant`. The right ones must pass and be named;
+the near misses (a declaration that does not hold, an arithmetic no kernel uses) must fail at
+their stage.
 """
 
 from __future__ import annotations

@@ -140,8 +140,9 @@ def test_poisoned_padding_drives_the_padding_accumulator_to_inf() -> None:
 
 
 def test_padding_bleed_is_invisible_without_the_poison(record_report) -> None:
-    """The field report's point (N17): on synthetic inputs the padding rows are zero and their
-    accumulators finite, so the bleeding epilogue passes; only the poison shows it."""
+    """The field report's point (FlashInfer #3650): on synthetic inputs the padding rows are
+    zero and their accumulators finite, so the bleeding epilogue passes; only the poison shows
+    it."""
     backend = fb.PaddingInfBleedsIntoTile(engine="triton")
     report = record_report(verify(fb.PSUM, backend=backend, mode="isolated"))
     assert report.passed, report.summary_line()

@@ -85,7 +85,7 @@ CASES: list[Expect] = [
         BASE.replace(scale_fmt=CEIL, grouped_layout=M_INDICES),
         "permute",
         "permute",
-    ),  # fp32 UE8M0 scales: the format where DeepGEMM asserts powers of two (anchors #6), in
+    ),  # fp32 UE8M0 scales: the format where DeepGEMM asserts powers of two (vLLM PR #49784), in
     # the m_indices layout, whose GEMM reads every row (psum skips gap rows: auto on SM90)
     Expect(wrong.NanPaddingPackedScales, MXFP8, "permute", "permute"),  # packed padding words
     Expect(wrong.PermutedScaleBytesReversed, MXFP8, "permute", "permute"),
@@ -98,7 +98,7 @@ CASES: list[Expect] = [
         "gemm1",
     ),  # one expert with 24 live rows > A/2 = 16, so the unlaunched half holds live rows
     Expect(wrong.GateUpSwapped, BASE, "act_quant", "act_quant"),
-    # ^ N(0, 1) inputs make gate and up O(1): silu(g)*u != silu(u)*g (ref §14.11)
+    # ^ N(0, 1) inputs make gate and up O(1): silu(g)*u != silu(u)*g
     Expect(wrong.FloorActScales, BASE.replace(scale_fmt=CEIL), "act_quant", "act_quant"),
     Expect(wrong.ActScaleBytesReversed, BASE.replace(scale_fmt=PACKED), "act_quant", "act_quant"),
     # ^ packed UE8M0 act scales: one group and three pad bytes per word

@@ -4,8 +4,16 @@ Every class is the optimized path (`OptimizedBackend`) with one stage hook (the 
 named after the stage) overridden. The override runs the correct stage and then corrupts its
 outputs (or, where the bug is a wrong input to an otherwise correct kernel, feeds the correct
 stage that wrong input), so each wrong answer reads as "the right thing, then the bug". The
-docstring names the field bug it imitates: rows of `ref/anchors.md` §2 as "anchors #n", sections
-of `ref/vllm-deepgemm-path.md` as "§n".
+docstring names the field bug it imitates (its public issue or PR, or the vLLM code it concerns)
+and its class:
+
+- (a) races and stale reads in the permute's bookkeeping (segment starts, m_indices);
+- (b) out-of-bounds accesses: index overflow, ignored strides, broken alignment, empty inputs;
+- (c) what padding rows hold: their data and scales must be valid (zero, or a power of two
+  where the kernel asserts one) and never read as NaN;
+- (d) scale format, layout and packing mismatches (fp32 vs UE8M0, row- vs column-major,
+  byte order in a packed word);
+- (e) misrouting that depends on the rank or the topology (rank 0 right, the others wrong).
 
 Outputs are fresh tensors of this backend, so they are corrupted in place; the upstream Trace may
 be the golden's (isolated mode) and is never written: `_with` builds a modified copy instead.
@@ -58,7 +66,7 @@ class MisroutedToken(OptimizedBackend):
     """route: token 0's first slot names an expert the router did not pick (the lowest expert
     the token does not use), as a top-k kernel that writes one slot from the wrong column does.
 
-    The misrouting class (anchors §2 class (e), ref §14.3); the route-side twin of
+    Class (e): a slot counted for one expert and written to another; the route-side twin of
     SlotInWrongSegment, which misroutes one slot in the permute instead.
     """
 
@@ -76,8 +84,9 @@ class MisroutedToken(OptimizedBackend):
 class RoutedScalingTwice(OptimizedBackend):
     """route: routed_scaling_factor applied twice (in the router and again on its weights).
 
-    ref §14.15 and §11: "applying it twice, or never, is a silent error to test for"; where the
-    factor is applied differs by model and version (DeepSeek grouped routing).
+    Applied twice or not at all, the factor gives finite, plausible outputs with no error; where
+    it is applied (the router or the model) differs by model and version (DeepSeek grouped
+    routing).
     """
 
     name = "routed_scaling_twice"
@@ -96,8 +105,9 @@ class FloorInputScales(OptimizedBackend):
     against them, so every group's max saturates at 448.
 
     floor(log2 s) = ceil(log2 s) - 1 unless amax/448 is an exact power of two, which no group of
-    random data is. Imitates the torch fallback packer that floors (ref §14.17), vLLM's old MXFP8
-    fallback `floor(log2 amax)` (§14.20), and the scale/payload contract of anchors #15.
+    random data is. Imitates a UE8M0 packer that takes the fp32 exponent bits (a floor) instead
+    of rounding up, vLLM's old MXFP8 torch fallback `floor(log2 amax)`, and the scale/payload
+    contract of transformers issue #47030 (scales rounded without requantizing the codes).
     """
 
     name = "floor_input_scales"
@@ -117,8 +127,9 @@ class MSumOneBlockShort(OptimizedBackend):
     exact sum: sum_e round_up(count_e, A) - A).
 
     M_sum sizes the permuted workspace; one block short, the last expert's segment runs past it
-    (ref §2.3, §14.3; the out-of-bounds class of anchors #4 and #28). A larger M_sum than the
-    golden's, even one no formula gives, is legitimate; only one below the segments is a bug.
+    (vLLM 0.32 `compute_aligned_M_and_alignment` in fused_moe/deep_gemm_utils.py; class (b), as
+    SGLang PR #6348 and ROCm/aiter PR #2447). A larger M_sum than the golden's, even one no
+    formula gives, is legitimate; only one below the segments is a bug.
     """
 
     name = "m_sum_one_block_short"
@@ -135,7 +146,7 @@ class MSumNotAligned(OptimizedBackend):
     final round_up).
 
     DeepGEMM tiles M_sum in BLOCK_M = A blocks: a ragged last block reads past every buffer of
-    M_sum rows (ref §2.3: M_sum % A == 0 is asserted by ep_scatter's host wrapper).
+    M_sum rows (vLLM 0.32's ep_scatter host wrapper asserts M_sum % A == 0).
     """
 
     name = "m_sum_not_aligned"
@@ -149,9 +160,9 @@ class MSumNotAligned(OptimizedBackend):
 class HalfAlignment(OptimizedBackend):
     """align: the layout is padded to A/2 while the GEMM tiles M by A.
 
-    anchors #27 (BLOCK_SIZE_M = 64 against alignment 128: half the output uninitialised, hidden by
-    a tolerance bump), ref §14.1 (A != DeepGEMM's BLOCK_M puts two experts in one block) and
-    §14.8 (a global mutable alignment changed under the permute).
+    ROCm/vllm PR #980 (BLOCK_SIZE_M = 64 against alignment 128: half the output uninitialised,
+    hidden by a tolerance bump); A != DeepGEMM's BLOCK_M puts two experts in one block, as does
+    DeepGEMM's process-global contiguous-layout alignment changed under the permute.
     """
 
     name = "half_alignment"
@@ -163,9 +174,10 @@ class HalfAlignment(OptimizedBackend):
 class ExpertMapIgnoredOnRank1(OptimizedBackend):
     """align, rank 1 only: expert counts computed from global ids as if they were local ids.
 
-    anchors #20 (global ids passed where local ids were required: rank 0 correct, ranks 1..N-1
-    drop contributions) and #21 (global vs local expert count), class (e). On rank 0 of a linear
-    placement global and local ids coincide, so only rank 1 is wrong.
+    vllm-gaudi PR #1796 (global ids passed where local ids were required: rank 0 correct, ranks
+    1..N-1 drop contributions) and vLLM PR #19515 (a workspace sized by the global expert count
+    instead of the local one), class (e). On rank 0 of a linear placement global and local ids
+    coincide, so only rank 1 is wrong.
     """
 
     name = "expert_map_ignored_on_rank1"
@@ -186,8 +198,9 @@ class SwappedExpertRows(OptimizedBackend):
     """permute: the rows (data and scales) of two slots of different tokens and experts trade
     places, while m_indices and inv_perm still say where each slot belongs.
 
-    Cross-row corruption in the permuted buffer: anchors #26 (a store spills into the next
-    token's row) and #1/#2 (a racy segment start sends a row to the wrong place), class (a).
+    Cross-row corruption in the permuted buffer: huggingface/kernels-community issue #1153 (a
+    store spills into the next token's row) and vLLM PR #34991 / rtp-llm PR #1098 (a racy
+    segment start sends a row to the wrong place), class (a).
     Two slots of one token hold the same bytes, so swapping those would change nothing.
     """
 
@@ -210,8 +223,9 @@ class SlotInWrongSegment(OptimizedBackend):
     expert's segment (the first row past its live rows) and inv_perm points there; the row it
     should have used is left zero. m_indices, written from the counts, stay correct.
 
-    anchors #1 (ep_scatter reads a garbage `expert_start_loc` entry and writes into the wrong
-    segment), ref §14.3 (the cursor runs into the next segment), class (e).
+    vLLM PR #34991 (ep_scatter reads a garbage `expert_start_loc` entry and writes into the
+    wrong segment); counts that disagree with the slots run the cursor into the next segment
+    the same way, class (e).
     """
 
     name = "slot_in_wrong_segment"
@@ -236,8 +250,8 @@ class PaddingMIndicesZero(OptimizedBackend):
     """permute: m_indices of padding rows left 0 (torch.zeros) instead of -1.
 
     DeepGEMM's contiguous layout skips -1 rows and computes the others with their expert; a 0
-    makes expert 0 compute padding (anchors #23: the -1 skip contract; #28: stale sorted expert
-    ids for non-local experts; ref §14.1), class (c).
+    makes expert 0 compute padding (vLLM PR #17934: the -1 skip contract; ROCm/aiter PR #2447:
+    stale sorted expert ids for non-local experts), class (c).
     """
 
     name = "padding_m_indices_zero"
@@ -251,9 +265,8 @@ class PaddingMIndicesZero(OptimizedBackend):
 class UnalignedSegments(OptimizedBackend):
     """permute: expert segments packed back to back, not padded to the alignment.
 
-    anchors #25 (the contiguous kernel "assumes each group's m is 128-aligned"; otherwise
-    "unexpected issues") and ref §14.1 (two experts' rows in one BLOCK_M block are computed with
-    the wrong expert).
+    DeepGEMM issue #178 (the contiguous kernel expects every group's rows padded to 128); two
+    experts' rows in one BLOCK_M block are computed with one expert's weights.
     """
 
     name = "unaligned_segments"
@@ -266,9 +279,9 @@ class SegmentMIndicesWrong(OptimizedBackend):
     """permute: the live rows of one expert's segment (the first one with live rows) carry the
     next local expert's id in m_indices; the rows themselves and expert_ends stay right.
 
-    The m_indices fill of ep_scatter's first kernel writing another program's expert (ref §3.4:
-    one program per expert fills its own segment), class (e): DeepGEMM then multiplies that
-    segment by the wrong expert's weights.
+    The m_indices fill of ep_scatter's first kernel writing another program's expert (vLLM 0.32
+    `_fwd_kernel_ep_scatter_1`: one program per expert fills its own segment), class (e):
+    DeepGEMM then multiplies that segment by the wrong expert's weights.
     """
 
     name = "segment_m_indices_wrong"
@@ -286,7 +299,7 @@ class ExpertEndsOffByOne(OptimizedBackend):
     """permute (psum layout): one expert's cumulative end one row too far, so the first gap row
     of its segment counts as live.
 
-    vLLM 0.32's psum ends are aligned_start + count (ref §3.7 `build_psum_group_end`); ending at
+    vLLM 0.32's psum ends are aligned_start + count (`build_psum_group_end`); ending at
     start + count + 1 (an inclusive end) makes DeepGEMM and act_quant compute a padding row as
     that expert's, and a - 1 would drop its last live row.
     """
@@ -305,7 +318,8 @@ class InvPermOffByOne(OptimizedBackend):
     """permute: inv_perm holds the row cursor after the increment (atomic_add's new value) while
     the data went to the row claimed before it, so every slot points one row too far.
 
-    The output_index the gather follows (ref §14.14, §6); an off-by-one row as in anchors #26.
+    The row index vLLM's ep_gather follows for each slot; an off-by-one row as in
+    huggingface/kernels-community issue #1153.
     """
 
     name = "inv_perm_off_by_one"
@@ -321,9 +335,9 @@ class GarbagePaddingScales(OptimizedBackend):
     """permute: fp32 scales of padding rows left uninitialised (torch.empty), here a value that is
     not a power of two.
 
-    anchors #6 (vLLM allocates padded scale rows with torch.empty and ep_scatter writes live rows
-    only; DeepGEMM 2.6 then asserts every scale is a power of two: CUDA_ERROR_LAUNCH_FAILED) and
-    #7 (the same on the masked path), class (c).
+    vLLM PR #49784 (vLLM allocated padded scale rows with torch.empty and ep_scatter writes live
+    rows only; DeepGEMM 2.6 then asserts every scale is a power of two: CUDA_ERROR_LAUNCH_FAILED)
+    and SGLang PRs #32385 / #32386 (the same on the masked path), class (c).
     """
 
     name = "garbage_padding_scales"
@@ -338,8 +352,8 @@ class NanPaddingPackedScales(OptimizedBackend):
     """permute (packed UE8M0): padding rows' scale words all 0xFF bytes, which the kernel reads
     as NaN.
 
-    anchors #9 (padding scales from torch.empty read as NaN, cascading into the KV cache) and
-    ref §14.19 (E8M0 0xFF is NaN to the kernel), class (c).
+    vLLM PR #38148 (padding scales from torch.empty read as NaN, cascading into the KV cache);
+    the E8M0 byte 0xFF is NaN to the kernel, class (c).
     """
 
     name = "nan_padding_packed_scales"
@@ -353,8 +367,9 @@ class NanPaddingPackedScales(OptimizedBackend):
 class PermutedScaleBytesReversed(OptimizedBackend):
     """permute (MXFP8): packed UE8M0 scale bytes in the wrong order inside each int32 word.
 
-    anchors #16 (packed UE8M0 scales viewed with the wrong shape, mismatched with their groups)
-    and #32 (layout bugs hidden when a row has a single group), ref §3.5, class (d).
+    SGLang issue #29038 (packed UE8M0 scales viewed with the wrong shape, mismatched with their
+    groups) and PaddleFleet PR #1474 (layout bugs hidden when a row has a single group); vLLM
+    0.32's `_fwd_kernel_ep_scatter_2` packs four bytes per word, class (d).
     """
 
     name = "permuted_scale_bytes_reversed"
@@ -372,8 +387,9 @@ class StaleGemm1Row(OptimizedBackend):
     """gemm1: one live row of mm1 keeps the value of a previous call (another seed), as a reused
     workspace row the kernel never rewrote.
 
-    ref §14.7 (a1q_perm / mm1 / mm2 workspaces alias; reordering corrupts rows), anchors #2 (stale
-    reads, caught by poison pre-fill) and #30 (metadata stale across CUDA-graph replays).
+    vLLM's a1q_perm / mm1 / mm2 workspaces alias, so reordering kernels corrupts rows;
+    rtp-llm PR #1098 (stale reads, caught by poison pre-fill) and vLLM PR #51750 (metadata
+    stale across CUDA-graph replays).
     """
 
     name = "stale_gemm1_row"
@@ -398,8 +414,8 @@ class StaleGemm1Row(OptimizedBackend):
 class HalfGridGemm1(OptimizedBackend):
     """gemm1: only the first half of every alignment block is computed; the rest stays zero.
 
-    anchors #27 (BLOCK_SIZE_M 64 against alignment 128 launched half the blocks: half the MoE
-    output uninitialised for small M, hidden by a tolerance bump 2e-2 -> 3e-2).
+    ROCm/vllm PR #980 (BLOCK_SIZE_M 64 against alignment 128 launched half the blocks: half the
+    MoE output uninitialised for small M, hidden by a tolerance bump 2e-2 -> 3e-2).
     """
 
     name = "half_grid_gemm1"
@@ -418,8 +434,8 @@ class HalfGridGemm1(OptimizedBackend):
 class GateUpSwapped(OptimizedBackend):
     """act_quant: the [gate | up] halves of mm1 read in the wrong order (silu(up) * gate).
 
-    ref §14.11 (interleaved w13 checkpoints, a w1/w3 swap between TRT-LLM / FlashInfer
-    conventions: plausible but wrong outputs that small-magnitude tests cannot tell apart).
+    Interleaved w13 checkpoints, or a w1/w3 swap between TRT-LLM / FlashInfer conventions:
+    plausible but wrong outputs that small-magnitude tests cannot tell apart.
     """
 
     name = "gate_up_swapped"
@@ -435,7 +451,7 @@ class FloorActScales(OptimizedBackend):
     """act_quant: UE8M0 scales (fp32 storage, the ceil format) floored instead of ceiled, codes
     requantized against them.
 
-    The act_quant twin of FloorInputScales (ref §14.17, §14.20; anchors #15).
+    The act_quant twin of FloorInputScales (transformers issue #47030).
     """
 
     name = "floor_act_scales"
@@ -450,8 +466,8 @@ class FloorActScales(OptimizedBackend):
 class ActScaleBytesReversed(OptimizedBackend):
     """act_quant (packed UE8M0): scale bytes in the wrong order inside each int32 word.
 
-    anchors #16 (UE8M0 scale packing mismatched with the groups, DeepSeek-V4 W4A8 accuracy) and
-    #13 (UE8M0 / column-major scale quant on Blackwell), class (d).
+    SGLang issue #29038 (UE8M0 scale packing mismatched with the groups, DeepSeek-V4 W4A8
+    accuracy) and SGLang PR #9946 (UE8M0 / column-major scale quant on Blackwell), class (d).
     """
 
     name = "act_scale_bytes_reversed"
@@ -465,8 +481,9 @@ class ActScaleBytesReversed(OptimizedBackend):
 class ActScaleWrittenRowMajor(OptimizedBackend):
     """act_quant: scales stored row-major into a buffer whose strides say column-major (1, M).
 
-    anchors #18 / #19 (scales arrive in the wrong layout: row-major vs swizzled) and #5 (a
-    kernel ignores stride(1)), ref §14.10, class (d).
+    vLLM issue #42118 / PR #42089 (scales arrive in the wrong layout: row-major vs swizzled) and
+    SGLang PR #13896 (a kernel ignores stride(1), as vLLM 0.32's fp32 ep_scatter does for the
+    scales), class (d).
     """
 
     name = "act_scale_written_row_major"
@@ -487,8 +504,8 @@ class Gemm2IgnoresScaleStrides(OptimizedBackend):
     """gemm2: the activation scales are read as column-major (1, M), the layout this backend's own
     act_quant writes, whatever the strides say (the contract allows any).
 
-    anchors #18 ("with dp=1 ... scales are quantized directly into the swizzled layout, which is
-    why the existing tests never caught this"), #5 (stride(1) ignored), ref §14.10. End to end the
+    vLLM issue #42118 (with dp=1 the scales were quantized straight into the layout the kernel
+    reads, so no test fed it another), SGLang PR #13896 (stride(1) ignored). End to end the
     bug is invisible: only a stage fed another producer's layout (isolated mode) exposes it.
     """
 
@@ -503,8 +520,9 @@ class Gemm2IgnoresScaleStrides(OptimizedBackend):
 class NanExpertOutput(OptimizedBackend):
     """gemm2: every row of one expert (that of the first live slot) comes out NaN.
 
-    anchors #9 (NaN from padding scales cascading into the KV cache), #8 (uninitialised rows give
-    NaN with one GEMM backend) and #17 (NaN logits from a scale format mismatch).
+    vLLM PR #38148 (NaN from padding scales cascading into the KV cache), SGLang issue #33106
+    (uninitialised rows give NaN with one GEMM backend) and SGLang PR #28664 (NaN logits from a
+    scale format mismatch).
     """
 
     name = "nan_expert_output"
@@ -523,8 +541,8 @@ class NanExpertOutput(OptimizedBackend):
 class TopkWeightsIgnored(OptimizedBackend):
     """gather: every slot weighted 1 instead of its router weight.
 
-    ref §9.4 (TopKWeightAndReduce variants: weights applied in the experts, on the input, or not
-    at all) and §14.15 (apply_router_weight_on_input).
+    vLLM 0.32 fused_moe/topk_weight_and_reduce.py: the weights are applied in the experts, on
+    the input (`apply_router_weight_on_input`), or not at all, by variant.
     """
 
     name = "topk_weights_ignored"
@@ -538,9 +556,9 @@ class Bf16GatherAccumulation(OptimizedBackend):
     """gather: the weighted sum over k accumulated in bf16 (rounded after every slot) instead of
     fp32 with one final rounding.
 
-    ref §6 / §13 (fp32 accumulation, one RNE to bf16) and anchors #27's lesson: a loose
-    tolerance would accept it. A wrong accumulator cannot be made by post-processing the correct
-    output, so this one recomputes the sum.
+    vLLM's ep_gather accumulates in fp32 and rounds to bf16 once; ROCm/vllm PR #980's lesson: a
+    loose tolerance would accept it. A wrong accumulator cannot be made by post-processing the
+    correct output, so this one recomputes the sum.
     """
 
     name = "bf16_gather_accumulation"
@@ -560,8 +578,9 @@ class InvalidSlotGathered(OptimizedBackend):
     """gather: a -1 slot is not skipped; its row index is clamped to 0, so it adds its weight
     times mm2 row 0.
 
-    ref §14.6 (tokens whose every slot is -1 must give exact zeros) and §14.14 (inv_perm of
-    skipped slots is uninitialised in vLLM, so reading it fetches an arbitrary row), anchors #23.
+    Tokens whose every slot is -1 must give exact zeros, and inv_perm of skipped slots is
+    uninitialised in vLLM, so reading it fetches an arbitrary row; vLLM PR #17934 (the -1 skip
+    contract).
     """
 
     name = "invalid_slot_gathered"
@@ -579,9 +598,10 @@ class LastExpertDroppedOnLastRank(OptimizedBackend):
 
     A per-rank off-by-one that only the last rank reaches: under vLLM's placement the first
     E % N ranks hold one expert more than the rest, so a loop bound or offset that is right on
-    rank 0 can be one short on the last rank. anchors #3 (a fault on one EP rank, always the same
-    one) and #20 (ranks dropping contributions silently), class (e). Written for the linear
-    placement, whose route ids are the ones the ranks hold (no EPLB replicas).
+    rank 0 can be one short on the last rank. vLLM issue #39211 (a fault on one EP rank, always
+    the same one) and vllm-gaudi PR #1796 (ranks dropping contributions silently), class (e).
+    Written for the linear placement, whose route ids are the ones the ranks hold (no EPLB
+    replicas).
     """
 
     name = "last_expert_dropped_on_last_rank"
