@@ -1,12 +1,19 @@
-"""The shared vocabulary that reference/, optimized/ and tolerance/ import (moved here from spec.py;
-the next commit splits it by idea)."""
+"""The shared vocabulary: recipes, scale formats, topologies, the problem, inputs and the Trace.
 
-from moe_verify.spec.problem import (
+Every backend (the golden in `reference/`, the DeepGEMM path in `optimized/`, a user's own kernels)
+speaks these types, so traces from any two of them compare stage by stage. Nothing here computes
+MoE math; it only names things and validates them. It imports torch and nothing else of the
+project: reference/, optimized/ and tolerance/ all stand on it (tests/harness/test_layering.py).
+
+One idea per module: checks (argument checks, bounds), stages, recipes, activation, routing,
+topology, problem, inputs, trace, backend. Every name is re-exported here, so
+`from moe_verify.spec import X` is the way to import any of them.
+"""
+
+from moe_verify.spec.activation import Activation
+from moe_verify.spec.backend import Backend, run_stages
+from moe_verify.spec.checks import (
     ALIGNMENT_STEP,
-    E2M1_MAX,
-    FP8_MAX,
-    LL_BLOCK_ROWS,
-    LL_STAGES,
     MAX_ALIGNMENT,
     MAX_EXPERTS,
     MAX_HIDDEN,
@@ -15,40 +22,40 @@ from moe_verify.spec.problem import (
     MAX_SEED,
     MAX_SHARED_EXPERTS,
     MAX_TOKENS,
-    MODE_CHOICES,
-    PER_SLOT_OUTPUTS,
-    REPORT_STAGES,
-    STAGES,
-    Activation,
-    ActQuantRecipe,
-    Backend,
-    Engine,
-    GemmRecipe,
-    GroupedLayout,
-    InputQuantRecipe,
-    Mode,
-    MoEInputs,
-    MoEProblem,
-    MSumRecipe,
-    Placement,
-    QuantizedWeight,
-    Recipe,
-    Routing,
-    ScaleFmt,
-    Stage,
-    StageFailure,
-    StageSkipped,
-    StageViolation,
-    Status,
-    Topology,
-    TopologyKind,
-    Trace,
     check_bool,
     check_enum,
     check_float,
     check_int,
-    run_stages,
+    exact_keys,
 )
+from moe_verify.spec.inputs import MoEInputs, QuantizedWeight
+from moe_verify.spec.problem import MoEProblem
+from moe_verify.spec.recipes import (
+    E2M1_MAX,
+    FP8_MAX,
+    LL_BLOCK_ROWS,
+    ActQuantRecipe,
+    Engine,
+    GemmRecipe,
+    GroupedLayout,
+    InputQuantRecipe,
+    MSumRecipe,
+    Recipe,
+    ScaleFmt,
+)
+from moe_verify.spec.routing import Routing, check_routing
+from moe_verify.spec.stages import (
+    LL_STAGES,
+    MODE_CHOICES,
+    PER_SLOT_OUTPUTS,
+    REPORT_STAGES,
+    STAGES,
+    Mode,
+    Stage,
+    Status,
+)
+from moe_verify.spec.topology import Placement, Topology, TopologyKind, explicit_lists
+from moe_verify.spec.trace import StageFailure, StageSkipped, StageViolation, Trace
 
 __all__ = [
     "ALIGNMENT_STEP",
@@ -75,10 +82,10 @@ __all__ = [
     "GemmRecipe",
     "GroupedLayout",
     "InputQuantRecipe",
+    "MSumRecipe",
     "Mode",
     "MoEInputs",
     "MoEProblem",
-    "MSumRecipe",
     "Placement",
     "QuantizedWeight",
     "Recipe",
@@ -96,5 +103,8 @@ __all__ = [
     "check_enum",
     "check_float",
     "check_int",
+    "check_routing",
+    "exact_keys",
+    "explicit_lists",
     "run_stages",
 ]

@@ -1,14 +1,18 @@
 """The architecture as a test: which package may import which, and no import cycle anywhere.
 
-DESIGN.md's rule: `moe_verify.spec` <- reference, optimized, tolerance <- the harness <- tests.
+The rule: `moe_verify.spec` <- reference, optimized, tolerance <- the harness <- tests.
 The golden never imports the optimized path (a golden that shares code with the kernel shares its
 bugs), the optimized path never imports the golden, tolerance judges both and imports neither.
 Every import counts, also those inside functions: a lazy import still ties two modules together.
+The vocabulary is also imported for real, in a fresh interpreter: what it loads is what every layer
+pays for standing on it.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,12 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("moe_verify", "reference", "optimized", "tolerance")
 # What each layer may import from the project (a prefix allows its submodules).
 ALLOWED = {
+    "moe_verify.spec": ("moe_verify.spec",),
     "reference": ("reference", "moe_verify.spec"),
     "optimized": ("optimized", "moe_verify.spec"),
     "tolerance": ("tolerance", "moe_verify.spec"),
 }
 # mmaemu is a test-only cross-check of the tensor-core recipe: the golden never depends on it.
 FORBIDDEN_THIRD_PARTY = {
+    "moe_verify.spec": ("triton", "deep_gemm", "mmaemu"),
     "reference": ("triton", "deep_gemm", "mmaemu"),
     "tolerance": ("triton", "deep_gemm", "mmaemu"),
 }
@@ -97,7 +103,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_each_layer_imports_only_what_it_may(layer: str) -> None:
     wrong = []
-    for path in sorted((ROOT / layer).rglob("*.py")):
+    for path in sorted(ROOT.joinpath(*layer.split(".")).rglob("*.py")):
         for name in sorted(_imports(path)):
             top = name.split(".")[0]
             project = top in PACKAGES
@@ -106,3 +112,33 @@ def test_each_layer_imports_only_what_it_may(layer: str) -> None:
             if top in FORBIDDEN_THIRD_PARTY.get(layer, ()):
                 wrong.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not wrong, "\n".join(wrong)
+
+
+def _outside_the_vocabulary(module: str) -> bool:
+    """A module the vocabulary must not load: the rest of the project (the harness, the golden,
+    the optimized path, tolerance) or a GPU toolchain. `moe_verify` itself loads its names lazily,
+    so its package is no harness."""
+    top = module.split(".")[0]
+    if top in ("triton", "deep_gemm"):
+        return True
+    if top == "moe_verify":
+        return module not in ("moe_verify", "moe_verify.spec") and not module.startswith(
+            "moe_verify.spec."
+        )
+    return top in PACKAGES
+
+
+def test_importing_the_vocabulary_loads_nothing_of_the_project_but_itself() -> None:
+    """Each `moe_verify.spec` submodule, in a fresh interpreter (importing any of them runs the
+    package's __init__, which imports them all, so one import covers every submodule)."""
+    code = "import sys, moe_verify.spec; print(*sorted(sys.modules), sep='\\n')"
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    loaded = run.stdout.split()
+    spec = {_module_name(p) for p in (ROOT / "moe_verify" / "spec").glob("*.py")}
+    assert spec <= set(loaded), f"not loaded: {sorted(spec - set(loaded))}"
+    wrong = {m for m in loaded if _outside_the_vocabulary(m)}
+    roots = sorted(m for m in wrong if m.rpartition(".")[0] not in wrong)  # not every submodule
+    assert not wrong, f"import moe_verify.spec loads {roots}"

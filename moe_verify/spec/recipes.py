@@ -1,0 +1,124 @@
+"""Quantization recipes, scale formats, GEMM engines and the legitimate rounding recipes.
+
+A recipe names what a layer stores (fp8 blocks, MX groups); a legitimate recipe names one of the
+several correct ways vLLM computes a stage (docs/tolerance.md#legitimate-recipes), each of which the
+golden models so a backend is held to the one it implements.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class GroupedLayout(enum.StrEnum):
+    """How the contiguous grouped GEMMs learn each row's expert
+    (docs/stage-contract.md#grouped-layouts).
+
+    Both come from one permute plan; `permute` outputs both, and the problem says which one the
+    GEMMs and act_quant consume.
+    """
+
+    AUTO = "auto"  # as vLLM chooses for the recipe, scale format, activation and GPU arch
+    M_INDICES = "m_indices"  # per-row local expert, -1 on padding (the seed article's layout)
+    PSUM = (
+        "psum"  # per-expert cumulative row ends (DeepGEMM use_psum_layout=True); gap rows skipped
+    )
+
+
+class MSumRecipe(enum.StrEnum):
+    """The legitimate formulas for align's M_sum (docs/stage-contract.md#m_sum).
+
+    Each is a multiple of the alignment A and at least the exact sum, so every one is a valid
+    M_sum; a backend may declare the one it implements (the align stage's "recipe" entry).
+    """
+
+    MIN_ACTIVE_BOUND = "min_active_bound"  # round_up(M*k + min(M*k, E_l)*(A-1), A): vLLM >= 0.30
+    ALL_EXPERTS_BOUND = "all_experts_bound"  # round_up(M*k + E_l*(A-1), A): older vLLM
+    EXACT_COUNTS = "exact_counts"  # sum_e round_up(count_e, A): counts on the host (DeepEP HT)
+
+
+class InputQuantRecipe(enum.StrEnum):
+    """vLLM's two 1 x 128 input quantizers (docs/tolerance.md#legitimate-recipes;
+    reference/formats.py models both, docs/tolerance.md#quant_input-recipes says where they
+    differ)."""
+
+    CUDA_DIVISION = "cuda_division"  # per_token_group_quant.cu: amax / 448, scale floor 1e-10
+    TRITON_RECIPROCAL = "triton_reciprocal"  # fp8_utils._per_token_group_quant_fp8: amax * (1/448)
+
+
+class ActQuantRecipe(enum.StrEnum):
+    """vLLM's three SwiGLU + FP8 requant kernels (docs/tolerance.md#act_quant-recipes;
+    reference/activation.py models each), and the Triton two with the hardware's gate."""
+
+    PACKED = "packed"  # silu_mul_quant_fp8_packed_triton: fp32, one bf16 rounding (UE8M0_PACKED)
+    COLMAJOR = "colmajor"  # silu_mul_per_token_group_quant_fp8_colmajor: silu_and_mul's roundings
+    BF16_STEPS = "bf16_steps"  # persistent_masked_m_silu_mul_quant (CUDA, LL): every step in bf16
+    # The two Triton kernels with the gate read from the table recorded on an H200 (Triton 3.6):
+    # tl.exp and the approximate division as that GPU computes them (reference/gate_table.py).
+    PACKED_SM90_TRITON = "packed_sm90_triton"
+    COLMAJOR_SM90_TRITON = "colmajor_sm90_triton"
+
+
+class GemmRecipe(enum.StrEnum):
+    """What a GEMM stage's live rows are held to (docs/tolerance.md#legitimate-recipes,
+    docs/tolerance.md#zero-tolerance-on-sm90)."""
+
+    FP32_DEQUANT = "fp32_dequant"  # bounded against exact fp32 math on the same fp8 operands
+    TENSOR_CORE = "tensor_core"  # bit for bit against the Hopper tensor core's block accumulation
+
+
+class Engine(enum.StrEnum):
+    """The GEMM engine of the optimized path: DeepGEMM, or its Triton kernels where DeepGEMM cannot
+    run the problem (no SM90/SM100 GPU, a recipe it lacks)."""
+
+    AUTO = "auto"  # DeepGEMM where it can run this problem, else Triton
+    DEEPGEMM = "deepgemm"
+    TRITON = "triton"
+
+
+# ep:N+ll batches hold whole blocks of this many rows (the masked GEMM's largest BLOCK_M).
+LL_BLOCK_ROWS = 128
+
+# The largest finite e4m3 and e2m1 magnitudes (every quantizer clamps to them).
+FP8_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+class Recipe(enum.StrEnum):
+    """Quantization recipe of one MoE layer: how its activations and weights are stored."""
+
+    FP8_BLOCK = "fp8_block"  # e4m3 activations 1x128, e4m3 weights 128x128 blocks
+    MXFP8 = "mxfp8"  # e4m3 activations and weights, 1x32 groups, E8M0 scales
+    MXFP4_W4A8 = "mxfp4_w4a8"  # e4m3 activations 1x128, E2M1 weights 1x32 with E8M0 scales
+
+    @property
+    def act_group(self) -> int:
+        """K elements sharing one activation scale."""
+        return 32 if self is Recipe.MXFP8 else 128
+
+    @property
+    def weight_block(self) -> tuple[int, int]:
+        """(rows, K elements) sharing one weight scale."""
+        return (128, 128) if self is Recipe.FP8_BLOCK else (1, 32)
+
+    @property
+    def allowed_scale_fmts(self) -> tuple[ScaleFmt, ...]:
+        if self is Recipe.FP8_BLOCK:
+            return (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED)
+        if self is Recipe.MXFP8:
+            # MX activations carry E8M0 bytes; the GEMM consumes them packed four per int32.
+            return (ScaleFmt.UE8M0_PACKED,)
+        return (ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED)
+
+
+class ScaleFmt(enum.StrEnum):
+    """How activation scales are stored (vLLM's DeepGemmQuantScaleFMT)."""
+
+    FLOAT32 = "float32"  # plain fp32 amax/448
+    FLOAT32_CEIL_UE8M0 = "float32_ceil_ue8m0"  # fp32 storage, rounded up to a power of two (SM90)
+    UE8M0_PACKED = "ue8m0_packed"  # exponent bytes, 4 per int32, MN-major TMA-aligned (SM100)
+
+    @property
+    def is_ue8m0(self) -> bool:
+        """True when every scale is a power of two (weights are requantized to UE8M0 too)."""
+        return self is not ScaleFmt.FLOAT32

@@ -1,0 +1,108 @@
+"""The stages of one rank's staged forward, how a tested backend's stages are fed, and verdicts.
+
+docs/stage-contract.md gives each stage's outputs: names, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from moe_verify.spec.checks import _got
+
+
+class Stage(enum.StrEnum):
+    """Stage names of one rank's staged forward (docs/stage-contract.md), plus the cross-rank
+    `reduce` that the topology runner makes from every rank's trace."""
+
+    ROUTE = "route"
+    QUANT_INPUT = "quant_input"
+    ALIGN = "align"
+    PERMUTE = "permute"
+    DISPATCH = "dispatch"  # ep:N+ll: replaces align + permute by the batched layout
+    GEMM1 = "gemm1"
+    ACT_QUANT = "act_quant"
+    GEMM2 = "gemm2"
+    GATHER = "gather"
+    SHARED = "shared"  # the shared experts' dense MLP, after the routed stages
+    REDUCE = "reduce"
+
+
+# One rank's stages in order: the contiguous layout, and the batched low-latency one (ep:N+ll).
+STAGES: tuple[Stage, ...] = (
+    Stage.ROUTE,
+    Stage.QUANT_INPUT,
+    Stage.ALIGN,
+    Stage.PERMUTE,
+    Stage.GEMM1,
+    Stage.ACT_QUANT,
+    Stage.GEMM2,
+    Stage.GATHER,
+)
+LL_STAGES: tuple[Stage, ...] = (
+    Stage.ROUTE,
+    Stage.QUANT_INPUT,
+    Stage.DISPATCH,
+    Stage.GEMM1,
+    Stage.ACT_QUANT,
+    Stage.GEMM2,
+    Stage.GATHER,
+)
+# Every stage a report can hold, in report order (contiguous and batched layouts merged).
+REPORT_STAGES: tuple[Stage, ...] = (
+    Stage.ROUTE,
+    Stage.QUANT_INPUT,
+    Stage.ALIGN,
+    Stage.PERMUTE,
+    Stage.DISPATCH,
+    Stage.GEMM1,
+    Stage.ACT_QUANT,
+    Stage.GEMM2,
+    Stage.GATHER,
+    Stage.SHARED,
+    Stage.REDUCE,
+)
+# Each stage's per-slot outputs: [T, k], indexed like route's topk_ids, so a token's slot order
+# runs through them.
+PER_SLOT_OUTPUTS: dict[Stage, tuple[str, ...]] = {
+    Stage.ROUTE: ("topk_ids", "topk_weights"),
+    Stage.PERMUTE: ("inv_perm",),
+    Stage.DISPATCH: ("slot", "slot_expert"),
+}
+
+
+class Mode(enum.StrEnum):
+    """How the tested backend's stages are fed: each on the golden's upstream (isolated), or each on
+    its own previous outputs (chained)."""
+
+    ISOLATED = "isolated"  # each stage on the golden's upstream: a divergence is that stage's
+    CHAINED = "chained"  # end to end on its own outputs: what a user gets
+
+    @staticmethod
+    def select(text: str | Mode) -> tuple[Mode, ...]:
+        """'isolated', 'chained' or 'both' (isolated first: it names the culprit)."""
+        if not isinstance(text, str):
+            raise TypeError(f"mode: expected 'isolated', 'chained' or 'both', got {_got(text)}")
+        if text == "both":
+            return (Mode.ISOLATED, Mode.CHAINED)
+        try:
+            return (Mode(text),)
+        except ValueError:
+            raise ValueError(
+                f"mode: expected 'isolated', 'chained' or 'both', got {text!r}"
+            ) from None
+
+
+MODE_CHOICES: tuple[str, ...] = (*(m.value for m in Mode), "both")
+
+
+class Status(enum.StrEnum):
+    """Verdict of one compared stage (or one case)."""
+
+    PASS = "pass"
+    FAIL = "fail"  # a check failed
+    SKIP = "skip"  # not compared here (the reason says why); never a pass
+    ERROR = "error"  # a side raised, or the comparison could not run
+
+    @property
+    def failing(self) -> bool:
+        return self in (Status.FAIL, Status.ERROR)
