@@ -13,10 +13,8 @@ breadcrumb (the case and stage in flight), so an illegal memory access still say
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
-import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 
 from moe_verify import progress
 from moe_verify.contain import CaseTimeout, expired, terminated, user_interrupted
+from moe_verify.loader import load_class
 from moe_verify.poison import poisoned_allocations
 from moe_verify.protect import Guarded, guards_own_upstream
 from moe_verify.spec import (
@@ -53,15 +52,16 @@ SHORT_REASON = 120
 
 
 def resolve_backend(
-    spec: str | Backend,
+    spec: str | type | Backend,
     engine: Engine | str = Engine.AUTO,
     workspace: bool = False,
     poison: int | None = None,
 ) -> Backend:
-    """'optimized', 'golden', 'vllm' (vLLM's installed kernels, docs/vllm.md), or
-    'package.module:Class' (any class with the Backend protocol). `workspace` and `poison`
-    (optimized/workspace.py) go to the optimized backend and to module:Class subclasses of it."""
-    if not isinstance(spec, str):
+    """'optimized', 'golden', 'vllm' (vLLM's installed kernels, docs/vllm.md),
+    'package.module:Class' or a class (any class with the Backend protocol), built here; an
+    instance is returned as it is. `workspace` and `poison` (optimized/workspace.py) go to the
+    optimized backend and to subclasses of it."""
+    if not isinstance(spec, (str, type)):
         return spec
     workspaces = (
         {"workspace": workspace, "poison": poison} if workspace or poison is not None else {}
@@ -91,23 +91,15 @@ def resolve_backend(
             return VllmBackend(engine=engine)
         except VllmUnavailable as exc:
             raise ValueError(f"backend 'vllm': {exc}") from exc
-    module_name, sep, class_name = spec.partition(":")
-    if not sep or not module_name or not class_name:
+    if isinstance(spec, str) and ":" not in spec:
         raise ValueError(
             f"backend: expected 'optimized', 'golden', 'vllm' or 'module:Class', got {spec!r}"
         )
-    if (
-        os.getcwd() not in sys.path
-    ):  # a user's module in the current directory, as `python -m` finds it
-        sys.path.insert(0, os.getcwd())
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"backend {spec!r}: cannot load it ({exc})") from exc
+    cls = load_class(spec, "backend") if isinstance(spec, str) else spec
     from optimized import OptimizedBackend
 
     options: dict[str, object] = dict(workspaces)
-    if isinstance(cls, type) and issubclass(cls, OptimizedBackend):
+    if issubclass(cls, OptimizedBackend):
         options["engine"] = engine  # --engine holds for the optimized path's subclasses too
     else:
         refuse()
