@@ -2,14 +2,15 @@
 
 vLLM runs one of three kernels here, and they round differently, so the golden models each
 exactly (`ActQuantRecipe`; vLLM 0.32's fp8_utils.py, and csrc activation_kernels.cu):
-- "packed" (§5.1, `silu_mul_quant_fp8_packed_triton`, UE8M0_PACKED): clamp and activation in fp32,
+- "packed" (`silu_mul_quant_fp8_packed_triton`, UE8M0_PACKED): clamp and activation in fp32,
   ONE bf16 rounding of the product; scale exponent from amax / 448 floored at 1e-10; int32 packed.
-- "colmajor" (§5.2, `silu_mul_per_token_group_quant_fp8_colmajor`, FLOAT32 and
+- "colmajor" (`silu_mul_per_token_group_quant_fp8_colmajor`, FLOAT32 and
   FLOAT32_CEIL_UE8M0): mimics C++ silu_and_mul: bf16 after the clamp, after the activation,
   after up + beta and after the product; scale = max(amax, 1e-10) * (1/448), optionally ceiled.
-- "bf16_steps" (anchors-2026-12 §1.3, `persistent_masked_m_silu_mul_quant`, the CUDA kernel of the
-  batched low-latency path, plain silu, every format): the colmajor activation, then the scale,
-  its log2 ceiling, its reciprocal and y * (1/s) each rounded to bf16.
+- "bf16_steps" (`persistent_masked_m_silu_mul_quant`, the CUDA kernel of the batched low-latency
+  path, as vLLM's tests/kernels/moe/test_silu_mul_fp8_quant_deep_gemm.py pins it; plain silu,
+  every format): the colmajor activation, then the scale, its log2 ceiling, its reciprocal and
+  y * (1/s) each rounded to bf16.
 The Triton kernels use the approximate `tl.exp`, the CUDA one `expf` and `__fdividef`; the golden
 uses torch.exp and an IEEE division (a documented 1-ulp source of difference before the bf16
 rounding of the activation). The Triton kernels' gate as the H200 computes it is recorded for
@@ -56,7 +57,7 @@ __all__ = [
 ROUNDINGS = ("packed", "colmajor")
 
 # The packed kernel computes the slots past the last group of a row's final int32 word from zeros,
-# so they get the zero-group exponent ceil(log2(1e-10)) = -33, byte 94 (§5.1). The golden writes
+# so they get the zero-group exponent ceil(log2(1e-10)) = -33, byte 94. The golden writes
 # 94 there too. Other producers write 0 (vLLM's CUDA packer, DeepGEMM's packer): pad bytes are a
 # documented difference between implementations and must be compared as such, never bitwise.
 ZERO_GROUP_PAD_BYTE = 94
@@ -94,9 +95,9 @@ def swiglu(
 
     mm1: bf16 [..., M, 2I], gate = columns [0, I), up = columns [I, 2I) (contiguous halves).
     With activation.limit L: gate = min(gate, L) (from above only), up = clamp(up, -L, L).
-    rounding "packed" (§5.1): clamp in fp32, no re-round; glu = g / (1 + exp(-g * alpha));
+    rounding "packed": clamp in fp32, no re-round; glu = g / (1 + exp(-g * alpha));
         y = (u + beta) * glu in fp32; one bf16 rounding.
-    rounding "colmajor" (§5.2): g, u re-rounded to bf16 after the clamp (matters when L is not
+    rounding "colmajor": g, u re-rounded to bf16 after the clamp (matters when L is not
         bf16-representable); glu = bf16(g / (1 + exp(-g * alpha))); up = bf16(u + beta);
         y = bf16(glu * up).
     table: fp32 [65536], the gate of every bf16 input at this alpha (reference/gate_table.py);
@@ -127,8 +128,8 @@ def swiglu(
 
 
 def fused_act_quant_recipe(scale_fmt: ScaleFmt) -> ActQuantRecipe:
-    """The fused Triton kernel vLLM's DeepGemmExperts runs for `scale_fmt` (§5): "packed" for
-    UE8M0_PACKED, "colmajor" for FLOAT32 and FLOAT32_CEIL_UE8M0."""
+    """The fused Triton kernel vLLM's `DeepGemmExperts._act_mul_quant` runs for `scale_fmt`:
+    "packed" for UE8M0_PACKED, "colmajor" for FLOAT32 and FLOAT32_CEIL_UE8M0."""
     packed = require_scale_fmt(scale_fmt) is ScaleFmt.UE8M0_PACKED
     return ActQuantRecipe.PACKED if packed else ActQuantRecipe.COLMAJOR
 
@@ -170,7 +171,7 @@ def _groups(y: Tensor, group: int) -> Tensor:
 
 
 def quantize_groups_packed(y: Tensor, group: int) -> tuple[Tensor, Tensor]:
-    """The packed kernel's quantization (§5.1): y fp32 [..., I] of bf16 values, per group
+    """The packed kernel's quantization: y fp32 [..., I] of bf16 values, per group
         s = ceil_ue8m0(max(amax / 448, 1e-10)) (a true division, the floor on the scale);
         q = cast_to_fp8(y / s); byte = exponent of s, packed four per int32 with pad bytes 94.
     Returns (q fp8 [..., I], int32 [..., P] from `pack_ue8m0`)."""
@@ -183,7 +184,7 @@ def quantize_groups_packed(y: Tensor, group: int) -> tuple[Tensor, Tensor]:
 
 
 def quantize_groups_colmajor(y: Tensor, group: int, scale_fmt: ScaleFmt) -> tuple[Tensor, Tensor]:
-    """The colmajor kernel's quantization (§5.2): y fp32 [..., I] of bf16 values, per group
+    """The colmajor kernel's quantization: y fp32 [..., I] of bf16 values, per group
         s = max(amax, 1e-10) * fp32(1/448) (a reciprocal multiply, the floor on amax);
         FLOAT32_CEIL_UE8M0: s = 2^ceil(log2 s), `ceil_ue8m0` (the kernel's fp32 log2 gives the
         same bits for bf16 amax, see `ceil_pow2_via_log2`); q = cast_to_fp8(y / s).
@@ -204,8 +205,9 @@ def _log2_bf16(s: Tensor) -> Tensor:
 
 
 def quantize_groups_bf16_steps(y: Tensor, group: int, scale_fmt: ScaleFmt) -> tuple[Tensor, Tensor]:
-    """The low-latency CUDA kernel's quantization, every step in bf16 (anchors-2026-12 §1.3;
-    vLLM's activation_kernels.cu `silu_mul_fp8_quant_deep_gemm_kernel`).
+    """The low-latency CUDA kernel's quantization, every step in bf16 (vLLM's
+    tests/kernels/moe/test_silu_mul_fp8_quant_deep_gemm.py and activation_kernels.cu
+    `silu_mul_fp8_quant_deep_gemm_kernel`).
 
     y: fp32 [..., I] of bf16 values. Per group, each operation rounded to bf16 (RNE):
         amax = max(max|y|, bf16(1e-10)); s = bf16(amax * bf16(1/448));
@@ -269,14 +271,14 @@ def act_quant(
 
     mm1: bf16 [M, 2I] (leading batch dims allowed), I a multiple of group. recipe: one of
     ActQuantRecipe, by default the fused kernel for scale_fmt (`fused_act_quant_recipe`):
-    "packed" (§5.1, UE8M0_PACKED only): y = swiglu(rounding="packed"), `quantize_groups_packed`.
+    "packed" (UE8M0_PACKED only): y = swiglu(rounding="packed"), `quantize_groups_packed`.
         Returns (a2q fp8 [M, I], int32 [M, P] from `pack_ue8m0`, P = ceil(I/group/4), strides
         (1, round_up(M, 4))). Pad slots of the last word hold byte 94 (ZERO_GROUP_PAD_BYTE) as
         that kernel writes; the TMA pad rows in storage are 0 (the kernel leaves them unwritten).
-    "colmajor" (§5.2, FLOAT32 / FLOAT32_CEIL_UE8M0): y = swiglu(rounding="colmajor"),
+    "colmajor" (FLOAT32 / FLOAT32_CEIL_UE8M0): y = swiglu(rounding="colmajor"),
         `quantize_groups_colmajor`. Returns (a2q fp8 [M, I], fp32 [M, I/group] row-major; the
         kernel's column-major storage holds the same logical values).
-    "bf16_steps" (anchors-2026-12 §1.3, any format; plain silu, group 128): y = bf16(bf16(silu(g))
+    "bf16_steps" (any format; plain silu, group 128): y = bf16(bf16(silu(g))
         * u), which is swiglu(rounding="colmajor") for plain silu, then
         `quantize_groups_bf16_steps`. Scales as colmajor's, or packed with pad bytes 0.
     "packed_sm90_triton" / "colmajor_sm90_triton": "packed" / "colmajor" with the gate read from

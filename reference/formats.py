@@ -7,7 +7,9 @@ the one exception, `ceil_pow2_via_log2`, models a kernel that rounds up through 
 
 Glossary: `group` = K elements sharing one scale; `G` = groups per row (K / group); `P` = int32
 words per row of packed UE8M0 (ceil(G / 4)); `tma` = MN rounded up to 4 (DeepGEMM's TMA alignment).
-Sources of the semantics: ref/vllm-deepgemm-path.md §5, §7, §8 and ref/deepgemm-api.md §2, §3.1.
+Sources of the semantics: vLLM 0.32's quantization/utils/fp8_utils.py and csrc
+per_token_group_quant.cu; DeepGEMM 2.6.1's deep_gemm/utils/math.py (the quantizers) and
+csrc/jit_kernels/impls/smxx_layout.hpp (the scale layouts).
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
 _EXPONENT_BIAS = 127
 _MIN_NORMAL = 2.0**-126
 
-# The floor vLLM's group quantizers put on the scale before rounding it up (§5.1, §5.4).
+# The floor vLLM's group quantizers put on the scale before rounding it up (eps = 1e-10).
 SCALE_FLOOR = 1e-10
-# DeepGEMM's per_block_cast_to_fp8 and per_token_cast_to_fp4 floor amax here (deepgemm-api §3.1).
+# DeepGEMM's per_block_cast_to_fp8 and per_token_cast_to_fp4 floor amax here
+# (deep_gemm/utils/math.py).
 BLOCK_AMAX_FLOOR = 1e-4
 
 # E2M1 code -> value. Bit 3 is the sign; bits 0-2 index the magnitudes (code 8 is -0.0).
@@ -217,7 +220,7 @@ def _group_view(x: Tensor, group: int) -> Tensor:
 
 
 def group_scales_by_division(amax: Tensor, scale_fmt: ScaleFmt) -> Tensor:
-    """Group scales as vLLM's CUDA `per_token_group_quant_fp8` computes them (§5.4; csrc
+    """Group scales as vLLM's CUDA `per_token_group_quant_fp8` computes them (csrc
     per_token_group_quant.cu `ComputeGroupScale` and its register and packed variants).
 
     amax: fp32 [...], each group's max |x| already floored at eps. Returns fp32 [...]:
@@ -283,7 +286,7 @@ def quantize_fp8_groups(
     eps: float = 1e-10,
     recipe: InputQuantRecipe = InputQuantRecipe.CUDA_DIVISION,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token-group FP8 quantization, by one of vLLM's two quantizers (§5.4).
+    """Per-token-group FP8 quantization, by one of vLLM's two quantizers (fp8_utils.py).
 
     x: bf16/fp16/fp32 [..., M, K], K a multiple of `group`, finite.
     Per group of `group` K elements, in fp32:
@@ -389,7 +392,8 @@ def dequantize_fp8_blocks(q: Tensor, scale: Tensor, block: tuple[int, int] = (12
 def requantize_blocks_ue8m0(
     q: Tensor, scale: Tensor, block: tuple[int, int] = (128, 128)
 ) -> tuple[Tensor, Tensor]:
-    """vLLM's `requant_weight_ue8m0_inplace` (§8.1), out of place: fp32 scales -> powers of two.
+    """vLLM's `requant_weight_ue8m0_inplace` (fp8_utils.py), out of place: fp32 scales -> powers
+    of two.
 
     q: fp8 [..., N, K]; scale: fp32 [..., ceil(N/bm), ceil(K/bk)].
     Dequantize to fp32, then quantize_fp8_blocks(use_ue8m0=True). This is a lossy double
@@ -408,7 +412,7 @@ def requantize_blocks_ue8m0(
 
 
 def quantize_mxfp8(x: Tensor, group: int = 32) -> tuple[Tensor, Tensor]:
-    """MXFP8 quantization, the FlashInfer / TRT-LLM `cvt_warp_fp16_to_mxfp8` recipe (§7.1).
+    """MXFP8 quantization, the FlashInfer / TRT-LLM `cvt_warp_fp16_to_mxfp8` recipe.
 
     x: bf16/fp16/fp32 [..., M, K] (activations, or weights [E, N, K]), K a multiple of group.
     Per group, in fp32:
@@ -521,7 +525,7 @@ def dequantize_mxfp4(packed: Tensor, scale_bytes: Tensor, group: int = 32) -> Te
 
 
 # ---------------------------------------------------------------------------------------------
-# Packed UE8M0: DeepGEMM's SM100 scale layout (deepgemm-api §2.3).
+# Packed UE8M0: DeepGEMM's SM100 scale layout (`get_mn_major_tma_aligned_packed_ue8m0_tensor`).
 # ---------------------------------------------------------------------------------------------
 
 # Byte j of a word is its j-th least significant byte (little-endian, K-group 4p + j).

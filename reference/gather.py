@@ -1,4 +1,5 @@
-"""Un-permute and reduce over top-k: the weighted fp32 gather with one final rounding (§6)."""
+"""Un-permute and reduce over top-k: the weighted fp32 gather with one final rounding, as vLLM's
+`ep_gather` (fused_moe/deep_gemm_utils.py) computes it."""
 
 from __future__ import annotations
 

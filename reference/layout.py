@@ -1,9 +1,9 @@
 """The expert-contiguous layouts: aligned M_sum, the permute plan, and the batched (masked) layout.
 
-Golden semantics of vLLM's compute_aligned_M / ep_scatter / batched dispatch
-(ref/vllm-deepgemm-path.md §2-§3, §9.3). Slots are placed in (token, k) order inside each expert's
-segment, which makes the golden deterministic; kernels may place them in any order, so
-comparisons go through each side's own inv_perm.
+Golden semantics of vLLM's compute_aligned_M / ep_scatter / batched dispatch (vLLM 0.32
+fused_moe/deep_gemm_utils.py and experts/batched_deep_gemm_moe.py). Slots are placed in (token, k)
+order inside each expert's segment, which makes the golden deterministic; kernels may place them
+in any order, so comparisons go through each side's own inv_perm.
 """
 
 from __future__ import annotations
@@ -219,7 +219,8 @@ def m_indices_from_expert_ends(
     """The psum layout read back per row: int32 [m_sum], e on [round_up(end_{e-1}, A), end_e)
     (end_{-1} = 0), -1 on every other row (each segment's gap rows and the tail).
 
-    This is how DeepGEMM's scheduler walks `use_psum_layout=True` (ref/deepgemm-api.md §1.5).
+    This is how DeepGEMM's scheduler walks `use_psum_layout=True` (DeepGEMM 2.6.1
+    `m_grouped_fp8_gemm_nt_contiguous`, csrc/apis/gemm.hpp; docs/stage-contract.md#grouped-layouts).
     """
     m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=expert_ends.device)
     start = 0

@@ -1,10 +1,10 @@
 """The golden staged MoE forward for one rank: a `Backend` whose stages read like the math.
 
 Each public method named after a `Stage` (`route`, `quant_input`, ..., `gather`, `shared`)
-computes that stage of DESIGN.md's contract from the upstream stages' outputs (its own when
-chained; in isolated mode the golden is the upstream for everyone else). They take
-`(problem, inputs, upstream, rank)` like the optimized backend's, so a subclass overrides one
-stage the same way on either side.
+computes that stage of the stage contract (docs/stage-contract.md) from the upstream stages'
+outputs (its own when chained; in isolated mode the golden is the upstream for everyone else).
+They take `(problem, inputs, upstream, rank)` like the optimized backend's, so a subclass
+overrides one stage the same way on either side.
 """
 
 from __future__ import annotations
@@ -384,7 +384,8 @@ class ReferenceBackend:
 
     def shared(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         """The shared experts: a dense gated MLP over every token (weight 1), this rank's shard
-        of its intermediate dimension, quantized like the routed experts (ref §10.6)."""
+        of its intermediate dimension, quantized like the routed experts; vLLM
+        all-reduces it with the routed output (MoERunner `_maybe_reduce_final_output`)."""
         return self._shared(p, x, rank)
 
     def _shared(
@@ -493,5 +494,5 @@ def batched_m_indices(masked_m: torch.Tensor, max_tokens: int) -> torch.Tensor:
 
 
 def run(problem: MoEProblem, inputs: MoEInputs, rank: int = 0) -> Trace:
-    """The golden trace of one rank (DESIGN.md: reference.run)."""
+    """The golden trace of one rank."""
     return ReferenceBackend().run(problem, inputs, rank)

@@ -1,10 +1,10 @@
 """Which legitimate recipes apply to a problem's stages, and how the golden's trace carries them.
 
-A stage with several correct implementations (DESIGN.md "Legitimate recipes") is computed by the
-golden once per recipe that applies to the problem. The trace holds the first recipe's outputs
-under the contract's names (what the golden's later stages consume) and every recipe's outputs
-under `name@recipe`, listed by the host entry "recipe_outputs" {recipe: {name: trace key}} (the
-comparison reads only that map, so the naming stays here) and named by "recipe" (the golden's own).
+A stage with several correct implementations (docs/tolerance.md#legitimate-recipes) is computed by
+the golden once per recipe that applies to the problem. The trace holds the first recipe's outputs
+under the contract's names (what the golden's later stages consume) and every recipe's outputs under
+`name@recipe`, listed by the host entry "recipe_outputs" {recipe: {name: trace key}} (the comparison
+reads only that map, so the naming stays here) and named by "recipe" (the golden's own).
 """
 
 from __future__ import annotations

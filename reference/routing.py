@@ -1,4 +1,4 @@
-"""Routers: which experts each token goes to, and with what weight (ref/vllm-deepgemm-path.md §11).
+"""Routers: which experts each token goes to, and with what weight (vLLM 0.32 fused_moe/router/).
 
 All return (topk_ids int32 [M, k], topk_weights fp32 [M, k]). Ties between equal scores go to
 the lower expert id, as vLLM's kernels do.

@@ -15,7 +15,7 @@ B [N, K] (scales sb [ceil(N/128), K/128]):
 5. rounds final to bf16, to nearest even.
 
 Measured on an H200: 100.0000% of the outputs of DeepGEMM's fp8_gemm_nt and
-m_grouped_fp8_gemm_nt_contiguous (docs/tensor-core.md; shared/ENVIRONMENT.md). Sources: Khattak &
+m_grouped_fp8_gemm_nt_contiguous (docs/tensor-core.md). Sources: Khattak &
 Mikaitis, "Accurate Models of NVIDIA Tensor Cores" (ACM TACO 2026, arXiv:2512.07004), and the
 Hopper preset of mmaemu (32 products per step, 13 fraction bits, E floored at -132).
 
@@ -476,8 +476,8 @@ def tensor_core_masked_gemm(
     """bf16 [E, M_max, N]: m_grouped_fp8_gemm_nt_masked on SM90, bit for bit.
 
     D[e, :masked_m[e]] = A[e, :masked_m[e]] @ B[e]^T by the same per-block math as the contiguous
-    GEMM (deepgemm-api.md 1.6); rows at or past masked_m[e] are left zero here (the kernel leaves
-    them unspecified).
+    GEMM (DeepGEMM's `m_grouped_fp8_gemm_nt_masked`); rows at or past masked_m[e] are left zero
+    here (the kernel leaves them unspecified).
     a        fp8 [E, M_max, K]; a_scale fp32 [E, M_max, K/128]
     w        fp8 weights [E, N, K] with 128x128 fp32 block scales
     masked_m int32 [E]: live rows of each expert, in [0, M_max]

@@ -1,4 +1,5 @@
-"""Each rank's shard of a TP or EP layer, and the cross-rank reduce (ref/vllm-deepgemm-path.md §10).
+"""Each rank's shard of a TP or EP layer, and the cross-rank reduce (vLLM 0.32
+fused_moe/config.py `FusedMoEParallelConfig` and its expert map).
 
 TP splits the intermediate dimension: rank r owns gate rows [r·Ip, (r+1)·Ip), the matching up rows
 and the matching columns of w2; the ranks' bf16 partial outputs are summed. EP splits experts:

@@ -32,8 +32,8 @@ MODULE = "tests.gpu.test_sm90_sanitize"
 CASE = MoEProblem(tokens=16, hidden=256, intermediate=256, num_experts=4, topk=2)
 FLAGS = ["-T", "16", "-H", "256", "-I", "256", "-E", "4", "-k", "2", "--engine", "triton"]
 FLAGS += ["--mode", "isolated"]
-# A sanitized case of this size ran in about 11 s on the H200 (ENVIRONMENT.md); racecheck is
-# slower. The bound is for a hang, not a measurement.
+# A sanitized case of this size ran in about 11 s on the H200 (docs/sanitize.md, "The
+# slowdown"); racecheck is slower. The bound is for a hang, not a measurement.
 TIMEOUT_S = 600.0
 
 
