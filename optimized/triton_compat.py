@@ -25,7 +25,8 @@ optimized kernels (the CLI, `verify`, a user's `OptimizedBackend` subclass) gets
 float32 exp (up to ~2.4 ulp; about 40% of results differ from torch's), while the golden uses
 torch.exp. Neither is the GPU's `ex2.approx`-based `tl.exp`, so this is not a correctness fix: it
 lets a test check a kernel's rounding recipe bit for bit against the golden with the exp
-approximation held equal (the policy bounds what a different exp does, ref §5.3).
+approximation held equal (the policy bounds what a different exp does:
+docs/tolerance.md#act_quant-codes-and-scales).
 """
 
 from __future__ import annotations

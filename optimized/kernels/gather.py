@@ -1,4 +1,4 @@
-"""Weighted unpermute + top-k reduce of GEMM2's output (stage `gather`, vLLM's `ep_gather`, §6).
+"""Weighted unpermute + top-k reduce of GEMM2's output (stage `gather`, vLLM's `ep_gather`).
 
 For each token t: acc = 0 (fp32); for k ascending, if the (mapped) expert id of slot (t, k) is >= 0,
 acc = acc + fp32(mm2[inv_perm[t, k]]) * w[t, k], each product and sum rounded in fp32; the token's

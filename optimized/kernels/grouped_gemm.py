@@ -4,7 +4,7 @@
     with e the expert of row r, fp32 accumulation, and the scales applied per K group after each
     partial dot (as DeepGEMM promotes per 128-K block).
 
-Grouped layouts (DeepGEMM's two, ref/deepgemm-api.md §1.5):
+Grouped layouts (DeepGEMM's two, docs/stage-contract.md#grouped-layouts):
   m_indices  int32 [M_sum]: e = m_indices[r], -1 on padding. Rows with -1 are written as exact
              zeros (DeepGEMM leaves them unspecified; zeros keep padding deterministic).
   psum       int32 [E] expert_ends (`use_psum_layout=True`): expert e owns rows

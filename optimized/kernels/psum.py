@@ -1,6 +1,6 @@
-"""DeepGEMM's psum grouped layout (`use_psum_layout=True`, ref/deepgemm-api.md §1.5), shared by
-the grouped GEMM and act_quant: decoding it per row inside a kernel, and validating it on the
-host.
+"""DeepGEMM's psum grouped layout (`use_psum_layout=True`, docs/stage-contract.md#grouped-layouts),
+shared by the grouped GEMM and act_quant: decoding it per row inside a kernel, and validating it on
+the host.
 
 expert_ends int32 [E]: expert e owns rows [start_e, end_e) with start_0 = 0 and
 start_e = round_up(end_{e-1}, A). Rows [end_e, round_up(end_e, A)) (the gap) and rows from

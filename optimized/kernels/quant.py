@@ -1,13 +1,16 @@
 """FP8 group quantization and UE8M0 scale packing: Triton kernels mirroring reference/formats.py.
 
-Recipes (ref/vllm-deepgemm-path.md):
-- `quantize_fp8_groups`: vLLM's CUDA per-token-group quant (§5.4); fp32 scales, row-major or
-  column-major (optionally TMA-aligned), optionally rounded up to a power of two (UE8M0).
+Recipes (vLLM 0.32 quantization/utils/fp8_utils.py, DeepGEMM 2.6.1 smxx_layout.hpp):
+- `quantize_fp8_groups`: vLLM's CUDA per-token-group quant (`per_token_group_quant_fp8`); fp32
+  scales, row-major or column-major (optionally TMA-aligned), optionally rounded up to a power of
+  two (UE8M0).
 - `quantize_fp8_groups_packed`: the same with ceil-UE8M0 scales written as DeepGEMM's packed int32
-  layout (§5.5): byte j of word p is group 4p+j, MN-major, stride (1, round_up(MN, 4)).
-- `quantize_mxfp8`: FlashInfer/TRT-LLM MXFP8 (§7.1): E8M0 bytes rounded toward +inf, 1x32 groups.
+  layout (`per_token_group_quant_fp8_packed_for_deepgemm`): byte j of word p is group 4p+j,
+  MN-major, stride (1, round_up(MN, 4)).
+- `quantize_mxfp8`: FlashInfer/TRT-LLM MXFP8 (`mxfp8_quantize`): E8M0 bytes rounded toward +inf,
+  1x32 groups.
 - `pack_ue8m0`, `pack_ue8m0_from_fp32`: exponent bytes (or exact power-of-two fp32 scales) packed
-  into that int32 layout (ref/deepgemm-api.md §2.3).
+  into that int32 layout (`get_mn_major_tma_aligned_packed_ue8m0_tensor`).
 
 Every power-of-two rounding is done on the fp32 bits (exponent + (mantissa != 0)), never through
 log2/ceil, so it is exact on every backend. Storage rows MN..round_up(MN, 4)-1 of packed scales are
@@ -93,7 +96,7 @@ def div_rn(a, b):
 
 @triton.jit
 def _cuda_group_scale(amax, eps, UE8M0: tl.constexpr):
-    """§5.4 scale of one group from its max |x|: max(amax, eps)/448, optionally ceil-UE8M0 of the
+    """The scale of one group from its max |x|: max(amax, eps)/448, optionally ceil-UE8M0 of the
     scale floored at 1e-10 (vLLM's CUDA kernels floor it there before rounding up)."""
     s = div_rn(tl.maximum(amax, eps), 448.0)
     if UE8M0:
@@ -313,7 +316,7 @@ def quantize_fp8_groups_packed(
     """x [M, K] -> (q fp8 [M, K], packed UE8M0 int32 [M, ceil(K/group/4)]).
 
     The int32 scales have DeepGEMM's MN-major TMA-aligned strides (1, round_up(M, 4)).
-    §5.5: s = max(max(eps, amax) / 448, 1e-10) rounded up to a power of two, byte = its exponent
+    s = max(max(eps, amax) / 448, 1e-10) rounded up to a power of two, byte = its exponent
     field, q = fp8_rne(clamp(x * 2^(127-byte), +-448)). Byte slots past the last group are 0.
     """
     fn = "quantize_fp8_groups_packed"
@@ -337,7 +340,7 @@ def quantize_fp8_groups_packed(
 def quantize_mxfp8(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q fp8 e4m3 [M, K], E8M0 bytes uint8 [M, K/32] row-major).
 
-    §7.1 (FlashInfer mxfp8_quantize): SF = amax * fp32(1/448); byte = E8M0 of SF rounded toward
+    FlashInfer's mxfp8_quantize: SF = amax * fp32(1/448); byte = E8M0 of SF rounded toward
     +inf, saturated to [0, 254]; q = fp8_rne_satfinite(x * 2^(127-byte)); amax == 0 gives byte 0
     and q = x * 0.
     """
