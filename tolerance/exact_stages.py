@@ -203,7 +203,7 @@ def _quant_input_bits(ctx: Ctx) -> list[CheckResult]:
 def align_checks(ctx: Ctx) -> list[CheckResult]:
     """alignment and counts exactly; M_sum need not be the golden's: any multiple of the
     alignment that fits every segment is valid, and `m_sum_recipe_check` names the legitimate
-    formula it equals (DESIGN.md "Legitimate recipes")."""
+    formula it equals (docs/tolerance.md#align)."""
     reason = ctx.check.reason
     out = []
     o, g = int_of(ctx.other, Stage.ALIGN, "alignment"), int_of(ctx.golden, Stage.ALIGN, "alignment")
@@ -550,7 +550,7 @@ def padding_scales_check(ctx: Ctx, layout: PermuteRows, scales: PermutedScales) 
     if stored.dtype == torch.int32:
         codes = unpack_ue8m0(stored, scales.groups)
         bad = pad[:, None] & (codes == _E8M0_NAN)
-        want, what = None, "padding-row packed bytes are 0xFF (NaN to the kernel, ref §14.19)"
+        want, what = None, "padding-row packed bytes are 0xFF (NaN to the kernel)"
     else:
         codes = bits(stored.to(torch.float32)).to(torch.int64)
         bad = pad[:, None] & (codes != 0)

@@ -3,14 +3,15 @@ agree bit for bit on everything the stage promises (a check kind of its own, nam
 setting and the pair of values: "invariance alignment: 64 vs 128").
 
 The settings (`INVARIANCES`): the workspace poison byte (a kernel that leaves a promised element
-unwritten passes one poison by luck and fails the other: vLLM's NaN-poisoned workspace check,
-ref/anchors.md #2, #8), the segment alignment where both are legal, the permuted buffer's
-capacity (the upper-bound vs the exact M_sum: DeepGEMM #331's output changed with capacity
-alone), the batch capacity of the low-latency layout (DeepEP's max_tokens), and DeepGEMM's
-performance hints (expected_m of the masked GEMM, the number of SMs). The golden is not
-involved: the two traces are compared with each other, live rows keyed by (token, k) through the
-permute each run read, since a permuted row's position is not deterministic; a batched (ep:N+ll)
-trace is read as a contiguous one (`flatten_batched`), its dispatch as the permute.
+unwritten passes one poison by luck and fails the other: vLLM's NaN-poisoned workspace check;
+rtp-llm PR #1098 and SGLang issue #33106 found unwritten rows this way), the segment alignment where
+both are legal, the permuted buffer's capacity (the upper-bound vs the exact M_sum: DeepGEMM #331's
+output changed with capacity alone), the batch capacity of the low-latency layout (DeepEP's
+max_tokens), and DeepGEMM's performance hints (expected_m of the masked GEMM, the number of SMs).
+The golden is not involved: the two traces are compared with each other, live rows keyed by (token,
+k) through the permute each run read, since a permuted row's position is not deterministic; a
+batched (ep:N+ll) trace is read as a contiguous one (`flatten_batched`), its dispatch as the
+permute.
 """
 
 from __future__ import annotations

@@ -91,10 +91,10 @@ def scale_values(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def psum_row_experts(expert_ends: torch.Tensor, rows: int, alignment: int) -> torch.Tensor:
-    """The psum grouped layout read per row: int64 [rows], expert e on
-    [round_up(end_{e-1}, A), end_e) (end_{-1} = 0), -1 on the gap and tail rows, which belong to
-    no expert (DeepGEMM's scheduler, ref/deepgemm-api.md §1.5). An end below its start or past
-    `rows` simply owns fewer rows."""
+    """The psum grouped layout read per row: int64 [rows], expert e on [round_up(end_{e-1}, A),
+    end_e) (end_{-1} = 0), -1 on the gap and tail rows, which belong to no expert (DeepGEMM's
+    scheduler; docs/stage-contract.md#grouped-layouts). An end below its start or past `rows` simply
+    owns fewer rows."""
     ends = expert_ends.to(torch.int64)
     out = torch.full((rows,), -1, dtype=torch.int64, device=ends.device)
     start = 0

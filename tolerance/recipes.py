@@ -1,6 +1,6 @@
-"""Stages with several legitimate recipes (DESIGN.md "Legitimate recipes"): the tested side is
-compared against each recipe the golden computed for the problem, passes when one matches, and
-the result names it.
+"""Stages with several legitimate recipes (docs/tolerance.md#legitimate-recipes): the tested side is
+compared against each recipe the golden computed for the problem, passes when one matches, and the
+result names it.
 
 The golden's stage lists its recipes in the host entry "recipe_outputs" {recipe: {name: trace
 key}} (reference/recipes.py). A tested stage may declare the recipe it implements (its host entry

@@ -150,8 +150,9 @@ class Report:
         return None
 
     def recipes(self, mode: str | None = None) -> dict[str, str]:
-        """stage -> the legitimate recipe(s) it matched or declared (DESIGN.md "Legitimate
-        recipes"), ranks folded ("a / b" where ranks differ), for stages that name one."""
+        """stage -> the legitimate recipe(s) it matched or declared
+        (docs/tolerance.md#legitimate-recipes), ranks folded ("a / b" where ranks differ), for
+        stages that name one."""
         out: dict[str, list[str]] = {}
         for r in getattr(self, mode or self.mode) or []:
             if r.recipe is not None and r.recipe not in out.setdefault(r.stage, []):
@@ -168,7 +169,8 @@ class Report:
     # Failure text ----------------------------------------------------------------------------
 
     def failure_messages(self) -> list[str]:
-        """One line per failed check (STYLE.md "Failure messages"), every mode and rank, isolated
+        """One line per failed check (the case, stage, check, limit and its reason, the worst
+        coordinates, the values on both sides, NaN/Inf counts), every mode and rank, isolated
         first; a limit's reason is spelled out the first time only (the full view, -v)."""
         lines = []
         seen: set[str] = set()

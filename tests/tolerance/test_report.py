@@ -1,4 +1,4 @@
-"""Report: verdict, culprit stage, and renderings carrying what STYLE.md failure messages need."""
+"""Report: verdict, culprit stage, and renderings carrying what a failure message needs."""
 
 from __future__ import annotations
 
