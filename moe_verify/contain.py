@@ -6,13 +6,16 @@ case is (a stage of a backend that loops or sleeps); a case stuck in C code (a h
 synchronize that never returns) cannot take a Python exception, so a watchdog thread ends the
 process a grace period later, after one line on stderr naming the case and stage in flight.
 `run_contained` runs a command in its own process group and kills the whole group on timeout, and
-also when we are interrupted or terminated while waiting, so a hung child never outlives us.
+also when we are interrupted or terminated while waiting, so a hung child never outlives us;
+`read_until` reads a child's pipe as it arrives up to a deadline, for the callers that act on its
+output while it runs (a sweep's worker, the sanitizer's stream).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
+from typing import Literal
 
 # The CLI's default per-case limit (0 or None: no limit). A nightly case on the GPU takes
 # seconds to a few minutes; the CPU's Triton interpreter needs minutes for the largest.
@@ -198,6 +202,28 @@ class Completed:
         """'exit 1', 'killed by SIGSEGV', or 'timed out after the limit (killed by SIGTERM)'."""
         what = f"killed by {self.signal}" if self.signal else f"exit {self.rc}"
         return f"timed out ({what})" if self.timed_out else what
+
+
+# A read of a child's pipe, as much as has arrived up to this many bytes.
+READ_CHUNK = 1 << 16
+
+
+def read_until(
+    fd: int, end: float | None, take: Callable[[bytes], bool]
+) -> Literal["done", "eof", "deadline"]:
+    """Read the pipe `fd` chunk by chunk as its writer sends it, handing each chunk to `take`,
+    until `take` returns True ("done": the caller has what it waited for), every writer closed it
+    ("eof"), or the time.monotonic() `end` passed ("deadline"; None: no limit). Every chunk that
+    arrived before the deadline has been taken; a writer that hangs is the caller's to kill."""
+    while True:
+        left = None if end is None else end - time.monotonic()
+        if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
+            return "deadline"
+        chunk = os.read(fd, READ_CHUNK)
+        if not chunk:
+            return "eof"
+        if take(chunk):
+            return "done"
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:

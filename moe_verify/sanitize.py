@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -50,6 +49,7 @@ from moe_verify.contain import (
     KILL_GRACE_S,
     Completed,
     kill_group,
+    read_until,
     terminate_as_exit,
 )
 from moe_verify.protect import SANITIZER_TOOL_ENV
@@ -493,21 +493,17 @@ def _stream(
         )
         assert proc.stdout is not None
         end = time.monotonic() + timeout_s if timeout_s else None
-        fd = proc.stdout.fileno()
         pending = b""
-        timed_out = False
+
+        def lines_of(chunk: bytes) -> bool:
+            nonlocal pending
+            *done, pending = (pending + chunk).split(b"\n")
+            for raw in done:
+                take(raw)
+            return False  # to the end of the output
+
         try:
-            while True:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
-                    timed_out = True
-                    break
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    break
-                *done, pending = (pending + chunk).split(b"\n")
-                for raw in done:
-                    take(raw)
+            timed_out = read_until(proc.stdout.fileno(), end, lines_of) == "deadline"
             if timed_out:
                 kill_group(proc)
             else:

@@ -31,7 +31,6 @@ import contextlib
 import gc
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from moe_verify.contain import (
     CaseTimeout,
     Completed,
     kill_group,
+    read_until,
     terminate_as_exit,
     terminated,
     user_interrupted,
@@ -254,15 +254,15 @@ class _Worker:
         except BrokenPipeError:  # it died between cases; its exit says how
             return self.end(timed_out=False)
         end = time.monotonic() + limit if limit else None
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.pending:
-            left = None if end is None else end - time.monotonic()
-            if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
-                return self.end(timed_out=True)
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return self.end(timed_out=False)
+
+        def take(chunk: bytes) -> bool:
             self.pending += chunk
+            return b"\n" in self.pending
+
+        if b"\n" not in self.pending:
+            ended = read_until(self.proc.stdout.fileno(), end, take)
+            if ended != "done":
+                return self.end(timed_out=ended == "deadline")
         line, _, self.pending = self.pending.partition(b"\n")
         self.busy = False
         if json.loads(line) != {"done": request["name"]}:
