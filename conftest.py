@@ -31,7 +31,7 @@ import torch  # noqa: E402
 # Without a GPU, Triton kernels run under its interpreter: `optimized` sets that up (with its
 # float-cast fixes) when imported, which must happen before any test module imports triton.
 import optimized  # noqa: E402, F401
-from moe_verify.device import cuda_arch_major  # noqa: E402
+from moe_verify.spec import cc_major  # noqa: E402
 
 if TYPE_CHECKING:
     from tolerance.report import Report
@@ -43,7 +43,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _gate_reason(item: pytest.Item, config: pytest.Config) -> str | None:
-    major = cuda_arch_major()
+    major = cc_major()
     if item.get_closest_marker("sm90") and major != 9:
         return f"needs an SM90 (Hopper) GPU; this machine has {_describe(major)}"
     if item.get_closest_marker("sm100") and major != 10:

@@ -1,20 +1,10 @@
-"""Where things run: the default device and the GPU arch."""
+"""Where things run: the default device (the GPU arch is moe_verify/spec/arch.py's)."""
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from optimized.triton_compat import interpreter_mode
-
-
-@functools.cache
-def cuda_arch_major() -> int | None:
-    """Compute capability major of the current GPU, or None without one."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability()[0]
 
 
 def default_device() -> torch.device:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from moe_verify.spec import QuantizedWeight, ScaleFmt
+from moe_verify.spec import QuantizedWeight, ScaleFmt, compute_capability
 from reference.formats import quantize_fp8_blocks, quantize_fp8_groups
 from reference.gate_table import GATE_FILE, gate_key
 
@@ -134,7 +134,7 @@ def versions() -> dict[str, str]:
     status = deepgemm.probe()
     return {
         "gpu": torch.cuda.get_device_name(),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "capability": ".".join(map(str, compute_capability() or ())),
         "cuda": str(torch.version.cuda),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -29,6 +29,7 @@ from moe_verify.spec import (
     Recipe,
     ScaleFmt,
     StageSkipped,
+    cc_major,
 )
 from optimized.kernels._validate import (
     check_flag,
@@ -80,9 +81,9 @@ def _parse_version(text: str) -> tuple[int, ...]:
 @functools.cache
 def probe() -> DeepGemmStatus:
     """Import deep_gemm and check version, API names and the GPU arch (cached)."""
-    if not torch.cuda.is_available():
+    major = cc_major()
+    if major is None:
         return DeepGemmStatus(False, "no CUDA GPU: DeepGEMM runs on SM90/SM100 only")
-    major = torch.cuda.get_device_capability()[0]
     try:
         dg = importlib.import_module("deep_gemm")
     except ImportError as exc:
@@ -199,9 +200,7 @@ class LayoutChoice:
 
 def _gpu_arch_major() -> int | None:
     """The GPU this path runs on, or None on the CPU (the Triton interpreter)."""
-    if interpreter_mode() or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability()[0]
+    return None if interpreter_mode() else cc_major()
 
 
 def choose_grouped_layout(problem: MoEProblem) -> LayoutChoice:

@@ -6,11 +6,12 @@ MoE math; it only names things and validates them. It imports torch and nothing 
 project: reference/, optimized/ and tolerance/ all stand on it (tests/harness/test_layering.py).
 
 One idea per module: checks (argument checks, bounds), stages, recipes, activation, routing,
-topology, problem, inputs, trace, backend. Every name is re-exported here, so
+topology, problem, inputs, trace, backend, arch. Every name is re-exported here, so
 `from moe_verify.spec import X` is the way to import any of them.
 """
 
 from moe_verify.spec.activation import Activation
+from moe_verify.spec.arch import DeviceLike, cc_major, compute_capability, is_sm90, is_sm100
 from moe_verify.spec.backend import Backend, run_stages
 from moe_verify.spec.checks import (
     ALIGNMENT_STEP,
@@ -78,6 +79,7 @@ __all__ = [
     "ActQuantRecipe",
     "Activation",
     "Backend",
+    "DeviceLike",
     "Engine",
     "GemmRecipe",
     "GroupedLayout",
@@ -99,12 +101,16 @@ __all__ = [
     "Topology",
     "TopologyKind",
     "Trace",
+    "cc_major",
     "check_bool",
     "check_enum",
     "check_float",
     "check_int",
     "check_routing",
+    "compute_capability",
     "exact_keys",
     "explicit_lists",
+    "is_sm100",
+    "is_sm90",
     "run_stages",
 ]

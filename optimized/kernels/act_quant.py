@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_verify.spec import Activation, ScaleFmt
+from moe_verify.spec import Activation, ScaleFmt, compute_capability
 from optimized.kernels._validate import (
     check_flag,
     check_group,
@@ -254,7 +254,8 @@ def gate_source(device: torch.device) -> dict[str, str]:
     recorded gate table (reference/gate_table.py): {"gate_triton": Triton's version,
     "gate_capability": "major.minor"} when compiled for a CUDA GPU; {} under the interpreter, whose
     gate is numpy's exp (the plain recipes)."""
-    if interpreter_mode() or torch.device(device).type != "cuda":
+    capability = compute_capability(device)
+    if interpreter_mode() or capability is None:
         return {}
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability
     return {"gate_triton": triton.__version__, "gate_capability": f"{major}.{minor}"}

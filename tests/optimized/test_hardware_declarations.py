@@ -23,6 +23,7 @@ CUDA_OUT = SimpleNamespace(is_cuda=True, device="cuda:0")
 def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiled Triton on an SM90 GPU."""
     monkeypatch.setattr(backend, "interpreter_mode", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
 
 
@@ -51,6 +52,7 @@ def test_nothing_is_declared_off_sm90_or_under_the_interpreter(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(backend, "interpreter_mode", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert backend.gemm_recipe(FP8, Engine.TRITON, CUDA_OUT, 128) == {}  # SM100
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -66,6 +68,7 @@ def test_the_gate_source_is_reported_for_compiled_cuda_only(
 
     assert act_quant.gate_source(torch.device("cpu")) == {}
     monkeypatch.setattr(act_quant, "interpreter_mode", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     facts = act_quant.gate_source(torch.device("cuda:0"))
     assert facts == {"gate_triton": act_quant.triton.__version__, "gate_capability": "9.0"}
