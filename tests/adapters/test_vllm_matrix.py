@@ -83,7 +83,7 @@ MATRIX: list[MoEProblem] = [
     case(F32, "ep:2", Routing.SOFTMAX, PSUM, tokens=3),  # T*k < E with an expert_map
 ]
 
-# The stages whose legitimate recipe a passing report names (DESIGN.md "Legitimate recipes").
+# The stages whose legitimate recipe a passing report names (docs/tolerance.md).
 RECIPE_STAGES = ("quant_input", "align", "act_quant")
 
 

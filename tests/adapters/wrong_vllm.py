@@ -38,7 +38,7 @@ class _LaunchThen:
 class OffByOnePrefixSum(VllmBackend):
     """permute: the aligned exclusive prefix sum that seeds ep_scatter's atomic row cursor is one
     row late for every expert after the first (start_e + 1): each of their slots lands one row
-    below where m_indices / expert_ends put the segment (ref §3, `_fwd_kernel_ep_scatter_1`)."""
+    below where m_indices / expert_ends put the segment (`_fwd_kernel_ep_scatter_1`)."""
 
     def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         dg = self.vllm.dg_utils
@@ -54,7 +54,7 @@ class OffByOnePrefixSum(VllmBackend):
 
 class UnzeroedPaddingScales(VllmBackend):
     """permute: the permuted fp32 scales allocated with torch.empty instead of torch.zeros, so
-    padding rows keep whatever memory held (the pre-fix vLLM, ref/anchors.md #6; DeepGEMM's SM100
+    padding rows keep whatever memory held (vLLM before PR #49784; DeepGEMM's SM100
     packer device-asserts on it). Caught every time only because the harness poisons the
     permute's allocations (moe_verify/poison.py)."""
 
@@ -73,7 +73,8 @@ class _ZerosAreEmpty:
 
 class PackedScaleBytesReversed(VllmBackend):
     """act_quant: the packed UE8M0 kernel's scale words written with their 4 bytes in reverse
-    order (byte j must be group 4p + j, ref §5.1 / deepgemm-api §2.3)."""
+    order (byte j must be group 4p + j, as DeepGEMM's
+    `get_mn_major_tma_aligned_packed_ue8m0_tensor` packs them)."""
 
     def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         experts = self.vllm.experts
@@ -92,7 +93,7 @@ class PackedScaleBytesReversed(VllmBackend):
 
 
 class OneSidedUpClamp(VllmBackend):
-    """act_quant: up clamped from above only, like the gate, instead of to [-L, L] (ref §14.13).
+    """act_quant: up clamped from above only, like the gate, instead of to [-L, L].
     The kernel gets the input already clamped that way and no clamp of its own; with a bf16 L
     that is exactly the kernel with the one-sided clamp."""
 
@@ -116,7 +117,7 @@ def _one_sided(kernel: Callable[..., Any]) -> Callable[..., Any]:
 
 class MinusOneCheckSkipped(VllmBackend):
     """gather: ep_gather's `expert_id >= 0` check skipped, so a -1 slot is summed too: its weight
-    times the row its (uninitialised, ref §14.14) inv_perm entry names, here row 0."""
+    times the row its (uninitialised) inv_perm entry names, here row 0."""
 
     def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         dg = self.vllm.dg_utils

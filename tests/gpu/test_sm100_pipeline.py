@@ -42,7 +42,8 @@ def test_blackwell_pipeline_through_deepgemm(problem: MoEProblem, record_report)
 
 @pytest.mark.parametrize("alignment", [32, 64, 96, 128])
 def test_sm100_alignments_deepgemm_2_6_1_can_pick(alignment: int, record_report) -> None:
-    """DG 2.6.1 on SM100 can shrink the alignment to 32/64/96 (ref §2.2): BLOCK_M must follow."""
+    """DG 2.6.1 on SM100 can shrink the alignment to 32/64/96
+    (`get_theoretical_mk_alignment_for_contiguous_layout`): BLOCK_M must follow."""
     from optimized.backend import OptimizedBackend
 
     problem = MoEProblem(

@@ -136,8 +136,9 @@ def test_masked_deepgemm_matches_golden(problem: MoEProblem, record_report) -> N
 
 @pytest.mark.parametrize("scale_fmt", ["float32", "float32_ceil_ue8m0"])
 def test_poisoned_workspaces_agree_with_a_fresh_run(scale_fmt: str) -> None:
-    """Workspaces reused across calls and poisoned before each (vLLM's workspace pattern, anchors
-    #2, #8): every live row of every stage must be bitwise the fresh run's under both poisons."""
+    """Workspaces reused across calls and poisoned before each (vLLM's workspace pattern; rtp-llm PR
+    #1098, SGLang issue #33106): every live row of every stage must be bitwise the fresh run's under
+    both poisons."""
     from moe_verify.inputs import make_inputs
     from optimized.backend import OptimizedBackend
     from tolerance.context import live_slots

@@ -103,7 +103,7 @@ def test_the_permute_stage_runs_poisoned() -> None:
 
 class EmptyPaddingScales(OptimizedBackend):
     """permute: the permuted scales re-allocated with torch.empty and only the live rows copied
-    in, as vLLM did before it zeroed them (ref/anchors.md #6)."""
+    in, as vLLM did before it zeroed them (vLLM PR #49784)."""
 
     name = "empty_padding_scales"
 
@@ -207,7 +207,7 @@ def test_the_optimized_path_passes_under_the_padding_poison(
 
 
 class BatchedPaddingBleeds(OptimizedBackend):
-    """gemm1 on the batched layout (N17's bug, FlashInfer #3650, in a masked GEMM): each batch's
+    """gemm1 on the batched layout (FlashInfer #3650's bug, in a masked GEMM): each batch's
     last 128-row block is computed whole, rows past masked_m included, and the epilogue's shared
     tile adds their zero-gated products (0 x Inf = NaN where they overflowed) into the live rows.
     Random inputs leave those rows zero; under the padding poison the live rows turn NaN."""

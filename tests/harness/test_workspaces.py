@@ -1,5 +1,6 @@
 """Reused, poisoned workspaces: a kernel that leaves a promised element unwritten, or reads a
-stale one, makes two poisons disagree (vLLM's NaN-poisoned-workspace check, anchors #2, #8)."""
+stale one, makes two poisons disagree (vLLM's NaN-poisoned-workspace check;
+rtp-llm PR #1098, SGLang issue #33106)."""
 
 from __future__ import annotations
 

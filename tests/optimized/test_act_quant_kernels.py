@@ -4,9 +4,9 @@ Under the interpreter the comparison is bitwise, with the interpreter's `tl.exp`
 torch.exp (the golden's exp; see optimized.triton_compat.torch_exp_in_interpreter): everything
 else (clamp, the order and number of bf16 roundings, amax, scale floors, ceil, RNE casts, packing,
 pad bytes) is then the same arithmetic on both sides, so any difference is a recipe bug. Natively,
-`tl.exp` is the GPU's approximation (ref §5.3) and the comparison takes the policy's act_quant
+`tl.exp` is the GPU's approximation and the comparison takes the policy's act_quant
 bound instead (tolerance.policy). fp8 codes compare as uint8, fp32 scales as bits, packed scales
-as their unpacked bytes including the pad slots (byte 94, §5.1).
+as their unpacked bytes including the pad slots (byte 94, as the packed kernel writes them).
 """
 
 from __future__ import annotations

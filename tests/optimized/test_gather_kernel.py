@@ -82,7 +82,7 @@ def make_inputs(case: GatherCase) -> dict[str, torch.Tensor | None]:
 
 
 def fp32_loop(mm2, topk_ids, topk_weights, inv_perm, expert_map) -> torch.Tensor:
-    """The §6 definition, one token and one slot at a time."""
+    """The gather (fp32 weighted sum, one rounding), one token and one slot at a time."""
     out = torch.zeros(topk_ids.shape[0], mm2.shape[1], dtype=torch.bfloat16)
     for t in range(topk_ids.shape[0]):
         acc = torch.zeros(mm2.shape[1], dtype=torch.float32)

@@ -97,7 +97,7 @@ def test_quantize_fp8_groups_matches_golden(
     assert_bitwise("scale", s, s_ref)
 
 
-# (layout, M) -- the scale storage variants of vLLM's per_token_group_quant_fp8 (§5.4).
+# (layout, M) -- the scale storage variants of vLLM's per_token_group_quant_fp8.
 LAYOUTS = [
     ("column_major", 257, (1, 257)),  # strides (1, M)
     ("column_major_tma", 257, (1, 260)),  # strides (1, round_up(M, 4)): 3 pad rows
@@ -126,7 +126,7 @@ def test_quantize_fp8_groups_scale_layouts(
     assert_bitwise("scale", s, s_ref)
 
 
-# (M, K, group) -- packed ceil-UE8M0 (§5.5).
+# (M, K, group) -- packed ceil-UE8M0 (vLLM's per_token_group_quant_fp8_packed_for_deepgemm).
 PACKED_CASES = [
     (1, 128, 128),  # one group: one word, three pad bytes
     (3, 384, 128),  # G = 3: one pad byte
@@ -151,7 +151,7 @@ def test_quantize_fp8_groups_packed_matches_golden(m: int, k: int, group: int) -
     assert_bitwise("packed scale", packed, golden.pack_ue8m0(golden.ue8m0_bytes(s_ref)))
 
 
-# (M, K) -- MXFP8, 1x32 groups with E8M0 bytes (§7.1).
+# (M, K) -- MXFP8, 1x32 groups with E8M0 bytes (FlashInfer's mxfp8_quantize).
 MX_CASES = [
     (1, 32, "random"),  # T=1, one group
     (3, 384, "random"),  # 12 groups

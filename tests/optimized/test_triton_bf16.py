@@ -711,7 +711,7 @@ def _silu_mul_probe(x_ptr, y_ptr, out_ptr, BLOCK: tl.constexpr):
 
 
 def test_silu_times_y_probe_is_garbage_unpatched_and_right_patched() -> None:
-    # The probe from ENVIRONMENT.md (2026-12-01): bf16 silu(x) * y, as vLLM's colmajor kernel.
+    # A probe first run by hand on 2026-12-01: bf16 silu(x) * y, as vLLM's colmajor kernel.
     x = torch.tensor([2.45, -0.12, -3.13, 1.24], dtype=BF16)
     y = torch.tensor([1.0, 2.0, -0.5, 3.0], dtype=BF16)
     with triton_compat.torch_exp_in_interpreter():
@@ -722,7 +722,7 @@ def test_silu_times_y_probe_is_garbage_unpatched_and_right_patched() -> None:
             unpatched = probe_silu_mul(x, y)
     assert torch.equal(bits_of(got), bits_of(expected)), f"{got} vs {expected}"
     # Measured with triton 3.9: [1.5e-05, -2.0, 1.2e-04, -5.1e-21] for [2.27, -0.113, 0.0659, 2.89]
-    # (ENVIRONMENT.md does not record its y; this y is ours, so its garbage differs).
+    # (that run's y is not recorded; this y is ours, so its garbage differs).
     assert bool(mismatches(unpatched, expected).all()), f"unpatched gave {unpatched}"
 
 
@@ -818,8 +818,9 @@ def _silu_mul_quant_colmajor_like(
     CEIL: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    # vllm-deepgemm-path.md §5.2: bf16 after the clamp, the activation, up + beta and the
-    # product (`silu_out * up` is a bf16 multiply), then per-group amax * (1/448) scales.
+    # vLLM's silu_mul_per_token_group_quant_fp8_colmajor: bf16 after the clamp, the activation, up +
+    # beta and the product (`silu_out * up` is a bf16 multiply), then per-group amax * (1/448)
+    # scales.
     row, group = tl.program_id(0), tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
     gate = tl.load(mm1_ptr + row * 2 * I + cols)

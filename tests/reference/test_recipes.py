@@ -169,9 +169,10 @@ def test_quantize_fp8_groups_rejects_unknown_recipe() -> None:
 
 
 def torch_bf16_steps(mm1: torch.Tensor, fmt: ScaleFmt) -> tuple[torch.Tensor, torch.Tensor]:
-    """anchors-2026-12 §1.3 op for op in torch bf16 arithmetic (each op computes in fp32 and
-    rounds to bf16): silu in fp32 then bf16, the product, amax, the scale, hlog2/hceil/hexp2,
-    the reciprocal and y * (1/s); then e4m3 of the bf16 value. Returns (q, fp32 scales)."""
+    """The bf16_steps kernel (as vLLM's tests/kernels/moe/test_silu_mul_fp8_quant_deep_gemm.py
+    describes it) op for op in torch bf16 arithmetic (each op computes in fp32 and rounds to bf16):
+    silu in fp32 then bf16, the product, amax, the scale, hlog2/hceil/hexp2, the reciprocal and y *
+    (1/s); then e4m3 of the bf16 value. Returns (q, fp32 scales)."""
     i = mm1.shape[-1] // 2
     g, u = mm1[:, :i].float(), mm1[:, i:]
     y = (g / (1 + torch.exp(-g))).to(BF16) * u

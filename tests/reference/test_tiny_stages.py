@@ -123,7 +123,8 @@ def test_act_quant_silu_values(trace_k1: TinyTrace) -> None:
     silu2 = 2.0 / (1.0 + math.exp(-2.0))
     glu = torch.tensor(silu2).to(torch.bfloat16).float()
     y = (glu * 2.0).to(torch.bfloat16).float()
-    scale = y * torch.tensor(1.0 / 448.0)  # fp32 amax x fp32(1/448), as §5.2 computes it
+    # fp32 amax x fp32(1/448), as the colmajor kernel computes it
+    scale = y * torch.tensor(1.0 / 448.0)
     assert s[0, 0].item() == scale.item()
     assert torch.all(q[0].float() == 448.0)  # every element is the group max
 

@@ -74,8 +74,8 @@ class Bf16InverseQuant(TritonReciprocalQuant):
 
 
 def bf16_steps(mm1: torch.Tensor, fmt: ScaleFmt, scale_in_bf16: bool = True) -> tuple:
-    """§1.3 in torch bf16 arithmetic (each op computes in fp32 and rounds to bf16): act =
-    bf16(silu(g)), y = act * u, amax clamped at bf16(1e-10), s = amax * bf16(1/448), ceil via
+    """The bf16_steps kernel in torch bf16 arithmetic (each op computes in fp32 and rounds to bf16):
+    act = bf16(silu(g)), y = act * u, amax clamped at bf16(1e-10), s = amax * bf16(1/448), ceil via
     log2/ceil/exp2, inv = 1 / s, q = e4m3(clamp(y * inv, +-448)). Returns (q, fp32 scales)."""
     i = mm1.shape[-1] // 2
     g, u = mm1[..., :i].float(), mm1[..., i:]
