@@ -4,10 +4,11 @@ bounds it: DeepGEMM's GEMMs alone on the same operands and the byte floor of the
 Issue #13's targets on the H200 are named constants below (`TARGETS`), each with its reason, and
 every row says met, not met or n/a. All numbers of one table come from one process, side by side:
 
-- production stages: a forward with taps gives each stage its inputs; each `ProductionForward`
-  stage method is then captured alone in its own CUDA graph (after a warm-up call,
-  `CALLS_PER_GRAPH` calls back to back) and timed by replaying it (CUDA events, median of
-  repeats, divided by the calls). No validation: production mode has none.
+- production stages: a forward with taps gives each stage its inputs; each stage method of the
+  backend (`OptimizedBackend`, run as production mode runs it: graph-safe) is then captured
+  alone in its own CUDA graph (after a warm-up call, `CALLS_PER_GRAPH` calls back to back) and
+  timed by replaying it (CUDA events, median of repeats, divided by the calls). No validation:
+  production mode has none.
 - the whole forward: the op (`torch.ops.moe_verify.fused_moe`) captured once and replayed.
 - DeepGEMM alone: deep_gemm's grouped GEMM called directly on the very tensors the production
   GEMM stage read and wrote (permuted operands, grouped-layout tensor, output buffer), captured
@@ -53,15 +54,16 @@ from moe_verify.spec import (
     check_int,
 )
 from moe_verify.timing import median_seconds, replay_seconds
-from optimized import deepgemm, op
+from optimized import deepgemm, op, production
 from optimized.backend import OptimizedBackend
 from optimized.production import (
     BATCHED,
+    CarvedBuffers,
     ForwardConfig,
-    ProductionForward,
     RankWeights,
     Taps,
     prepare_rank_weights,
+    rank_inputs,
     workspace_bytes,
     workspace_layout,
 )
@@ -681,13 +683,18 @@ def _measure(
     if "token_index" in route:  # ep:N+ht: this rank computes only the tokens it receives
         hidden = hidden[route["token_index"]]
     ids, weights_k = route["topk_ids"], route["topk_weights"]
-    weights = prepare_rank_weights(cfg, problem, inputs.w13_q, inputs.w2_q, rank)
+    weights = prepare_rank_weights(cfg, inputs.w13_q, inputs.w2_q)
     t = hidden.shape[0]
     layout = workspace_layout(cfg, t)
     workspace = torch.empty(workspace_bytes(cfg, t), dtype=torch.uint8, device=device)
-    fwd = ProductionForward()
+    backend = OptimizedBackend()
     taps: Taps = {}
-    fwd.forward(cfg, hidden, ids, weights_k, weights, workspace, taps)
+    production.forward(backend, cfg, hidden, ids, weights_k, weights, workspace, taps)
+    upstream = Trace(backend.name, rank)
+    for name, outputs in taps.items():
+        upstream.add(name, outputs)
+    x = rank_inputs(hidden, weights)
+    buffers = CarvedBuffers(layout, workspace)
     traffic = traffic_of(cfg, hidden, taps)
     absent = _deepgemm_absent(cfg, problem, engine, device)
 
@@ -695,11 +702,10 @@ def _measure(
     floor_total = 0.0
     gemms_alone: float | None = 0.0
     for stage in BATCHED_STAGES if cfg.layout == BATCHED else CONTIGUOUS_STAGES:
-        method = getattr(fwd, stage.value)
 
-        def call(method: Callable[..., object] = method) -> None:
-            with fwd.bound(layout, workspace):
-                method(cfg, hidden, weights, taps)
+        def call(stage: Stage = stage) -> None:
+            with backend.production(cfg, weights, buffers):
+                backend.run_stage(stage, problem, x, upstream, rank)
 
         seconds = _time(call, capture, device, repeats)
         if stage in FLOORED_STAGES:

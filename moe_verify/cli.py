@@ -257,7 +257,13 @@ def bench_production_tables(problem: MoEProblem, args: argparse.Namespace) -> st
 def cmd_graph(args: argparse.Namespace) -> int:
     check_output_file("--json", args.json)
     require_engine(args.engine)
-    from moe_verify.graph import default_replays, resolve_forward, verify_graph
+    from moe_verify.graph import default_replays, resolve_graph_backend, verify_graph
+
+    if args.forward is not None:
+        raise ValueError(
+            "graph --forward is gone: pass --backend module:Class, the same class `run` takes "
+            "(a subclass of optimized.OptimizedBackend, its stage methods written once)"
+        )
 
     problem = problem_from_args(args)
     bound = args.bound if args.bound is not None else problem.tokens
@@ -274,7 +280,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         bound=bound,
         replays=replays,
         engine=args.engine,
-        forward=resolve_forward(args.forward),
+        backend=resolve_graph_backend(args.backend, args.engine),
         capture=False if args.no_capture else None,
     )
     print(report.to_summary())
@@ -473,11 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="GEMM engine of the production forward",
     )
     gr.add_argument(
-        "--forward",
+        "--backend",
         default="optimized",
-        help="the production forward: optimized | module:Class (a subclass of "
-        "optimized.production.ProductionForward)",
+        help="the backend whose stage methods the op runs graph-safe: optimized | vllm | "
+        "module:Class (the class `run --backend` takes: optimized.OptimizedBackend or a subclass)",
     )
+    # Gone with ProductionForward: a clear error, not argparse's "unrecognized arguments".
+    gr.add_argument("--forward", default=None, help=argparse.SUPPRESS)
     gr.add_argument(
         "--replays",
         default=None,

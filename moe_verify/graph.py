@@ -20,6 +20,11 @@ keep what the previous replay left there, as vLLM's do, plus planted stale posit
   replays differ, and a NaN-filled output of the warm-up call, kept alive with every earlier
   allocation so no address is recycled, is never written again.
 
+The op runs the tested backend's own stage methods (the class `moe-verify run` verifies, given
+as `--backend`), graph-safe. The warm-up call counts host reads (moe_verify/host_reads.py): a
+stage that reads the device on the host cannot be captured, so the report names the stage, the
+call and the line, fails, and runs the replays eagerly so every stage is still compared.
+
 Without a GPU there is no capture: every "replay" is an eager call of the op on the same static
 buffers, and the report says so. Everything else (staging, stale padding, taps, guards, the
 comparison) runs the same.
@@ -28,18 +33,16 @@ comparison) runs the same.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from moe_verify.device import default_device
+from moe_verify.host_reads import HostReads
 from moe_verify.inputs import make_inputs
-from moe_verify.runner import RankRun
+from moe_verify.runner import RankRun, resolve_backend
 from moe_verify.spec import (
     Engine,
     Mode,
@@ -55,7 +58,6 @@ from moe_verify.verification import compare_reduce, engine_of, has_reduce, rank_
 from optimized import op
 from optimized.production import (
     ForwardConfig,
-    ProductionForward,
     RankWeights,
     prepare_rank_weights,
     workspace_bytes,
@@ -146,13 +148,15 @@ class GraphReport:
     bound: int
     captured: bool
     capture_note: str
-    forward: str
+    backend: str
     engine: str
     replays: list[ReplayResult] = field(default_factory=list)
+    # stage -> its first host read (moe_verify/host_reads.py): such a stage cannot be captured.
+    host_reads: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.replays)
+        return not self.host_reads and all(r.passed for r in self.replays)
 
     @property
     def exit_code(self) -> int:
@@ -161,9 +165,14 @@ class GraphReport:
     def to_summary(self) -> str:
         mode = "CUDA-graph replays" if self.captured else "eager replays"
         lines = [
-            f"graph {self.problem.id}: {self.forward} forward, {self.engine} GEMMs, captured at "
+            f"graph {self.problem.id}: backend {self.backend}, {self.engine} GEMMs, captured at "
             f"{self.bound} tokens; {mode} ({self.capture_note})"
         ]
+        for stage, read in self.host_reads.items():
+            lines.append(
+                f"  NOT GRAPH-SAFE {stage}: reads the device on the host ({read}); a CUDA graph "
+                "cannot capture it"
+            )
         for r in self.replays:
             verdict = "PASS" if r.passed else f"FAIL at {r.first_failure}"
             lines.append(f"  {verdict:<26} {r.replay.describe(self.bound)}")
@@ -174,9 +183,10 @@ class GraphReport:
                 if r.report.first_failure is not None:
                     lines.extend("      " + line for line in r.report.to_summary().splitlines())
         failed = sum(not r.passed for r in self.replays)
+        unsafe = f"; {len(self.host_reads)} stage(s) not graph-safe" if self.host_reads else ""
         lines.append(
             f"{'PASS' if self.passed else 'FAIL'}: {len(self.replays) - failed} of "
-            f"{len(self.replays)} replays agree with the golden"
+            f"{len(self.replays)} replays agree with the golden{unsafe}"
         )
         return "\n".join(lines)
 
@@ -187,9 +197,10 @@ class GraphReport:
                 "bound": self.bound,
                 "captured": self.captured,
                 "capture_note": self.capture_note,
-                "forward": self.forward,
+                "backend": self.backend,
                 "engine": self.engine,
                 "passed": self.passed,
+                "host_reads": self.host_reads,
                 "replays": [
                     {
                         "name": r.replay.name,
@@ -219,27 +230,22 @@ class _GivenRoute(ReferenceBackend):
         return {"topk_ids": self._ids, "topk_weights": self._weights}
 
 
-def resolve_forward(spec: str) -> str:
-    """The registered forward `spec` names: a registered name ('optimized'), or 'module:Class'
-    for a `ProductionForward` subclass (your own kernels under capture), which is registered."""
-    module_name, sep, class_name = spec.partition(":")
-    if not sep:
-        op.registered_forward(spec)
+def resolve_graph_backend(spec: str, engine: Engine | str = Engine.AUTO) -> str:
+    """The registered name of the backend `spec` names, registering it: the same specs `run`
+    takes ('optimized', 'vllm', 'module:Class'), for any `optimized.OptimizedBackend` (or
+    subclass), whose stage methods production mode runs graph-safe."""
+    if spec == "optimized" or spec in op.registered_names():
         return spec
-    if not module_name or not class_name:
-        raise ValueError(f"forward: expected a registered name or 'module:Class', got {spec!r}")
-    if os.getcwd() not in sys.path:  # a user's module in the current directory
-        sys.path.insert(0, os.getcwd())
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"forward {spec!r}: cannot load it ({exc})") from exc
-    if not (isinstance(cls, type) and issubclass(cls, ProductionForward)):
+    backend = resolve_backend(spec, engine)
+    from optimized import OptimizedBackend
+
+    if not isinstance(backend, OptimizedBackend):
         raise ValueError(
-            f"forward {spec!r}: expected a subclass of optimized.production.ProductionForward, "
-            f"got {cls!r}"
+            f"graph: backend {spec!r} ({type(backend).__name__}) has no production mode: the op "
+            "runs the stage methods of optimized.OptimizedBackend graph-safe, so `graph` takes "
+            "OptimizedBackend and its subclasses (the class `run --backend` takes, written once)"
         )
-    return op.register_forward(cls())
+    return op.register_backend(backend, spec)
 
 
 def check_graphable(problem: MoEProblem) -> None:
@@ -277,17 +283,17 @@ class GraphSession:
         problem: MoEProblem,
         bound: int,
         engine: Engine | str = Engine.AUTO,
-        forward: str = "optimized",
+        backend: str = "optimized",
         device: torch.device | str | None = None,
         capture: bool | None = None,
     ) -> None:
         check_graphable(problem)
         if bound < 1:
             raise ValueError(f"graph: bound must be >= 1 token, got {bound}")
-        op.registered_forward(forward)  # a clear error now rather than at capture
+        op.registered_backend(backend)  # a clear error now rather than at capture
         self.problem = dataclasses.replace(problem, tokens=bound)
         self.bound = bound
-        self.forward = forward
+        self.backend = backend
         self.device = torch.device(device) if device is not None else default_device()
         cuda = self.device.type == "cuda"
         self.capture = cuda if capture is None else capture
@@ -301,7 +307,7 @@ class GraphSession:
         self.ranks = []
         for rank in range(self.problem.topology.size):
             cfg = ForwardConfig.for_problem(self.problem, rank, bound, engine)
-            w = prepare_rank_weights(cfg, self.problem, self.base.w13_q, self.base.w2_q, rank)
+            w = prepare_rank_weights(cfg, self.base.w13_q, self.base.w2_q)
             ws = torch.empty(workspace_bytes(cfg, bound), dtype=torch.uint8, device=self.device)
             self.ranks.append(_Rank(cfg, w, ws))
         self.engine = self.ranks[0].cfg.engine.value
@@ -309,6 +315,7 @@ class GraphSession:
         # no later allocation can take an address a stale pointer in the graph still holds.
         self.keepalive: list[torch.Tensor] = []
         self.sentinels: list[torch.Tensor] = []
+        self.host_reads: dict[str, str] = {}
 
     @property
     def num_experts_table(self) -> int:
@@ -349,30 +356,46 @@ class GraphSession:
 
     def _call(self, r: _Rank) -> torch.Tensor:
         return op.call(r.cfg, self.hidden, self.ids, self.weights, r.weights, r.workspace,
-                       self.forward)  # fmt: skip
+                       self.backend)  # fmt: skip
 
-    def warm_up_and_capture(self) -> str:
-        """One eager call per rank (JIT compiles happen outside capture), then the capture.
-        Returns how the replays will run."""
-        for r in self.ranks:
-            if self.capture:
+    def _warm_up(self, r: _Rank) -> torch.Tensor:
+        """One eager call (JIT compiles happen outside capture; on a side stream when a capture
+        follows, as torch.cuda.graph asks), with host reads counted: a stage that reads cannot
+        be captured (`host_reads`: stage -> its first read)."""
+        with HostReads().counting() as reads:
+            if not self.capture:
+                warm = self._call(r)
+            else:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     warm = self._call(r)
                 torch.cuda.current_stream(self.device).wait_stream(side)
-            else:
-                warm = self._call(r)
+        for stage, read in reads.by_stage().items():
+            self.host_reads.setdefault(stage, str(read))
+        return warm
+
+    def warm_up_and_capture(self) -> str:
+        """The warm-up call of every rank, then (no stage reading the host) the capture.
+        Returns how the replays will run."""
+        for r in self.ranks:
+            warm = self._warm_up(r)
             warm.fill_(float("nan"))
             self.sentinels.append(warm)
-            if self.capture:
-                r.graph = torch.cuda.CUDAGraph()
-                with op.recording(r.taps), torch.cuda.graph(r.graph):
-                    r.out = self._call(r)
-        if self.capture:
-            torch.cuda.synchronize(self.device)
-            return "captured once per rank with torch.cuda.graph"
-        return "no CUDA device: each replay is an eager op call on the static buffers"
+        if self.host_reads:
+            self.capture = False
+            return (
+                f"not captured: {', '.join(self.host_reads)} read(s) the device on the host; "
+                "each replay is an eager op call on the static buffers"
+            )
+        if not self.capture:
+            return "no CUDA device: each replay is an eager op call on the static buffers"
+        for r in self.ranks:
+            r.graph = torch.cuda.CUDAGraph()
+            with op.recording(r.taps), torch.cuda.graph(r.graph):
+                r.out = self._call(r)
+        torch.cuda.synchronize(self.device)
+        return "captured once per rank with torch.cuda.graph"
 
     def replay_rank(self, r: _Rank) -> tuple[torch.Tensor, Trace]:
         """Poison, replay (or call), and read this rank's output and taps as a Trace."""
@@ -387,7 +410,7 @@ class GraphSession:
             taps: dict[str, dict[str, object]] = {}
             with op.recording(taps):
                 out = self._call(r)
-        trace = Trace(f"{self.forward} (graph replay)")
+        trace = Trace(f"{self.backend} (graph replay)")
         for stage, outputs in taps.items():
             if stage == Stage.ROUTE.value:
                 continue
@@ -458,7 +481,7 @@ def verify_graph(
     bound: int | None = None,
     replays: Sequence[Replay] | None = None,
     engine: Engine | str = Engine.AUTO,
-    forward: str = "optimized",
+    backend: str = "optimized",
     device: torch.device | str | None = None,
     capture: bool | None = None,
 ) -> GraphReport:
@@ -466,13 +489,16 @@ def verify_graph(
     replay it under `replays` (default: `default_replays`), and compare each replay with the
     golden of that replay's inputs, stage by stage (chained: the op runs end to end)."""
     bound = problem.tokens if bound is None else bound
-    session = GraphSession(problem, bound, engine, forward, device, capture)
+    session = GraphSession(problem, bound, engine, backend, device, capture)
     replays = list(replays) if replays is not None else default_replays(bound, problem.seed)
     if not replays:
         raise ValueError("graph: at least one replay")
     session.stage(replays[0])
     note = session.warm_up_and_capture()
-    report = GraphReport(session.problem, bound, session.capture, note, forward, session.engine)
+    report = GraphReport(
+        session.problem, bound, session.capture, note, backend, session.engine,
+        host_reads=session.host_reads,
+    )  # fmt: skip
     previous = None
     stages = [s for s in session.problem.stages if s is not Stage.ROUTE]
     for replay in replays:
@@ -496,7 +522,7 @@ def verify_graph(
             results.append(compare_reduce(session.problem, runs, Mode.CHAINED))
         rep = Report(
             session.problem,
-            f"{forward} (graph replay {replay.name})",
+            f"{backend} (graph replay {replay.name})",
             Mode.CHAINED,
             chained=results,
             rank_experts=rank_experts(session.problem),

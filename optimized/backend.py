@@ -1,5 +1,11 @@
 """OptimizedBackend: the DeepGEMM MoE path (Triton kernels + DeepGEMM grouped GEMMs), staged.
 
+This class is the one stage surface: one method per stage, `(problem, inputs, upstream, rank)
+-> outputs`. Verification calls the methods through `run_stage` (host-validated, guarded
+workspaces); production mode calls the same methods inside the custom op, graph-safe
+(`production`: no validation, no host reads, buffers carved from the op's workspace, the op's
+weights). A user's kernel for one stage is a subclass overriding that one method.
+
 Stage for stage it mirrors reference/moe.py, so the two read side by side. GEMM stages pick an
 engine like vLLM's TritonOrDeepGemmExperts (`deepgemm.choose_engine`) and record which one ran,
 and why. The permute yields both grouped layouts (m_indices and the psum expert_ends) from one
@@ -9,7 +15,8 @@ does, or as the problem forces) and record it as "layout".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -31,10 +38,11 @@ from moe_verify.spec import (
 )
 from optimized import deepgemm
 from optimized.deepgemm import EngineChoice, as_engine, choose_engine, choose_grouped_layout
+from optimized.dispatch import batch_m_indices, batched_dispatch
 from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter
-from optimized.production import batch_m_indices, batched_dispatch
+from optimized.production import CarvedBuffers, ForwardConfig, RankWeights
 from optimized.routing import select_experts
-from optimized.topology import Shard, shard, tp_down_shard, tp_gate_up_shard
+from optimized.topology import Shard, hosted_experts, shard, tp_down_shard, tp_gate_up_shard
 from optimized.triton_compat import interpreter_mode
 from optimized.workspace import Workspaces
 
@@ -77,6 +85,11 @@ class OptimizedBackend:
     verify your own kernel for a stage, subclass and override that method: `upstream` holds the
     outputs of the stages before it (yours in chained mode, the golden's in isolated mode; never
     write to it), and the returned names are those of docs/stage-contract.md.
+
+    The same methods run in production mode (`moe-verify graph`, `bench --production`, the op):
+    there `self.graph_safe` is True, so call kernels with `validate=self.validate`, take output
+    buffers from `self.workspaces.get(...)`, weights from `self.shard(...)`, and read nothing
+    from the device on the host; a stage that does is named by `moe-verify graph`.
     """
 
     name = "optimized"
@@ -110,7 +123,10 @@ class OptimizedBackend:
         self.expected_m = expected_m
         self.num_sms = num_sms
         self.engine = as_engine(engine)
-        self.workspaces = Workspaces(workspace, poison)
+        self.workspaces: Workspaces | CarvedBuffers = Workspaces(workspace, poison)
+        # Production mode (`production`): graph-safe stage calls on the op's weights and buffers.
+        self.graph_safe = False
+        self._bound: tuple[ForwardConfig, RankWeights] | None = None
         # Per-rank weights (and DeepGEMM's scale layouts) of the inputs object last seen; held,
         # so a new inputs object can never alias a stale cache entry through a reused id().
         self._weights_of: MoEInputs | None = None
@@ -119,11 +135,31 @@ class OptimizedBackend:
 
     @property
     def workspace(self) -> bool:
-        return self.workspaces.enabled
+        return isinstance(self.workspaces, Workspaces) and self.workspaces.enabled
 
     @property
     def poison(self) -> int | None:
-        return self.workspaces.poison
+        return self.workspaces.poison if isinstance(self.workspaces, Workspaces) else None
+
+    @property
+    def validate(self) -> bool:
+        """Whether kernels check their inputs' values on the host (never in production mode)."""
+        return not self.graph_safe
+
+    @contextlib.contextmanager
+    def production(
+        self, cfg: ForwardConfig, weights: RankWeights, buffers: CarvedBuffers
+    ) -> Iterator[None]:
+        """Inside this block the stage methods run as production mode needs them: graph-safe
+        (no validation, no host reads), on `weights` (the rank's, as the op was given them),
+        writing the M_sum-sized outputs into `buffers`, on `cfg`'s engine."""
+        saved = (self.graph_safe, self._bound, self.workspaces, self.engine)
+        self.graph_safe, self._bound = True, (cfg, weights)
+        self.workspaces, self.engine = buffers, cfg.engine
+        try:
+            yield
+        finally:
+            self.graph_safe, self._bound, self.workspaces, self.engine = saved
 
     def run(self, problem: MoEProblem, inputs: MoEInputs, rank: int = 0) -> Trace:
         return run_stages(self, problem, inputs, rank)
@@ -159,7 +195,12 @@ class OptimizedBackend:
         return hook
 
     def shard(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Shard:
-        """This rank's weights and expert map, built once per inputs object."""
+        """This rank's weights and expert map, built once per inputs object (in production
+        mode: the weights the op was given)."""
+        if self._bound is not None:
+            cfg, w = self._bound
+            experts = tuple(hosted_experts(cfg.problem, cfg.rank))
+            return Shard(experts, w.expert_map, w.w13, w.w2)
         if inputs is not self._weights_of:
             self._weights_of, self._shards, self._dg_scales = inputs, {}, {}
         key = (problem, rank)
@@ -170,7 +211,11 @@ class OptimizedBackend:
     def _deepgemm_weight_scales(
         self, problem: MoEProblem, inputs: MoEInputs, rank: int, which: str, w: QuantizedWeight
     ) -> torch.Tensor:
-        """This rank's w13/w2 scales in DeepGEMM's layout, transformed once per inputs object."""
+        """This rank's w13/w2 scales in DeepGEMM's layout, transformed once per inputs object
+        (in production mode: the op's, transformed at load time)."""
+        if self._bound is not None:
+            bound = self._bound[1]
+            return bound.w13_scale if which == "w13" else bound.w2_scale
         self.shard(problem, inputs, rank)  # resets the caches when inputs is a new object
         key = (problem, rank, which)
         if key not in self._dg_scales:
@@ -197,7 +242,7 @@ class OptimizedBackend:
         self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
     ) -> Outputs:
         hidden = inputs.hidden_states
-        if problem.topology.kind is TopologyKind.EP_HT:
+        if "token_index" in upstream["route"]:  # ep:N+ht: the tokens this rank received
             hidden = hidden[upstream["route"]["token_index"]]
         if problem.recipe is Recipe.MXFP8:
             q, s = quant.quantize_mxfp8(hidden, problem.recipe.act_group)
@@ -208,8 +253,11 @@ class OptimizedBackend:
     def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         sh = self.shard(problem, inputs, rank)
         ids = upstream["route"]["topk_ids"]
-        counts = scatter.count_expert_tokens(ids, sh.num_local_experts, sh.expert_map)
+        counts = scatter.count_expert_tokens(
+            ids, sh.num_local_experts, sh.expert_map, validate=self.validate
+        )
         if problem.topology.kind is TopologyKind.EP_HT or self.exact_m_sum:
+            # The one host read of the exact-count path (production mode says so: host_syncs).
             m_sum = scatter.aligned_m_sum_exact(counts, problem.alignment)
         else:
             m_sum = scatter.aligned_m_sum_upper_bound(
@@ -233,6 +281,7 @@ class OptimizedBackend:
             align["alignment"],
             m_sum,
             sh.expert_map,
+            validate=self.validate,
             a_perm_out=self.workspaces.get("a_perm", (m_sum, a1q.shape[1]), a1q.dtype, a1q.device),
         )
         return {
@@ -291,18 +340,19 @@ class OptimizedBackend:
         mm1 = upstream["gemm1"]["mm1"]
         batch = mm1.shape[:-1]
         flat = mm1.reshape(-1, mm1.shape[-1])
-        if mm1.dim() == 3:  # batched layout: every batch row is quantized, kept [E_l, T, ...]
-            q, s = act_quant.silu_mul_quant(
-                flat, problem.activation, problem.recipe.act_group, problem.scale_fmt
-            )
-            return {
-                "a2q": q.view(*batch, q.shape[-1]),
-                "a2q_scale": s.reshape(*batch, s.shape[-1]),
-                **act_quant.gate_source(mm1.device),
-            }
         out_q = self.workspaces.get(
             "a2q", (flat.shape[0], flat.shape[1] // 2), torch.float8_e4m3fn, mm1.device
         )
+        if mm1.dim() == 3:  # batched layout: every batch row is quantized, kept [E_l, T, ...]
+            q, s = act_quant.silu_mul_quant(
+                flat, problem.activation, problem.recipe.act_group, problem.scale_fmt, out_q,
+                validate=self.validate,
+            )  # fmt: skip
+            return {
+                "a2q": self.workspaces.own(q).view(*batch, q.shape[-1]),
+                "a2q_scale": s.reshape(*batch, s.shape[-1]),
+                **act_quant.gate_source(mm1.device),
+            }
         layout, grouped = self.grouped_layout(problem, upstream)
         psum = layout is GroupedLayout.PSUM
         q, s = act_quant.silu_mul_quant(
@@ -313,6 +363,7 @@ class OptimizedBackend:
             out_q,
             expert_ends=grouped if psum else None,
             expert_alignment=upstream["align"]["alignment"] if psum else 0,
+            validate=self.validate,
         )
         return {
             "a2q": self.workspaces.own(q),
@@ -360,6 +411,7 @@ class OptimizedBackend:
                 d["slot_expert"],
                 route["topk_weights"],
                 rows.to(torch.int32),
+                validate=self.validate,
             )
             return {"out": out}
         mm2, ids = upstream["gemm2"]["mm2"], route["topk_ids"]
@@ -369,6 +421,7 @@ class OptimizedBackend:
             route["topk_weights"],
             upstream["permute"]["inv_perm"],
             self.shard(problem, inputs, rank).expert_map,
+            validate=self.validate,
             out=self.workspaces.get(
                 "out", (ids.shape[0], mm2.shape[1]), torch.bfloat16, mm2.device
             ),
@@ -417,18 +470,26 @@ class OptimizedBackend:
     def dispatch(
         self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
     ) -> Outputs:
-        """Stands in for DeepEP's low-latency dispatch (production.batched_dispatch: one
-        implementation for both modes; here expected_m is the mean batch, read on the host)."""
+        """Stands in for DeepEP's low-latency dispatch (optimized/dispatch.py). expected_m, the
+        masked GEMM's scheduling hint, is the mean batch read on the host in verification, and
+        the mean of the token bound in production mode (no host read)."""
         sh = self.shard(problem, inputs, rank)
         q = upstream["quant_input"]
-        return batched_dispatch(
-            q["a1q"],
+        a1q, e_l = q["a1q"], sh.num_local_experts
+        t, k = upstream["route"]["topk_ids"].shape
+        rows = e_l * problem.ll_max_tokens
+        out = batched_dispatch(
+            a1q,
             q["a1q_scale"],
             upstream["route"]["topk_ids"],
             sh.expert_map,
-            sh.num_local_experts,
+            e_l,
             problem.ll_max_tokens,
+            expected_m=max(1, -(-t * k // max(e_l, 1))) if self.graph_safe else None,
+            a_out=self.workspaces.get("a_perm", (rows, a1q.shape[1]), a1q.dtype, a1q.device),
         )
+        out["a_batched"] = self.workspaces.own(out["a_batched"])
+        return out
 
     def _batched_gemm(
         self,
@@ -445,6 +506,8 @@ class OptimizedBackend:
         choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
         sh = self.shard(problem, inputs, rank)
         w = sh.w13 if which == "w13" else sh.w2
+        name = "mm1" if which == "w13" else "mm2"
+        buf = self.workspaces.get(name, (e_l * t_max, w.shape[1]), torch.bfloat16, a.device)
         if choice.engine is Engine.DEEPGEMM:
             with deepgemm.sm_count_scope(self.num_sms):
                 out = deepgemm.m_grouped_gemm_masked(
@@ -455,9 +518,10 @@ class OptimizedBackend:
                     d["masked_m"],
                     self.expected_m or int(d["expected_m"]),
                     use_ue8m0=problem.scale_fmt.is_ue8m0,
+                    validate=self.validate,
+                    out=None if buf is None else buf.view(e_l, t_max, w.shape[1]),
                 )
         else:
-            m_indices = batch_m_indices(d["masked_m"], t_max)
             out = grouped_gemm.grouped_gemm(
                 a.reshape(e_l * t_max, k),
                 a_scale.reshape(e_l * t_max, a_scale.shape[-1]),
@@ -465,9 +529,12 @@ class OptimizedBackend:
                 w.q,
                 w.scale,
                 w.block,
-                m_indices,
+                batch_m_indices(d["masked_m"], t_max),
                 t_max,
+                validate=self.validate,
+                out=buf,
             ).view(e_l, t_max, w.shape[1])
+        out = self.workspaces.own(out)
         return {
             "out": out,
             "engine": choice.engine,
@@ -497,11 +564,12 @@ class OptimizedBackend:
         w = sh.w13 if which == "w13" else sh.w2
         group = problem.recipe.act_group
         psum = layout is GroupedLayout.PSUM
-        out = self.workspaces.get(f"mm_{which}", (a.shape[0], w.shape[1]), torch.bfloat16, a.device)
+        name = "mm1" if which == "w13" else "mm2"
+        out = self.workspaces.get(name, (a.shape[0], w.shape[1]), torch.bfloat16, a.device)
         if choice.engine is Engine.TRITON:
             d = grouped_gemm.grouped_gemm(
                 a, a_scale, group, w.q, w.scale, w.block, grouped, alignment,
-                use_psum_layout=psum, out=out,
+                use_psum_layout=psum, validate=self.validate, out=out,
             )  # fmt: skip
         else:
             with deepgemm.sm_count_scope(self.num_sms):
@@ -515,6 +583,7 @@ class OptimizedBackend:
                     alignment,
                     use_ue8m0=problem.scale_fmt.is_ue8m0,
                     use_psum_layout=psum,
+                    validate=self.validate,
                     out=out,
                 )
         return self.workspaces.own(d)

@@ -6,55 +6,75 @@ mutates, and the `needs_exact_strides` tag, so Inductor hands every tensor over 
 strides eager mode would (vLLM #49928: Inductor rewrote a TMA-aligned scale's strides, and the
 kernel read out of bounds). `needs_fixed_stride_order`, vLLM's default, keeps only the order: an
 MN-major scale built in the graph loses its TMA padding (tests/optimized/test_op.py). The real
-implementation is `ProductionForward.forward`: no host syncs (the exact-count path reads the
-counts once), workspaces sized for the token bound, DeepGEMM's alignment scope set inside the op.
+implementation is `optimized.production.forward`: the registered backend's own stage methods,
+graph-safe (no host syncs; the exact-count path reads the counts once), workspaces sized for the
+token bound, DeepGEMM's alignment scope set inside the op.
 
-Which forward runs is a registered name (`register_forward`), so a kernel developer's subclass,
-or a deliberately wrong one, runs under capture and compile exactly as ours does. `recording`
-collects the stage outputs of every call made inside it (the taps of a CUDA-graph capture).
+Which backend runs is a registered name (`register_backend`): `OptimizedBackend`, a kernel
+developer's subclass of it, or a deliberately wrong one, runs under capture and compile exactly
+as ours does, through the same stage methods `moe-verify run` verifies. The problem travels as its
+JSON (`MoEProblem.to_dict`), so the op needs nothing but its arguments. `recording` collects the
+stage outputs of every call made inside it (the taps of a CUDA-graph capture).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe_verify.spec import Activation, Engine, QuantizedWeight, Recipe, ScaleFmt
-from optimized.production import (
-    ForwardConfig,
-    ProductionForward,
-    RankWeights,
-    Taps,
-)
+from moe_verify.spec import Engine, MoEProblem, QuantizedWeight
+from optimized import production
+from optimized.production import ForwardConfig, RankWeights, Taps
+
+if TYPE_CHECKING:
+    from optimized.backend import OptimizedBackend
 
 OP_NAME = "moe_verify::fused_moe"
 
-_FORWARDS: dict[str, ProductionForward] = {}
+_BACKENDS: dict[str, OptimizedBackend] = {}
 _sinks: list[Taps] = []
 
 
-def register_forward(forward: ProductionForward) -> str:
-    """Make `forward` callable through the op under its `name` (replacing one of that name)."""
-    if not isinstance(forward, ProductionForward):
-        raise TypeError(f"register_forward: expected a ProductionForward, got {forward!r}")
-    _FORWARDS[forward.name] = forward
-    return forward.name
+def register_backend(backend: OptimizedBackend, name: str | None = None) -> str:
+    """Make `backend` callable through the op under `name` (default: its `name`), replacing one
+    of that name. Returns the name to pass as the op's `backend` argument."""
+    from optimized.backend import OptimizedBackend
+
+    if not isinstance(backend, OptimizedBackend):
+        raise TypeError(
+            "register_backend: production mode runs an OptimizedBackend's stage methods "
+            f"graph-safe; expected an instance of optimized.OptimizedBackend (or a subclass), "
+            f"got {backend!r}"
+        )
+    key = backend.name if name is None else name
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"register_backend: name must be a non-empty string, got {key!r}")
+    _BACKENDS[key] = backend
+    return key
 
 
-def registered_forward(name: str) -> ProductionForward:
+def registered_names() -> frozenset[str]:
+    return frozenset(_BACKENDS)
+
+
+def registered_backend(name: str) -> OptimizedBackend:
+    if name not in _BACKENDS and name == "optimized":
+        from optimized.backend import OptimizedBackend
+
+        register_backend(OptimizedBackend())
     try:
-        return _FORWARDS[name]
+        return _BACKENDS[name]
     except KeyError:
         raise ValueError(
-            f"{OP_NAME}: no production forward named {name!r} is registered (known: "
-            f"{sorted(_FORWARDS)}); register it with optimized.op.register_forward"
+            f"{OP_NAME}: no backend named {name!r} is registered (known: "
+            f"{sorted({'optimized', *_BACKENDS})}); register it with "
+            "optimized.op.register_backend"
         ) from None
-
-
-register_forward(ProductionForward())
 
 
 @contextlib.contextmanager
@@ -69,45 +89,8 @@ def recording(taps: Taps) -> Iterator[Taps]:
 
 
 @functools.lru_cache(maxsize=256)
-def _config(
-    recipe: str,
-    scale_fmt: str,
-    activation: str,
-    alpha: float,
-    beta: float,
-    limit: float | None,
-    alignment: int,
-    layout: str,
-    engine: str,
-    num_local_experts: int,
-    hidden: int,
-    intermediate: int,
-    topk: int,
-    exact_m_sum: bool,
-    ll_max_tokens: int,
-) -> ForwardConfig:
-    return ForwardConfig(
-        recipe=Recipe(recipe),
-        scale_fmt=ScaleFmt(scale_fmt),
-        activation=Activation(activation, alpha, beta, limit),
-        alignment=alignment,
-        layout=layout,
-        engine=Engine(engine),
-        num_local_experts=num_local_experts,
-        hidden=hidden,
-        intermediate=intermediate,
-        topk=topk,
-        exact_m_sum=exact_m_sum,
-        ll_max_tokens=ll_max_tokens,
-    )
-
-
-def _shapes(
-    hidden_states: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor
-) -> tuple[int, int, int, int]:
-    """(E_l, H, I, k) read from the tensors' shapes (E2M1 weights hold two codes a byte)."""
-    e_l, two_i, _ = w13.shape
-    return e_l, hidden_states.shape[1], two_i // 2, topk_ids.shape[1]
+def _config(problem: str, rank: int, engine: str) -> ForwardConfig:
+    return ForwardConfig(MoEProblem.from_dict(json.loads(problem)), rank, Engine(engine))
 
 
 @torch.library.custom_op(
@@ -123,18 +106,10 @@ def fused_moe(
     w2_scale: torch.Tensor,
     expert_map: torch.Tensor | None,
     workspace: torch.Tensor,
-    recipe: str,
-    scale_fmt: str,
-    activation: str,
-    alpha: float,
-    beta: float,
-    limit: float | None,
-    alignment: int,
-    layout: str,
+    problem: str,
+    rank: int,
     engine: str,
-    ll_max_tokens: int,
-    exact_m_sum: bool,
-    forward: str,
+    backend: str,
 ) -> torch.Tensor:
     """One rank's routed-expert MoE forward: out bf16 [T, H].
 
@@ -142,13 +117,10 @@ def fused_moe(
     expert map are skipped); topk_weights fp32 [T, k]; w13 / w2 this rank's quantized experts
     with their scales in the GEMM engine's layout (`production.prepare_rank_weights`);
     expert_map int32 [E_global] or None; workspace uint8, `production.workspace_bytes` for T.
-    The rest is the `ForwardConfig` (limit None: no clamp) and the registered forward's name.
+    problem: the MoEProblem as JSON; rank; engine: the resolved GEMM engine; backend: the
+    registered backend's name (`register_backend`).
     """
-    e_l, h, i, k = _shapes(hidden_states, topk_ids, w13)
-    cfg = _config(
-        recipe, scale_fmt, activation, alpha, beta, limit, alignment, layout, engine,
-        e_l, h, i, k, exact_m_sum, ll_max_tokens,
-    )  # fmt: skip
+    cfg = _config(problem, rank, engine)
     block = cfg.recipe.weight_block
     weights = RankWeights(
         QuantizedWeight(w13, w13_scale, block),
@@ -160,8 +132,10 @@ def fused_moe(
     taps = _sinks[-1] if _sinks else None
     if taps is not None:
         taps.clear()
-    fwd = registered_forward(forward)
-    return fwd.forward(cfg, hidden_states, topk_ids, topk_weights, weights, workspace, taps)
+    runner = registered_backend(backend)
+    return production.forward(
+        runner, cfg, hidden_states, topk_ids, topk_weights, weights, workspace, taps
+    )
 
 
 @fused_moe.register_fake
@@ -171,22 +145,13 @@ def _(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Ten
     return hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
 
 
-def op_args(cfg: ForwardConfig, forward: str = "optimized") -> dict[str, object]:
-    """The op's non-tensor arguments for `cfg`."""
-    act = cfg.activation
+def op_args(cfg: ForwardConfig, backend: str = "optimized") -> dict[str, object]:
+    """The op's non-tensor arguments for `cfg` and the registered backend `backend`."""
     return {
-        "recipe": cfg.recipe.value,
-        "scale_fmt": cfg.scale_fmt.value,
-        "activation": act.kind,
-        "alpha": act.alpha,
-        "beta": act.beta,
-        "limit": act.limit,
-        "alignment": cfg.alignment,
-        "layout": cfg.layout,
+        "problem": json.dumps(cfg.problem.to_dict(), sort_keys=True),
+        "rank": cfg.rank,
         "engine": cfg.engine.value,
-        "ll_max_tokens": cfg.ll_max_tokens,
-        "exact_m_sum": cfg.exact_m_sum,
-        "forward": forward,
+        "backend": backend,
     }
 
 
@@ -218,8 +183,8 @@ def call(
     topk_weights: torch.Tensor,
     weights: RankWeights,
     workspace: torch.Tensor,
-    forward: str = "optimized",
+    backend: str = "optimized",
 ) -> torch.Tensor:
     """`torch.ops.moe_verify.fused_moe` with `cfg` and `weights` spelled out as its arguments."""
     args = tensor_args(hidden_states, topk_ids, topk_weights, weights, workspace)
-    return torch.ops.moe_verify.fused_moe(*args, **op_args(cfg, forward))
+    return torch.ops.moe_verify.fused_moe(*args, **op_args(cfg, backend))

@@ -42,10 +42,10 @@ class OpCall:
         )
 
     def run(
-        self, forward: str = "optimized", workspace: torch.Tensor | None = None
+        self, backend: str = "optimized", workspace: torch.Tensor | None = None
     ) -> torch.Tensor:
         ws = self.workspace() if workspace is None else workspace
-        return torch.ops.moe_verify.fused_moe(*self.args(ws), **op.op_args(self.cfg, forward))
+        return torch.ops.moe_verify.fused_moe(*self.args(ws), **op.op_args(self.cfg, backend))
 
 
 def op_call(problem: MoEProblem, engine: Engine, device: str | None = None) -> OpCall:
@@ -57,5 +57,5 @@ def op_call(problem: MoEProblem, engine: Engine, device: str | None = None) -> O
     if "token_index" in route:  # ep+ht: the rank receives only the tokens routed to it
         hidden = hidden[route["token_index"]]
     cfg = ForwardConfig.for_problem(problem, 0, hidden.shape[0], engine)
-    weights = prepare_rank_weights(cfg, problem, x.w13_q, x.w2_q, 0)
+    weights = prepare_rank_weights(cfg, x.w13_q, x.w2_q)
     return OpCall(problem, cfg, hidden, route["topk_ids"], route["topk_weights"], weights, golden)

@@ -4,15 +4,14 @@ What vLLM ships is this op, not an eager call: so its registration (schema, muta
 layout tag, opcheck), a fake whose output metadata equals the real op's for every recipe, scale
 format and layout, outputs bitwise equal to the production forward and within the golden's
 tolerance, no host reads on the upper-bound paths (one on the exact-count path), bad workspaces
-and forward names refused by name, and torch.compile(fullgraph=True): bitwise equal to eager, with
+and backend names refused by name, and torch.compile(fullgraph=True): bitwise equal to eager, with
 the TMA-aligned scale strides built inside the graph reaching the kernels unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -20,9 +19,19 @@ import torch
 import torch._functorch.config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from moe_verify.spec import Engine, GroupedLayout, Mode, MoEProblem, Recipe, ScaleFmt, Trace
-from optimized import op
-from optimized.production import ForwardConfig, ProductionForward, RankWeights, Taps
+from moe_verify.host_reads import HostReads
+from moe_verify.spec import (
+    Engine,
+    GroupedLayout,
+    Mode,
+    MoEInputs,
+    MoEProblem,
+    Recipe,
+    ScaleFmt,
+    Trace,
+)
+from optimized import OptimizedBackend, op, production
+from optimized.production import Taps
 from tests.optimized import op_calls
 from tests.optimized.op_calls import OpCall
 from tolerance.compare import compare
@@ -173,12 +182,12 @@ def test_op_equals_the_forward_and_passes_the_golden(case: OpCase) -> None:
     taps: Taps = {}
     with op.recording(taps):
         out = call.run()
-    direct = ProductionForward().forward(
-        call.cfg, call.hidden_states, call.topk_ids, call.topk_weights, call.weights,
-        call.workspace(),
+    direct = production.forward(
+        OptimizedBackend(), call.cfg, call.hidden_states, call.topk_ids, call.topk_weights,
+        call.weights, call.workspace(),
     )  # fmt: skip
     assert torch.equal(out.view(torch.int16), direct.view(torch.int16)), (
-        f"{case.id}: the op's output differs from ProductionForward.forward's"
+        f"{case.id}: the op's output differs from production.forward's"
     )
     trace = Trace("production")
     for stage, outputs in taps.items():
@@ -192,73 +201,6 @@ def test_op_equals_the_forward_and_passes_the_golden(case: OpCase) -> None:
 
 
 # -- host syncs ----------------------------------------------------------------------------------
-
-
-def _reads_a_mask(args: tuple, kwargs: dict) -> bool:
-    """x[mask] and x[mask] = v: a boolean index sizes its result from the data."""
-    index = args[1] if len(args) > 1 else None
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
-
-
-def _always(args: tuple, kwargs: dict) -> bool:
-    return True
-
-
-# Calls that read device values into the host: a Python value (item, tolist, bool, int, float,
-# index), a host copy (cpu), or a result shaped by the data (nonzero and kin, where(cond),
-# repeat_interleave without output_size, boolean-mask indexing). numpy() is not listed: a device
-# tensor needs cpu() first, and the Triton interpreter calls numpy() on host copies while it
-# emulates a kernel (device code on a GPU).
-_TENSOR_READS: dict[str, Callable[[tuple, dict], bool]] = {
-    name: _always
-    for name in (
-        "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "nonzero",
-        "argwhere", "masked_select", "unique", "unique_consecutive",
-    )
-} | {"__getitem__": _reads_a_mask, "__setitem__": _reads_a_mask}  # fmt: skip
-_TORCH_READS: dict[str, Callable[[tuple, dict], bool]] = {
-    name: _always
-    for name in ("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive")
-} | {
-    "where": lambda args, kwargs: len(args) + len(kwargs) == 1,
-    "repeat_interleave": lambda args, kwargs: (
-        len(args) > 1 and isinstance(args[1], torch.Tensor) and "output_size" not in kwargs
-    ),
-}
-
-
-class HostReads:
-    """Counts the device-to-host reads Python code makes inside `counting()`, by name (patching
-    the Tensor methods and torch functions that read; one count per outermost read, so
-    Tensor.unique calling torch.unique counts once)."""
-
-    def __init__(self) -> None:
-        self.reads: list[str] = []
-        self._depth = 0
-
-    def _wrap(self, owner: object, name: str, reads: Callable[[tuple, dict], bool]) -> Callable:
-        original = getattr(owner, name)
-
-        def counted(*args: object, **kwargs: object) -> object:
-            if self._depth == 0 and reads(args, kwargs):
-                self.reads.append(name)
-            self._depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[HostReads]:
-        with pytest.MonkeyPatch.context() as mp:
-            for name, reads in _TENSOR_READS.items():
-                mp.setattr(torch.Tensor, name, self._wrap(torch.Tensor, name, reads))
-            for name, reads in _TORCH_READS.items():
-                mp.setattr(torch, name, self._wrap(torch, name, reads))
-            yield self
 
 
 @pytest.mark.parametrize(
@@ -296,36 +238,31 @@ _READ_BACKS: dict[str, Callable[[torch.Tensor], object]] = {
 }
 
 
-class ReadsBack(ProductionForward):
-    """A forward that reads the routing weights back once (the way `read` says), then
-    returns without computing: the detector must count that one read inside the op."""
+class ReadsBack(OptimizedBackend):
+    """The optimized path, its gather reading the routing weights back once (the way `read`
+    says): the detector must count that one read inside the op, and blame gather."""
 
     name = "reads_back"
 
     def __init__(self, read: Callable[[torch.Tensor], object]) -> None:
+        super().__init__()
         self.read = read
 
-    def forward(
-        self,
-        cfg: ForwardConfig,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        weights: RankWeights,
-        workspace: torch.Tensor,
-        taps: Taps | None = None,
-    ) -> torch.Tensor:
-        self.read(topk_weights.flatten())
-        return torch.zeros_like(hidden_states)
+    def gather(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> dict[str, object]:
+        self.read(upstream["route"]["topk_weights"].flatten())
+        return super().gather(problem, inputs, upstream, rank)
 
 
 @pytest.mark.parametrize("how", list(_READ_BACKS))
 def test_the_detector_counts_a_read_inside_the_op(how: str) -> None:
     call = op_call(OpCase(FP8, F32))
-    name = op.register_forward(ReadsBack(_READ_BACKS[how]))
+    name = op.register_backend(ReadsBack(_READ_BACKS[how]))
     with HostReads().counting() as detector:
-        call.run(forward=name)
+        call.run(backend=name)
     assert len(detector.reads) == 1, f"{how}: counted {detector.reads}, want one read"
+    assert list(detector.by_stage()) == ["gather"], f"{how}: blamed {detector.by_stage()}"
 
 
 # -- bad input -----------------------------------------------------------------------------------
@@ -347,39 +284,41 @@ def test_refuses_a_workspace_of_the_wrong_dtype() -> None:
         call.run(workspace=ws)
 
 
-def test_refuses_an_unknown_forward() -> None:
+def test_refuses_an_unknown_backend() -> None:
     call = op_call(OpCase(FP8, F32))
-    with pytest.raises(ValueError, match="no production forward named 'no_such_forward'.*known"):
-        call.run(forward="no_such_forward")
+    with pytest.raises(ValueError, match="no backend named 'no_such_backend'.*known"):
+        call.run(backend="no_such_backend")
+
+
+def test_register_refuses_what_is_not_an_optimized_backend() -> None:
+    from reference import ReferenceBackend
+
+    with pytest.raises(TypeError, match="expected an instance of optimized.OptimizedBackend"):
+        op.register_backend(ReferenceBackend())
 
 
 # -- torch.compile -------------------------------------------------------------------------------
 
 
-class RecordsScaleStrides(ProductionForward):
-    """The production forward, recording the strides of the w13 scale each call received."""
+class RecordsScaleStrides(OptimizedBackend):
+    """The optimized path, recording the strides of the w13 scale its gemm1 received (in
+    production mode: the scale the op was given)."""
 
     name = "records_scale_strides"
 
     def __init__(self) -> None:
+        super().__init__()
         self.strides: list[tuple[int, ...]] = []
 
-    def forward(
-        self,
-        cfg: ForwardConfig,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        weights: RankWeights,
-        workspace: torch.Tensor,
-        taps: Taps | None = None,
-    ) -> torch.Tensor:
-        self.strides.append(weights.w13_scale.stride())
-        return super().forward(cfg, hidden_states, topk_ids, topk_weights, weights, workspace, taps)
+    def gemm1(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> dict[str, object]:
+        self.strides.append(self.shard(problem, inputs, rank).w13.scale.stride())
+        return super().gemm1(problem, inputs, upstream, rank)
 
 
 RECORDER = RecordsScaleStrides()
-op.register_forward(RECORDER)
+op.register_backend(RECORDER)
 
 
 def mn_major_tma_aligned(scale: torch.Tensor) -> torch.Tensor:
