@@ -5,7 +5,7 @@ block-scaled FP8 weight to power-of-two scales (`requant_weight_ue8m0_inplace`: 
 quantize again with s' = 2^ceil(log2 s)) and quantizes activations with ceil-UE8M0 group scales.
 A checkpoint whose scales already are powers of two loses nothing on the weight side; any other
 loses up to one bit per block to the ceil and re-rounds every code. The audit measures, on the
-checkpoint's own tensors (ref/anchors.md, gap 6):
+checkpoint's own tensors (no peer suite measures this on a checkpoint):
 
 - every block's ceil factor r = ceil_ue8m0(s) / s in [1, 2) and log2(r), the bits of range lost
   (scales only, so every FP8 weight of the model is covered). Requantization really computes
@@ -81,8 +81,8 @@ VERDICT_CAVEAT = (
     "(relative error ~0.026, as published for a real checkpoint), and that alone puts the ratio "
     "near 1.4x, above the default limit, whatever the model. So `at-risk` says the scales are not "
     "powers of two; it does not tell a model E8M0 leaves neutral (Qwen3-30B-A3B-FP8: GSM8K within "
-    "one stderr) from one it harms (Qwen3.5-35B-A3B-FP8: 4 to 9 points lost; "
-    "ref/anchors-2026-12.md §7.2). What would discriminate: the model's activation outliers "
+    "one stderr, vLLM PRs #20087, #21968) from one it harms (Qwen3.5-35B-A3B-FP8: 4 to 9 points "
+    "lost, vLLM PRs #37806, #38083). What would discriminate: the model's activation outliers "
     "(audit on real activations, `--activations`: ceil-UE8M0 activation scales cost most where "
     "one large value sets a group's scale, which the synthetic probe models the same for every "
     "checkpoint), and a task-level A/B (e.g. GSM8K with E8M0 on and off, three runs per arm)."

@@ -1,5 +1,5 @@
 """Figures published for a real checkpoint's weight requantization to UE8M0, which
-`moe-verify audit-e8m0` reports its own measurements beside (source: ref/anchors-2026-12.md §7.1).
+`moe-verify audit-e8m0` reports its own measurements beside (source: a comment on vLLM PR #58157).
 
 Both are taken on the dequantized weights, as the audit takes them: W from the checkpoint's fp32
 block scales, W_e8m0 after vLLM's `requant_weight_ue8m0_inplace`.
@@ -28,7 +28,7 @@ class PublishedRequant:
 # The one real checkpoint with published requantization figures. "Flat across layer types" is what
 # makes a per-kind comparison meaningful: a kind far from these is not the format's usual cost.
 QWEN38_FLASH_NEXT = PublishedRequant(
-    source="vLLM PR #58157 comment (jschmied, 2026-09-22); ref/anchors-2026-12.md §7.1",
+    source="vLLM PR #58157 comment (jschmied, 2026-09-22)",
     model="Qwen3.8-Flash-Next FP8 block-scaled: 40 of its 157 FP8_PB_WO tensors, GB10",
     rel_frobenius_mean=0.02645,
     rel_frobenius_min=0.02575,
