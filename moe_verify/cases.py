@@ -103,7 +103,7 @@ TOPOLOGY: list[MoEProblem] = [
     P(**{**_T, "num_experts": 4}, topology=Topology.parse("ep:4")),  # one expert per rank
     P(
         **_T, topology=Topology.parse("ep:2"), recipe=Recipe.MXFP8, scale_fmt=ScaleFmt.UE8M0_PACKED
-    ),  # MX scales x EP (anchors #18)
+    ),  # MX scales x EP (vLLM issue #42118)
     P(
         **_T,
         topology=Topology.parse("tp:2"),

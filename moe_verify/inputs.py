@@ -20,7 +20,7 @@ _NEVER = -1.0e4
 _HOT = 8.0
 # |max| of a tiny token (MoEProblem.tiny_tokens): every 1x32 group's amax / 448 is then at most
 # 2^-119 / 448 = 2^-127.8, so its MXFP8 scale is E8M0 byte 0 (2^-127), the code Triton's decoder
-# read as zero (Triton #11624, anchors-2026-12.md N24); its codes stay up to 256, not zeros.
+# read as zero (Triton #11624); its codes stay up to 256, not zeros.
 TINY_AMAX = 2.0**-119
 
 
@@ -28,7 +28,8 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
     """Build the inputs of `problem` on `device` (default: the GPU if usable, else the CPU).
 
     hidden_states ~ N(0, 1) in bf16; weights ~ N(0, 1/fan_in), so GEMM1 outputs are O(1) and a
-    gate/up swap or a wrong activation is visible (small-magnitude inputs hide both, §12 obs. 3).
+    gate/up swap or a wrong activation is visible (small-magnitude inputs hide both: with GEMM1
+    outputs near 0, silu(a) * b ~ a * b / 2 ~ silu(b) * a).
     """
     if not isinstance(problem, MoEProblem):
         raise TypeError(
@@ -123,10 +124,10 @@ def quantize_weight(
 ) -> tuple[QuantizedWeight, QuantizedWeight | None]:
     """Quantize a bf16 weight stack [E, N, K] per recipe, then post-process as vLLM does.
 
-    FP8 block weights with a UE8M0 scale format are requantized to power-of-two scales (lossy
-    double quantization, §8.1): the kernel sees the requantized tensors, returned first; the
-    checkpoint before requant is returned second so its error can be measured apart. Experts are
-    quantized independently, so chunking them changes no bit.
+    FP8 block weights with a UE8M0 scale format are requantized to power-of-two scales (lossy double
+    quantization, vLLM's `requant_weight_ue8m0_inplace`): the kernel sees the requantized tensors,
+    returned first; the checkpoint before requant is returned second so its error can be measured
+    apart. Experts are quantized independently, so chunking them changes no bit.
     """
     step = max(1, _CHUNK_ELEMENTS // max(1, w[0].numel())) if w.shape[0] else 1
     if w.shape[0] <= step:

@@ -3,7 +3,7 @@ golden's padding rows can hold stale worst-case values (`poison_padding`).
 
 `torch.empty` returns whatever the allocator hands out. On a CPU that is often fresh zeroed pages,
 so a kernel that writes only the live rows of a buffer whose padding must be +0.0 passes by luck
-(ref/anchors.md #6: vLLM allocated its permuted fp32 scales with `torch.empty`; DeepGEMM's SM100
+(vLLM PR #49784: vLLM allocated its permuted fp32 scales with `torch.empty`; DeepGEMM's SM100
 packer then device-asserts on the garbage). Running the stage with the uninitialised allocators
 filling their result with 0xFF bytes makes the padding checks deterministic: 0xFF..FF is NaN in
 fp32, bf16 and e4m3, and the NaN byte in UE8M0, so an unwritten padding scale fails every time.
@@ -18,8 +18,8 @@ are not covered.
 
 The padding poison is the other half: what a GEMM must never read. A fresh scatter's padding rows
 are zero, so a GEMM that computes them (and lets them reach live rows) passes on synthetic inputs;
-in a served model they hold whatever an earlier batch left (FlashInfer #3650, anchors-2026-12.md
-N17: padding accumulators overflowed to Inf over stale FP8 input and NaN bled into live rows).
+in a served model they hold whatever an earlier batch left (FlashInfer #3650:
+padding accumulators overflowed to Inf over stale FP8 input and NaN bled into live rows).
 `poison_padding` gives the golden's permute (or dispatch) padding the largest e4m3 code, and the
 largest scale wherever the layout leaves padding scales unspecified, so a padding accumulator
 overflows; `verify(..., padding_poison=True)` feeds that upstream to the tested stages.
@@ -84,10 +84,11 @@ def poison_padding(golden: Trace, problem: MoEProblem) -> Trace:
     Contiguous layout (`permute`): padding rows (m_indices -1) get the e4m3 code 448 in every
     column; under the psum layout, whose gap and tail scales are unspecified (docs/tolerance.md
     "Permute and padding"), their scales become the largest fp32 (packed: 2^127 in every byte).
-    Under m_indices (or grouped_layout auto) the padding scales stay +0.0: the contract fixes
-    them. Batched layout (`dispatch`, ep:N+ll): rows at or past masked_m of each batch get the
-    code 448 and the largest scale: the masked GEMM reads only the first masked_m rows
-    (ref/deepgemm-api.md 1.6), and DeepEP's reused receive buffers hold an earlier batch there.
+    Under m_indices (or grouped_layout auto) the padding scales stay +0.0: the contract fixes them.
+    Batched layout (`dispatch`, ep:N+ll): rows at or past masked_m of each batch get the code 448
+    and the largest scale: the masked GEMM reads only the first masked_m rows (DeepGEMM's
+    `m_grouped_fp8_gemm_nt_masked`), and DeepEP's reused receive buffers hold an earlier batch
+    there.
     """
     if Stage.DISPATCH in golden:
         d = golden[Stage.DISPATCH]

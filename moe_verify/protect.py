@@ -1,9 +1,9 @@
 """The golden cannot be corrupted by a tested stage, and every in-place write is named.
 
 A tested stage is handed `Guarded(upstream, inputs).upstream` and `.inputs` instead of the
-originals; after the stage, `.writes()` names every tensor it wrote in place ("quant_input.a1q:
-12 of 4096 elements changed"), so the runner blames the write on the stage that made it
-(DESIGN.md "Other people's kernels"). Two kinds of tensors, protected two ways on purpose:
+originals; after the stage, `.writes()` names every tensor it wrote in place ("quant_input.a1q: 12
+of 4096 elements changed"), so the runner blames the write on the stage that made it (an adapter
+runs code the suite does not control). Two kinds of tensors, protected two ways on purpose:
 
 - The upstream is copied for every stage. In isolated mode it is the golden's own trace, which
   the comparison reads after the tested stages ran: a write into it would make an earlier stage

@@ -24,7 +24,7 @@ The permute recounts tokens when it gets no ExpertTokensMetadata; here it always
 counts as ExpertTokensMetadata (vLLM's own count_expert_num_tokens in chained mode, the golden's
 in isolated mode), so a counting bug lands at align and a scatter bug at permute.
 
-On a CPU, two switches let vLLM's Triton kernels run under the interpreter (ENVIRONMENT.md), and
+On a CPU, two switches let vLLM's Triton kernels run under the interpreter (docs/vllm.md), and
 only there: vLLM's HAS_TRITON (it disables Triton when triton has no CPU backend) is set before
 its kernel modules are imported, and while a vLLM stage runs without DeepGEMM,
 `get_mk_alignment_for_contiguous_layout` (which raises without DeepGEMM) answers DeepGEMM's
@@ -422,7 +422,7 @@ class VllmBackend(OptimizedBackend):
             if not _accepts(v.dg_utils.deepgemm_moe_permute, "use_psum_layout"):
                 raise StageSkipped(f"vLLM {v.version}'s deepgemm_moe_permute has no psum layout")
             kwargs["use_psum_layout"] = True
-        # The fp32 scatter ignores the scales' stride(1) (ref §14.10): hand it row-major scales.
+        # The fp32 scatter ignores the scales' stride(1): hand it row-major scales.
         a1q_scale = quant["a1q_scale"].contiguous()
         with self._deepgemm_alignment():
             result = v.dg_utils.deepgemm_moe_permute(
@@ -516,7 +516,7 @@ class VllmBackend(OptimizedBackend):
         self._require_supported(problem)
         route = upstream["route"]
         ids = route["topk_ids"]
-        # ep_gather ignores stride(1) of its input (ref §14.10): hand it a contiguous mm2
+        # ep_gather ignores stride(1) of its input: hand it a contiguous mm2
         mm2 = upstream["gemm2"]["mm2"].contiguous()
         out = torch.empty((ids.shape[0], mm2.shape[1]), dtype=torch.bfloat16, device=mm2.device)
         self.vllm.dg_utils.deepgemm_unpermute_and_reduce(

@@ -15,7 +15,7 @@ STATUS_DIR_ENV = "MOE_VERIFY_DIST_DIR"
 TIMEOUT_ENV = "MOE_VERIFY_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 900.0
 # NVLink multicast stays off, also over a user's environment: it must on the shared multi-GPU
-# hosts (ENVIRONMENT.md), and it is not what is verified here.
+# hosts this suite is verified on (docs/gpu-results.md), and it is not what is verified here.
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
