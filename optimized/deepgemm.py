@@ -49,7 +49,8 @@ REQUIRED_API = (
     "set_mk_alignment_for_contiguous_layout",
     "transform_sf_into_required_layout",
 )
-# SM90 1D2D kernels need BLOCK_M in {64, 128, 256} (deepgemm-api §1.8).
+# SM90 1D2D kernels need BLOCK_M in {64, 128, 256} (DeepGEMM 2.6.1 sm90_fp8_gemm_1d2d.cuh's
+# WAVE_BLOCK_M assert; 192 or 224 fail in the JIT compile).
 SM90_LEGAL_ALIGNMENTS = (64, 128, 256)
 # vLLM _valid_deep_gemm: at or below this intermediate size (per rank) Triton is preferred for
 # speed.
@@ -208,8 +209,9 @@ def choose_grouped_layout(problem: MoEProblem) -> LayoutChoice:
 
     psum for fp8_block (not MXFP8; the FP4 experts never use it) with silu or swigluoai, on SM90,
     and on SM100 with packed UE8M0 scales (vLLM's DeepGemmQuantScaleFMT.UE8M0, the only E8M0
-    format it runs there). Without a GPU there is no arch to choose by: m_indices, the seed
-    article's layout (both come from one permute plan, so either is exercised by forcing it).
+    format it runs there). Without a GPU there is no arch to choose by: m_indices, the layout
+    vLLM runs wherever it does not choose psum (both come from one permute plan, so either is
+    exercised by forcing it).
     """
     if problem.grouped_layout is not GroupedLayout.AUTO:
         return LayoutChoice(problem.grouped_layout, "forced by the problem")
@@ -233,9 +235,9 @@ def choose_grouped_layout(problem: MoEProblem) -> LayoutChoice:
 def alignment_scope(value: int) -> Iterator[None]:
     """Set DeepGEMM's process-global contiguous-layout alignment (its BLOCK_M) for one call.
 
-    The per-expert padding of the workspace must equal the kernel's BLOCK_M, or the scheduler
-    reads the expert of a block from the wrong row (silent misrouting or an IMA, §2.4). Always
-    restores the previous value.
+    The per-expert padding of the workspace must equal the kernel's BLOCK_M, or the scheduler reads
+    the expert of a block from the wrong row (silent misrouting or an IMA; vLLM wraps its GEMMs in
+    `mk_alignment_scope` for this). Always restores the previous value.
     """
     dg = module()
     previous = dg.get_mk_alignment_for_contiguous_layout()
@@ -310,7 +312,7 @@ def validate_contiguous_call(
 ) -> None:
     """The invariants DeepGEMM's m-grouped contiguous GEMM assumes, checked on the host first.
 
-    Violations fault or silently misroute inside the kernel (ref §14.1, §14.17, anchors #6, #25);
+    Violations fault or silently misroute inside the kernel (vLLM PR #49784, DeepGEMM issue #178);
     here they raise InvalidKernelInput naming the broken rule instead. The fp32 scales the kernel
     reads must be finite and >= 0, and on SM100 (which packs them to UE8M0) powers of two: every
     row with m_indices, the live rows only with psum (the packer skips gap rows, gemm.hpp).
@@ -375,7 +377,8 @@ def validate_masked_call(
 
     The kernel trusts masked_m: a count above M_max reads A and writes D past their batch. A batch
     count other than the weights' pairs batches with the wrong experts (a workspace shaped with
-    the global expert count: anchors #21). Ref §9.3 and §10.5.
+    the global expert count: vLLM PR #19515; vLLM's BatchedDeepGemmExperts under DeepEP
+    low-latency dispatch).
     """
     fn = "deepgemm.m_grouped_gemm_masked"
     check_flag(fn, "use_ue8m0", use_ue8m0)
@@ -402,8 +405,8 @@ def validate_masked_call(
     # DeepGEMM tiles a batch in BLOCK_M-row blocks (64 or 128 on SM90; the mk alignment, 128 by
     # default, on SM100) and its TMA descriptors view A and D as one [G * M_max] matrix: a block
     # running past M_max reads the next batch's A rows and stores over its D rows. Measured on the
-    # H200 with DeepGEMM 2.6.1: M_max = 20 gave 47% wrong elements (DeepGEMM issue 268, anchors
-    # #24). Every batch's rows, rounded up to 128, must fit.
+    # H200 with DeepGEMM 2.6.1: M_max = 20 gave 47% wrong elements (DeepGEMM issue 268).
+    # Every batch's rows, rounded up to 128, must fit.
     need = (masked_m.to(torch.int64) + MASKED_BLOCK_M - 1) // MASKED_BLOCK_M * MASKED_BLOCK_M
     over = need > max_m
     if bool(over.any()):

@@ -2,13 +2,13 @@
 
 Mirrors reference/activation.py `act_quant`. mm1 is [M, 2I] bf16, gate = columns [0, I), up =
 columns [I, 2I). With a clamp limit L the gate is clamped from above only and up on both sides.
-Two rounding recipes, chosen by the scale format exactly as vLLM's DeepGemmExperts does
-(ref/vllm-deepgemm-path.md §5.1-5.3):
+Two rounding recipes, chosen by the scale format exactly as vLLM 0.32's
+`DeepGemmExperts._act_mul_quant` does (both kernels in quantization/utils/fp8_utils.py):
 
-- UE8M0_PACKED, `silu_mul_quant_fp8_packed_triton` (§5.1): everything in fp32, y rounded to bf16
+- UE8M0_PACKED, `silu_mul_quant_fp8_packed_triton`: everything in fp32, y rounded to bf16
   once; s = 2^ceil(log2(max(amax/448, 1e-10))); scales packed 4 bytes per int32, MN-major,
   strides (1, round_up(M, 4)); byte slots past the last group are computed from zeros (byte 94).
-- FLOAT32 / FLOAT32_CEIL_UE8M0, `silu_mul_per_token_group_quant_fp8_colmajor` (§5.2): the clamp,
+- FLOAT32 / FLOAT32_CEIL_UE8M0, `silu_mul_per_token_group_quant_fp8_colmajor`: the clamp,
   the activation, up + beta and the product are each rounded to bf16 (three roundings, five with
   a clamp); amax floored at 1e-10, s = amax * fp32(1/448), rounded up to a power of two for the
   ceil format; fp32 scales column-major, strides (1, M). Unlike vLLM, M need not be a multiple of
@@ -21,7 +21,8 @@ them: their codes and scales are unspecified.
 Exact arithmetic everywhere except the activation itself: `tl.exp` and the gate division g / (1 +
 exp) are the GPU's approximate instructions natively (div.full.f32, as in vLLM's kernels; an IEEE
 division there made the kernel 1.6x slower on the H200), correctly rounded under the interpreter.
-The policy bounds their effect (ref §5.3). Scale divisions and y / s are IEEE.
+The policy bounds their effect (docs/tolerance.md#act_quant-codes-and-scales). Scale divisions
+and y / s are IEEE.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _gate(g, alpha):
 
 @triton.jit
 def _glu_fp32(g, u, alpha, beta, limit, HAS_LIMIT: tl.constexpr):
-    """§5.1: clamp, activation and product in fp32, then one bf16 rounding of y."""
+    """The packed recipe: clamp, activation and product in fp32, then one bf16 rounding of y."""
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -83,7 +84,7 @@ def _glu_fp32(g, u, alpha, beta, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _glu_bf16_steps(g, u, alpha, beta, limit, HAS_LIMIT: tl.constexpr):
-    """§5.2: the C++ silu_and_mul rounding; every intermediate is narrowed to bf16."""
+    """The colmajor recipe (C++ silu_and_mul rounding): every intermediate narrowed to bf16."""
     if HAS_LIMIT:
         g = _bf16(tl.minimum(g, limit))
         u = _bf16(tl.minimum(tl.maximum(u, -limit), limit))
