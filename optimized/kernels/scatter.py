@@ -42,6 +42,7 @@ from optimized.kernels._validate import (
     fail,
     output_buffer,
 )
+from optimized.kernels.quant import pack_word
 from optimized.triton_compat import interpreter_mode
 
 # A UE8M0 int32 word packs four E8M0 exponent bytes (DeepGEMM's MN-major packed layout).
@@ -295,15 +296,15 @@ def _scatter_kernel(
             )
 
         if PACK_UE8M0:
-            # Word p of a row holds E8M0 bytes of groups 4p..4p+3, byte j = group 4p + j; bytes
-            # past the last group are 0.
+            # Word p of a row holds E8M0 bytes of groups 4p..4p+3 (quant.pack_word's layout, the
+            # quantizers' too); bytes past the last group are 0.
             lane = tl.arange(0, 4)
             for p0 in range(0, tl.cdiv(SK, 4), BLOCK_S):
                 words = p0 + tl.arange(0, BLOCK_S)
                 groups = words[:, None] * 4 + lane[None, :]
                 gmask = groups < SK
                 b = tl.load(scale_ptr + t64 * stride_sm + groups * stride_sk, mask=gmask, other=0)
-                packed = tl.sum(b.to(tl.int32) << (lane[None, :] * 8), 1)
+                packed = pack_word(b, 4)
                 dst = (
                     out_scale_ptr
                     + row64[:, None] * stride_osm

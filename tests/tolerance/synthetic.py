@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from moe_verify.spec import FP8_MAX, MoEProblem, Status, Trace
+from reference import formats
 from tolerance.provenance import tag_hidden_states
 
 # Rows name the edge they exercise: expert 3 is empty (last), token 3 has a -1 slot, expert 2
@@ -54,18 +55,10 @@ def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
 
 
 def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
-    """Power-of-two fp32 [R, G] -> int32 [R, ceil(G/4)], 4 bytes per word (group 4p+j in byte j,
-    pad bytes 0), MN-major with strides (1, round_up(R, 4))."""
-    rows, groups = scale.shape
-    words = (groups + 3) // 4
-    data = torch.zeros(rows, 4 * words, dtype=torch.int64)
-    data[:, :groups] = e8m0_bytes(scale).to(torch.int64)
-    data = data.view(rows, words, 4)
-    value = sum(data[..., j] << (8 * j) for j in range(4))
-    value = torch.where(value >= 1 << 31, value - (1 << 32), value).to(torch.int32)
-    out = torch.empty_strided((rows, words), (1, (rows + 3) // 4 * 4), dtype=torch.int32)
-    out.copy_(value)
-    return out
+    """Power-of-two fp32 [R, G] -> int32 [R, ceil(G/4)] as the golden packs it (group 4p+j in byte
+    j, pad bytes 0, MN-major with strides (1, round_up(R, 4))); tolerance's own unpacker is held to
+    that packer in tests/tolerance/test_e8m0_codecs.py."""
+    return formats.pack_ue8m0(e8m0_bytes(scale))
 
 
 def build_golden(
