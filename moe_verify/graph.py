@@ -3,7 +3,7 @@ that changes between replays, and compare every replay, stage by stage, with the
 
 What vLLM ships replays one CUDA graph per batch-size bucket: the per-expert counts, the live
 token count and the padding rows change under a graph whose shapes, workspaces and DeepGEMM
-scheduling were fixed at capture (seed article §2.8, §5). Bugs that live only there: an IMA only
+scheduling were fixed at capture (vLLM's CUDA-graph mode). Bugs that live only there: an IMA only
 on a replay with a different expert distribution (DeepGEMM #444), stale positive ids in padding
 rows read past expert_map (vLLM test_expert_map_bounds), metadata of an earlier call reused.
 

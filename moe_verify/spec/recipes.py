@@ -19,7 +19,7 @@ class GroupedLayout(enum.StrEnum):
     """
 
     AUTO = "auto"  # as vLLM chooses for the recipe, scale format, activation and GPU arch
-    M_INDICES = "m_indices"  # per-row local expert, -1 on padding (the seed article's layout)
+    M_INDICES = "m_indices"  # per-row local expert, -1 on padding (the per-row grouped layout)
     PSUM = (
         "psum"  # per-expert cumulative row ends (DeepGEMM use_psum_layout=True); gap rows skipped
     )
