@@ -7,7 +7,9 @@ the two side by side (the table shows the isolated culprit with the chained resu
 `verify_rank` is the one unit every caller builds on: run one rank (the golden, then the tested
 backend in each mode), compare, and tag the results (rank, GEMM engine, provenance). `verify`
 loops it over the ranks and adds the cross-rank `reduce`; the torchrun worker runs it on its own
-rank; calibrate and bench call it for their traces.
+rank; calibrate and bench call it for their traces. Which golden a GEMM is held to bit for bit
+on SM90 is moe_verify/sm90_chain.py's choice; the second run of a metamorphic pair (two poisons,
+an invariance) and its agreement check are moe_verify/invariance_runs.py's.
 """
 
 from __future__ import annotations
@@ -24,48 +26,34 @@ from moe_verify.contain import deadline
 from moe_verify.device import default_device
 from moe_verify.dump import dump_case, load_case
 from moe_verify.inputs import check_inputs, make_inputs
+from moe_verify.invariance_runs import Twin, invariance_pair, with_agreement
 from moe_verify.poison import poison_padding
 from moe_verify.preflight import preflight
 from moe_verify.runner import RankRun, resolve_backend, run_golden, run_rank
+from moe_verify.sm90_chain import (
+    check_gemm_recipe,
+    declare_hardware_gate,
+    with_gemm_recipe,
+    with_sm90_chain,
+)
 from moe_verify.spec import (
-    LL_BLOCK_ROWS,
     Backend,
     Engine,
     GemmRecipe,
     Mode,
     MoEInputs,
     MoEProblem,
-    Recipe,
-    ScaleFmt,
     Stage,
     StageSkipped,
-    Status,
     TopologyKind,
     Trace,
     check_bool,
 )
-from reference.activation import fused_act_quant_recipe, sm90_triton_recipe
-from reference.gate_table import gate_table_provenance
-from reference.moe import ReferenceBackend
-from reference.recipes import act_quant_recipes
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
-from tolerance.invariance import INVARIANCES, Invariance, agreement
+from tolerance.invariance import INVARIANCES
 from tolerance.provenance import with_provenance
-from tolerance.recipes import HARDWARE_ACT_RECIPES, same_bits
 from tolerance.report import Report
-from tolerance.slots import slot_order
-
-
-@dataclass(frozen=True)
-class Twin:
-    """The tested side's second run of a metamorphic pair: its backend and problem (the same
-    problem, or one that differs only in the setting), the pair's label and the invariance."""
-
-    backend: Backend
-    problem: MoEProblem
-    label: str
-    invariance: Invariance
 
 
 @dataclass
@@ -93,7 +81,8 @@ def verify_rank(
     golden's device by default). Isolated GEMM stages are held bit for bit to the golden's
     tensor-core recipe where `gemm_recipe_applies` (`with_gemm_recipe`); a chained run to the
     golden's SM90 chain where `with_sm90_chain` builds one; a tested act_quant whose gate is the
-    recorded table's is declared as that recipe first (`declare_hardware_gate`)."""
+    recorded table's is declared as that recipe first (`declare_hardware_gate`; all four in
+    moe_verify/sm90_chain.py)."""
     run = run_rank(problem, inputs, tested, golden, rank, modes, golden_trace)
     for trace in run.tested.values():
         declare_hardware_gate(problem, trace)
@@ -106,199 +95,6 @@ def verify_rank(
             problem, inputs, golden, run.golden, run.tested[Mode.CHAINED], gemm_recipe
         )
     return RankVerdict(run, {m: compare_rank(problem, run, m, compare_device) for m in modes})
-
-
-# Zero tolerance on SM90 (docs/tolerance.md#zero-tolerance-on-sm90) ------------------------------
-
-# The scale formats DeepGEMM's SM90 FP8 GEMM reads (fp32 scales; ceil-UE8M0 ones are fp32 too).
-_SM90_FORMATS = (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0)
-_GEMM_OUTPUTS = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
-
-
-def sm90_device(t: torch.Tensor) -> bool:
-    """The tensor lies on a CUDA device of compute capability major 9 (Hopper): the one place
-    that decides whether a GEMM's output came from SM90 hardware."""
-    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
-
-
-def check_gemm_recipe(
-    problem: MoEProblem, gemm_recipe: GemmRecipe | str | None
-) -> GemmRecipe | None:
-    """`gemm_recipe` as a GemmRecipe (None: automatic); a ValueError where an explicit
-    tensor_core cannot apply (not the SM90 fp8_block recipe with fp32 or ceil-UE8M0 scales)."""
-    if gemm_recipe is None:
-        return None
-    try:
-        recipe = GemmRecipe(gemm_recipe)
-    except ValueError:
-        known = [r.value for r in GemmRecipe]
-        raise ValueError(
-            f"gemm_recipe: expected one of {known} or None, got {gemm_recipe!r}"
-        ) from None
-    if recipe is GemmRecipe.TENSOR_CORE:
-        if problem.recipe is not Recipe.FP8_BLOCK or problem.scale_fmt not in _SM90_FORMATS:
-            raise ValueError(
-                f"gemm_recipe tensor_core models SM90's fp8_block GEMM with fp32 or ceil-UE8M0 "
-                f"scales, got recipe {problem.recipe}, scale format {problem.scale_fmt}"
-            )
-    return recipe
-
-
-def gemm_recipe_applies(
-    problem: MoEProblem, tested: Trace, stage: str, gemm_recipe: GemmRecipe | str | None
-) -> bool:
-    """Whether `stage` (gemm1 or gemm2) of `tested` is held to the tensor-core recipe: asked for
-    (gemm_recipe tensor_core), or automatically (None) where the tested stage reports engine
-    "deepgemm" or declares the recipe (the suite's Triton engine compiled for SM90 promotes as
-    DeepGEMM does) and its output lies on an SM90 GPU (`sm90_device`), for fp8_block with fp32
-    or ceil-UE8M0 scales; never for gemm_recipe fp32_dequant, nor where the stage did not run."""
-    recipe = GemmRecipe(gemm_recipe) if gemm_recipe is not None else None
-    if recipe is GemmRecipe.FP32_DEQUANT or stage not in tested or tested.failure(stage):
-        return False
-    if problem.recipe is not Recipe.FP8_BLOCK or problem.scale_fmt not in _SM90_FORMATS:
-        return False
-    if recipe is GemmRecipe.TENSOR_CORE:
-        return True
-    out = tested[stage].get(_GEMM_OUTPUTS[stage])
-    engine, declared = tested[stage].get("engine"), tested[stage].get("recipe")
-    model = engine == Engine.DEEPGEMM or declared == GemmRecipe.TENSOR_CORE
-    return model and isinstance(out, torch.Tensor) and sm90_device(out)
-
-
-def with_gemm_recipe(
-    problem: MoEProblem,
-    inputs: MoEInputs,
-    golden: Backend,
-    golden_trace: Trace,
-    tested: Trace,
-    gemm_recipe: GemmRecipe | str | None,
-) -> Trace:
-    """The golden trace with the tensor-core recipe added to each GEMM stage it applies to
-    (`gemm_recipe_applies`), computed only then: the model costs 10-100x the fp32 GEMM. It runs
-    after the tested side because the tested stage says which engine ran it; the comparison then
-    holds that stage bit for bit to the recipe (tolerance/bounded_stages.py `gemm_checks`)."""
-    reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
-    for stage in _GEMM_OUTPUTS:
-        if stage in golden_trace and gemm_recipe_applies(problem, tested, stage, gemm_recipe):
-            golden_trace = reference.with_tensor_core(problem, inputs, golden_trace, stage)
-    return golden_trace
-
-
-def declare_hardware_gate(problem: MoEProblem, tested: Trace) -> None:
-    """Declare, for a tested act_quant that declares no recipe itself, the recipe whose gate is
-    the recorded H200 table (reference/gate_table.py), where the stage reports it computed its
-    gate as that table was recorded: compiled by the same Triton version on a GPU of the same
-    compute capability ("gate_triton", "gate_capability"; optimized/kernels/act_quant.py
-    `gate_source`), and the problem has that recipe. The stage is then held to it bit for bit
-    (tolerance/recipes.py `hardware_check`). Anything else (another Triton, the interpreter,
-    someone else's kernel) keeps the matcher and its bounds."""
-    if Stage.ACT_QUANT not in tested or tested.failure(Stage.ACT_QUANT) is not None:
-        return
-    outs = tested[Stage.ACT_QUANT]
-    if outs.get("recipe") is not None or not table_gate(outs):
-        return
-    twin = sm90_triton_recipe(fused_act_quant_recipe(problem.scale_fmt), problem.activation)
-    if twin is not None and twin in act_quant_recipes(problem):
-        outs["recipe"] = twin.value
-
-
-def table_gate(outs: dict) -> bool:
-    """A stage's outputs say its gate was computed as the recorded H200 table was: by the same
-    Triton version on a GPU of the same compute capability (optimized/kernels/act_quant.py
-    `gate_source`)."""
-    table = gate_table_provenance()
-    facts = (outs.get("gate_triton"), outs.get("gate_capability"))
-    return "gate_triton" in outs and facts == (table.get("triton"), table.get("capability"))
-
-
-def sm90_shared(tested: Trace) -> bool:
-    """The tested shared experts ran as SM90 computes them: both GEMMs declare the tensor-core
-    recipe, on an SM90 GPU, and the gate is the table's (`table_gate`)."""
-    if Stage.SHARED not in tested or tested.failure(Stage.SHARED) is not None:
-        return False
-    outs = tested[Stage.SHARED]
-    out = outs.get("out")
-    declared = outs.get("recipe") == GemmRecipe.TENSOR_CORE
-    return declared and table_gate(outs) and isinstance(out, torch.Tensor) and sm90_device(out)
-
-
-def with_sm90_chain(
-    problem: MoEProblem,
-    inputs: MoEInputs,
-    golden: Backend,
-    golden_trace: Trace,
-    tested: Trace,
-    gemm_recipe: GemmRecipe | str | None,
-) -> Trace | None:
-    """The golden's SM90 chain (reference/moe.py `sm90_chain`) that a chained `tested` run is
-    held to bit for bit, or None (compared against `golden_trace` with the chained bounds).
-
-    Automatically (gemm_recipe None) where both tested GEMMs are held to the tensor-core recipe
-    (`gemm_recipe_applies`) and the tested act_quant declares a recipe with the H200's Triton
-    gate that the problem has: the chain is then defined to the bit, and the golden computes it
-    with that recipe. Asked for (tensor_core), with any legitimate act_quant recipe the tested
-    stage declares. A tested act_quant that declares none keeps the chained bounds either way:
-    the chain's gemm2 would read one recipe's a2q while the matcher could pass the stage on
-    another. The shared experts join the chain where they ran as SM90 computes them
-    (`sm90_shared`), else keep their bounds. Only after the tested run, which says what ran."""
-    recipe = GemmRecipe(gemm_recipe) if gemm_recipe is not None else None
-    if recipe is GemmRecipe.FP32_DEQUANT or Stage.GEMM2 not in golden_trace:
-        return None
-    if any(not gemm_recipe_applies(problem, tested, s, gemm_recipe) for s in _GEMM_OUTPUTS):
-        return None
-    legit = act_quant_recipes(problem)
-    declared = tested[Stage.ACT_QUANT].get("recipe") if Stage.ACT_QUANT in tested else None
-    act = next((r for r in legit if r == declared), None)
-    if act is None or (recipe is None and act not in HARDWARE_ACT_RECIPES):
-        return None  # the chain's gemm2 reads the act_quant recipe the tested stage computes
-    if not same_quantized_input(golden_trace, tested):
-        return None  # another legitimate quant_input recipe: the chain would start elsewhere
-    reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
-    slots, weights = legitimately_other_route(golden_trace, tested)
-    shared = sm90_shared(tested)
-    return reference.sm90_chain(problem, inputs, golden_trace, act, slots, weights, shared)
-
-
-def same_quantized_input(golden: Trace, tested: Trace) -> bool:
-    """The tested quant_input's codes and scales are bit for bit the golden's own recipe's, so
-    the golden's SM90 chain starts from the operands the tested GEMMs read. (A tested quant
-    that matches another legitimate recipe keeps the chained bounds.)"""
-    if tested.failure(Stage.QUANT_INPUT) is not None:
-        return False
-    g, t = golden[Stage.QUANT_INPUT], tested[Stage.QUANT_INPUT]
-    return all(
-        isinstance(t.get(name), torch.Tensor) and same_bits(t[name].to(g[name].device), g[name])
-        for name in ("a1q", "a1q_scale")
-    )
-
-
-def legitimately_other_route(
-    golden: Trace, tested: Trace
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(slots, weights) for the SM90 chain's gather, from a tested route that routes every
-    token to the golden's experts but is not bit for bit the golden's route: `slots` (the
-    golden's slot of each tested slot, tolerance/slots.py `slot_order`) where some token lists
-    its experts in another order, `weights` (the tested ones) where they are not the golden's
-    bit for bit once in the same order. Both are legitimate: the order inside a token is not
-    semantic, and each side renormalizes in its own sum order (a few ulps, which the route check
-    bounds: tolerance/policy.py `renormalized_weight_ulps`). (None, None) where the route is the
-    golden's, or routes elsewhere (the route check then fails, and names the stage)."""
-    if tested.failure(Stage.ROUTE) is not None:
-        return None, None
-    g, t = golden[Stage.ROUTE], tested[Stage.ROUTE]
-    ids, weights = t.get("topk_ids"), t.get("topk_weights")
-    g_ids, g_weights = g["topk_ids"], g["topk_weights"]
-    if not isinstance(ids, torch.Tensor) or not isinstance(weights, torch.Tensor):
-        return None, None
-    if ids.shape != g_ids.shape or weights.shape != g_weights.shape:
-        return None, None
-    ids, weights = ids.to(g_ids.device).long(), weights.to(g_weights.device)
-    slots = slot_order(g_ids, ids)
-    if not torch.equal(g_ids.long().gather(1, slots), ids):
-        return None, None
-    in_order = bool((slots == torch.arange(ids.shape[1], device=ids.device)).all())
-    same = same_bits(weights, g_weights.gather(1, slots))
-    return (None if in_order else slots), (None if same else weights)
 
 
 def compare_rank(
@@ -559,83 +355,6 @@ def _verify_ranks(
         rank_experts=rank_experts(problem),
     )
     return report, runs, maps
-
-
-def with_agreement(
-    results: list[StageResult], first: RankRun, second: RankRun, mode: Mode, twin: Twin
-) -> list[StageResult]:
-    """`results` with each stage's agreement check of the metamorphic pair added (a stage whose
-    two runs disagree fails, even where each run alone was within its tolerance of the golden)."""
-    a, b = first.tested[mode], second.tested[mode]
-    layouts = (a, b) if mode is Mode.CHAINED else (first.golden, second.golden)
-    out = []
-    for r in results:
-        check = agreement(r.stage, a, b, twin.label, layouts, twin.invariance)
-        if check is not None:
-            status = r.status
-            if not check.passed and status in (Status.PASS, Status.SKIP):
-                status = Status.FAIL
-            r = dataclasses.replace(r, checks=[*r.checks, check], status=status)
-        out.append(r)
-    return out
-
-
-def invariance_pair(
-    problem: MoEProblem, kind: str, backend: str, engine: Engine | str
-) -> tuple[Backend, Backend, MoEProblem, str]:
-    """The two tested backends and the second run's problem of the invariance `kind`
-    (tolerance/invariance.py INVARIANCES), and the pair's label; a ValueError saying why where
-    the setting has no second legal value here."""
-    if kind not in INVARIANCES or kind == "poison":
-        known = [k for k in INVARIANCES if k != "poison"]
-        raise ValueError(
-            f"invariance: expected one of {known} (two poisons: --workspace --poison A "
-            f"--poison B), got {kind!r}"
-        )
-    from optimized import OptimizedBackend
-
-    first = resolve_backend(backend, engine)
-    if not isinstance(first, OptimizedBackend):
-        raise ValueError(
-            f"invariance {kind}: its settings are the optimized backend's (or a module:Class "
-            f"subclass of it), got backend {backend!r}"
-        )
-    cls = type(first)
-    deepgemm_only = kind in ("expected_m", "num_sms")
-    if deepgemm_only and Engine(engine) is not Engine.DEEPGEMM:
-        raise ValueError(f"invariance {kind}: a hint of DeepGEMM's, so it needs --engine deepgemm")
-    if kind == "alignment":
-        other = {128: 64, 64: 128}.get(problem.alignment)
-        if other is None:
-            raise ValueError(
-                f"invariance alignment: pairs 64 with 128 (both legal SM90 BLOCK_Ms); the "
-                f"problem's alignment is {problem.alignment}"
-            )
-        second = dataclasses.replace(problem, alignment=other)
-        return first, cls(engine=engine), second, f"{problem.alignment} vs {other}"
-    if kind == "m_sum":
-        if problem.topology.kind in (TopologyKind.EP_HT, TopologyKind.EP_LL):
-            raise ValueError(
-                f"invariance m_sum: {problem.topology} has no upper-bound M_sum to compare "
-                "(ep:N+ht is exact, ep:N+ll batched)"
-            )
-        return first, cls(engine=engine, exact_m_sum=True), problem, "upper bound vs exact"
-    if kind == "ll_capacity":
-        if problem.topology.kind is not TopologyKind.EP_LL:
-            raise ValueError(
-                f"invariance ll_capacity: the batch capacity (DeepEP's max_tokens) of the "
-                f"ep:N+ll layout; topology {problem.topology} has no batches"
-            )
-        rows = problem.ll_max_tokens
-        doubled = 2 * max(rows, LL_BLOCK_ROWS)
-        second = dataclasses.replace(problem, ll_capacity=doubled)
-        return first, cls(engine=engine), second, f"{rows} vs {doubled} rows"
-    if kind == "expected_m":
-        if problem.topology.kind is not TopologyKind.EP_LL:
-            raise ValueError("invariance expected_m: the masked GEMM's hint needs ep:N+ll")
-        hint = max(1, problem.tokens)
-        return first, cls(engine=engine, expected_m=hint), problem, f"mean batch vs {hint}"
-    return first, cls(engine=engine, num_sms=100), problem, "all SMs vs 100"
 
 
 def verify_invariance(

@@ -68,6 +68,7 @@ from moe_verify.dump import dump_header, dump_rank_traces
 from moe_verify.inputs import make_inputs
 from moe_verify.poison import poison_padding
 from moe_verify.runner import resolve_backend, run_golden
+from moe_verify.sm90_chain import check_gemm_recipe
 from moe_verify.spec import (
     Backend,
     GemmRecipe,
@@ -79,7 +80,7 @@ from moe_verify.spec import (
     Status,
     Trace,
 )
-from moe_verify.verification import check_gemm_recipe, check_padding_poison, verify_rank
+from moe_verify.verification import check_padding_poison, verify_rank
 from optimized.triton_compat import interpreter_mode
 from reference.topology import REDUCE_INPUTS, Partial, finish, rank_partial, reduce_ranks
 from tolerance.compare import StageResult, compare_stage

@@ -19,8 +19,8 @@ import torch
 
 from moe_verify.cases import SWIGLU
 from moe_verify.inputs import make_inputs
+from moe_verify.sm90_chain import declare_hardware_gate
 from moe_verify.spec import Activation, ActQuantRecipe, MoEProblem, ScaleFmt, Stage, Status
-from moe_verify.verification import declare_hardware_gate
 from optimized.backend import OptimizedBackend
 from optimized.triton_compat import interpreter_mode
 from reference.activation import act_quant, sm90_triton_recipe

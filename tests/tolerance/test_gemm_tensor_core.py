@@ -1,7 +1,7 @@
 """Zero tolerance on SM90: an isolated GEMM that ran DeepGEMM on SM90 is held bit for bit to the
 golden's tensor-core recipe (docs/tolerance.md "Zero tolerance on SM90").
 
-The CPU has no SM90, so the one function that decides it (moe_verify.verification.sm90_device) is
+The CPU has no SM90, so the one function that decides it (moe_verify.sm90_chain.sm90_device) is
 forced here; the tested GEMMs (tests/tester/gemm_recipe_backends.py) report engine "deepgemm".
 Every layout the SM90 GEMMs read: contiguous by m_indices, contiguous by psum expert ends, and
 the masked batches of ep:N+ll; both SM90 scale formats.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from moe_verify import verification
+from moe_verify import sm90_chain
 from moe_verify.spec import MoEProblem, Stage, Status
 from moe_verify.verification import verify
 from reference.moe import ReferenceBackend
@@ -48,7 +48,7 @@ CASES = [
 @pytest.fixture
 def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every tensor counts as lying on an SM90 GPU."""
-    monkeypatch.setattr(verification, "sm90_device", lambda t: True)
+    monkeypatch.setattr(sm90_chain, "sm90_device", lambda t: True)
 
 
 def gemm_results(report) -> dict:
@@ -138,7 +138,7 @@ def test_not_computed_unless_used(monkeypatch: pytest.MonkeyPatch, record_report
     monkeypatch.setattr(ReferenceBackend, "with_tensor_core", refuse)
     backend = gb.Fp32DequantGemm(engine="triton")  # reports deepgemm, never runs the model
     assert record_report(verify(BASE, backend=backend)).passed
-    monkeypatch.setattr(verification, "sm90_device", lambda t: True)
+    monkeypatch.setattr(sm90_chain, "sm90_device", lambda t: True)
     report = record_report(verify(BASE, backend=backend, gemm_recipe="fp32_dequant"))
     assert report.passed and all(r.recipe is None for r in gemm_results(report).values())
     # chained mode compares against the golden's own chain: no tensor-core recipe either

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from moe_verify import verification
+from moe_verify import sm90_chain
 from moe_verify.spec import MoEProblem, Stage
 from moe_verify.verification import verify
 from reference.moe import ReferenceBackend
@@ -46,7 +46,7 @@ CASES = [
 @pytest.fixture
 def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every tensor counts as lying on an SM90 GPU."""
-    monkeypatch.setattr(verification, "sm90_device", lambda t: True)
+    monkeypatch.setattr(sm90_chain, "sm90_device", lambda t: True)
 
 
 def by_stage(results) -> dict:
