@@ -30,7 +30,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -51,10 +51,24 @@ from optimized.kernels import scatter
 from optimized.kernels._validate import fail
 from optimized.topology import hosted_experts, shard
 
-if TYPE_CHECKING:
-    from optimized.backend import OptimizedBackend
-
 Outputs = dict[str, object]
+
+
+class StageBackend(Protocol):
+    """What production mode drives: the stage surface (`run_stage`, one method per stage) and
+    `production`, which makes those methods graph-safe (optimized.OptimizedBackend has both)."""
+
+    name: str
+
+    def run_stage(
+        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs: ...
+
+    def production(
+        self, cfg: ForwardConfig, weights: RankWeights, buffers: CarvedBuffers
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+
 Taps = dict[str, Outputs]
 
 BATCHED = "batched"  # the ep:N+ll masked layout (DeepEP low-latency), beside GroupedLayout's two
@@ -315,7 +329,7 @@ def _stage(stage: str) -> Iterator[None]:
 
 
 def forward(
-    backend: OptimizedBackend,
+    backend: StageBackend,
     cfg: ForwardConfig,
     hidden_states: torch.Tensor,
     topk_ids: torch.Tensor,

@@ -5,7 +5,7 @@ stage taps against the golden of its inputs.
 FP8-block runs through DeepGEMM (forced: a silent fallback to Triton would pass without testing
 DeepGEMM under capture) with both SM90 scale formats and both contiguous layouts, and on the
 masked layout of ep:N+ll, which is captured on its own; MXFP8 and MXFP4 run their GEMMs on the
-Triton engine (DeepGEMM's MX GEMMs are SM100-only). The wrong forwards of
+Triton engine (DeepGEMM's MX GEMMs are SM100-only). The wrong backends of
 tests/tester/production_wrong.py must fail at their stage or guard under real replays too.
 The CPU tier (tests/harness/test_graph.py) runs the same logic with eager replays.
 """
@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import pytest
 
-from moe_verify.graph import GraphReport, default_replays, verify_graph
+from moe_verify import verify
+from moe_verify.graph import GraphReport, default_replays, resolve_graph_backend, verify_graph
 from moe_verify.spec import Engine, GroupedLayout, MoEProblem, Recipe, ScaleFmt
 from optimized import op
 from tests.tester.production_wrong import CATCHES, Catch
@@ -69,13 +70,13 @@ def test_captured_op_passes_every_default_replay(
 
 
 @pytest.mark.parametrize("catch", CATCHES, ids=lambda c: c.id)
-def test_wrong_forward_fails_under_replay(
+def test_wrong_backend_fails_under_replay(
     catch: Catch, record_report: Callable[[Report], Report]
 ) -> None:
-    forward = op.register_forward(catch.forward())  # fresh state: no earlier test's calls
+    backend = op.register_backend(catch.backend())  # fresh state: no earlier test's calls
     problem = GPU.replace(topology=catch.topology, grouped_layout=PSUM)
     replays = [REPLAYS[name] for name, _ in catch.replays]
-    report = verify_graph(problem, replays=replays, engine=Engine.DEEPGEMM, forward=forward)
+    report = verify_graph(problem, replays=replays, engine=Engine.DEEPGEMM, backend=backend)
     _recorded(report, record_report)
     assert report.captured, report.capture_note
     got = [(r.replay.name, r.first_failure) for r in report.replays]
@@ -89,3 +90,20 @@ def test_identical_inputs_twice_trip_replays_differ_under_capture() -> None:
     )
     assert report.captured, report.capture_note
     assert [r.first_failure for r in report.replays] == [None, "replays-differ"]
+
+
+def test_one_class_fails_run_and_the_captured_graph_at_the_same_stage() -> None:
+    """A kernel written once as an OptimizedBackend subclass that breaks gather: `run` (eager,
+    validated) and `graph` (captured, replayed) both name gather."""
+    spec = "tests.tester.wrong_backends:TopkWeightsIgnored"
+    problem = GPU.replace(grouped_layout=PSUM)
+    run = verify(problem, backend=spec, engine=Engine.DEEPGEMM, mode="isolated")
+    assert run.first_failure == "gather", run.to_summary()
+    report = verify_graph(
+        problem,
+        replays=[REPLAYS["capture-softmax"], REPLAYS["skew"]],
+        engine=Engine.DEEPGEMM,
+        backend=resolve_graph_backend(spec, Engine.DEEPGEMM),
+    )
+    assert report.captured and not report.host_reads, report.capture_note
+    assert [r.first_failure for r in report.replays] == ["gather", "gather"], report.to_summary()

@@ -1,6 +1,6 @@
 """SM90 tier: the registered production op on the DeepGEMM engine, as vLLM runs it.
 
-The fake's output metadata equals the real op's; the op equals the production forward bitwise and
+The fake's output metadata equals the real op's; the op equals production.forward bitwise and
 passes the golden; the upper-bound paths make no host sync (torch's sync debug mode raises on
 one); a CUDA-graph capture replays bitwise equal to eager, also after new routing is copied into
 its static inputs; torch.compile(fullgraph=True) equals eager bitwise.
@@ -18,8 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moe_verify.spec import Engine, GroupedLayout, Mode, MoEProblem, Recipe, ScaleFmt, Trace
-from optimized import op
-from optimized.production import ProductionForward, Taps
+from optimized import OptimizedBackend, op, production
+from optimized.production import Taps
 from tests.optimized.op_calls import OpCall, op_call
 from tolerance.compare import compare
 
@@ -99,11 +99,11 @@ def test_op_equals_the_forward_and_passes_the_golden(case: GpuCase) -> None:
     taps: Taps = {}
     with op.recording(taps):
         out = call.run(workspace=ws)
-    direct = ProductionForward().forward(
-        call.cfg, call.hidden_states, call.topk_ids, call.topk_weights, call.weights,
-        torch.empty_like(ws),
+    direct = production.forward(
+        OptimizedBackend(), call.cfg, call.hidden_states, call.topk_ids, call.topk_weights,
+        call.weights, torch.empty_like(ws),
     )  # fmt: skip
-    assert _bitwise_equal(out, direct), f"{case.id}: op and ProductionForward.forward differ"
+    assert _bitwise_equal(out, direct), f"{case.id}: op and production.forward differ"
     trace = Trace("production")
     for stage, outputs in taps.items():
         trace.add(stage, outputs)

@@ -3,8 +3,9 @@
 Without a GPU each "replay" is an eager op call on the graph's static buffers (the report says
 so), and the rest is what runs under a real capture (tests/gpu/test_sm90_graph.py): staging with
 stale padding rows, workspace poison, stage taps, the golden of each replay's inputs, the guards.
-The correct forward must pass every default replay; each wrong forward of
-tests/tester/production_wrong.py must fail at its stage or guard, on the replay it must, and pass
+The correct backend must pass every default replay; each wrong backend of
+tests/tester/production_wrong.py (OptimizedBackend subclasses, the class `run` takes) must fail
+at its stage or guard, on the replay it must, and pass
 on the others (so the checks discriminate).
 
 Problems are the smallest the kernels take: four experts, top-2, A = 32, one 128-column group.
@@ -28,12 +29,13 @@ from moe_verify.graph import (
     _golden,
     _guards,
     default_replays,
-    resolve_forward,
+    resolve_graph_backend,
     verify_graph,
 )
 from moe_verify.spec import (
     Engine,
     GroupedLayout,
+    MoEInputs,
     MoEProblem,
     Recipe,
     Routing,
@@ -41,7 +43,7 @@ from moe_verify.spec import (
     Stage,
     Trace,
 )
-from optimized import op
+from optimized import OptimizedBackend, op
 from reference import formats
 from tests.tester.production_wrong import CATCHES, Catch, ClampedStaleIds, StaleCounts
 from tolerance.report import Report
@@ -75,7 +77,7 @@ def _recorded(report: GraphReport, record_report: Callable[[Report], Report]) ->
 
 
 @pytest.mark.parametrize("problem", CORRECT, ids=lambda p: p.id)
-def test_correct_forward_passes_every_default_replay(
+def test_correct_backend_passes_every_default_replay(
     problem: MoEProblem, record_report: Callable[[Report], Report]
 ) -> None:
     report = verify_graph(problem, engine=Engine.TRITON)
@@ -88,16 +90,16 @@ def test_correct_forward_passes_every_default_replay(
 # A stale layout leaves claimed rows of the poisoned workspace unwritten: NaN reaches act_quant.
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
 @pytest.mark.parametrize("catch", CATCHES, ids=lambda c: c.id)
-def test_wrong_forward_fails_where_it_must_and_passes_elsewhere(
+def test_wrong_backend_fails_where_it_must_and_passes_elsewhere(
     catch: Catch, record_report: Callable[[Report], Report]
 ) -> None:
-    forward = op.register_forward(catch.forward())  # fresh state: no earlier test's calls
+    backend = op.register_backend(catch.backend())  # fresh state: no earlier test's calls
     replays = [REPLAYS[name] for name, _ in catch.replays]
     report = verify_graph(
         BASE.replace(topology=catch.topology),
         replays=replays,
         engine=Engine.TRITON,
-        forward=forward,
+        backend=backend,
     )
     _recorded(report, record_report)
     got = [(r.replay.name, r.first_failure) for r in report.replays]
@@ -113,10 +115,10 @@ def test_wrong_forward_fails_where_it_must_and_passes_elsewhere(
 
 
 def test_a_failing_ranks_coordinates_name_it() -> None:
-    forward = op.register_forward(ClampedStaleIds())
+    backend = op.register_backend(ClampedStaleIds())
     replays = [REPLAYS["capture-softmax"], REPLAYS["half-live"]]
     report = verify_graph(
-        BASE.replace(topology="ep:2"), replays=replays, engine=Engine.TRITON, forward=forward
+        BASE.replace(topology="ep:2"), replays=replays, engine=Engine.TRITON, backend=backend
     )
     culprit = report.replays[1].report.first_failing_result
     assert culprit is not None and culprit.rank == 1
@@ -273,42 +275,73 @@ def test_graph_refuses_no_replays() -> None:
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("nope", "no production forward named 'nope'"),
-        ("optimized.backend:OptimizedBackend", "expected a subclass of optimized.production"),
+        ("nope", "expected 'optimized', 'golden', 'vllm' or 'module:Class', got 'nope'"),
+        ("golden", "has no production mode: the op runs the stage methods of optimized"),
+        ("reference.moe:ReferenceBackend", "has no production mode"),
         ("tests.tester.production_wrong:Nope", "cannot load it"),
-        (":StaleCounts", "expected a registered name or 'module:Class'"),
+        (":StaleCounts", "expected 'module:Class', got ':StaleCounts'"),
     ],
-    ids=["unregistered", "not-a-production-forward", "missing-class", "no-module"],
+    ids=["unknown", "golden", "not-an-optimized-backend", "missing-class", "no-module"],
 )
-def test_resolve_forward_refuses(spec: str, match: str) -> None:
+def test_resolve_graph_backend_refuses(spec: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        resolve_forward(spec)
+        resolve_graph_backend(spec)
 
 
-def test_resolve_forward_registers_a_production_forward_class() -> None:
-    name = resolve_forward("tests.tester.production_wrong:StaleCounts")
-    assert name == StaleCounts.name and isinstance(op.registered_forward(name), StaleCounts)
+def test_resolve_graph_backend_registers_the_class_run_takes() -> None:
+    spec = "tests.tester.production_wrong:StaleCounts"
+    name = resolve_graph_backend(spec)
+    assert name == spec and isinstance(op.registered_backend(name), StaleCounts)
+
+
+class ReadsTheCounts(OptimizedBackend):
+    """The optimized path, its align reading the per-expert counts back to the host: correct,
+    and not graph-safe."""
+
+    def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> dict:
+        out = super().align(problem, inputs, upstream, rank)
+        if int(out["counts"].sum()) < 0:
+            raise AssertionError("unreachable: counts are never negative")
+        return out
+
+
+def test_a_stage_that_reads_the_host_is_named_and_fails_the_graph() -> None:
+    backend = op.register_backend(ReadsTheCounts(), "reads_the_counts")
+    report = verify_graph(
+        BASE, replays=[REPLAYS["capture-softmax"]], engine=Engine.TRITON, backend=backend
+    )
+    assert list(report.host_reads) == ["align"], report.to_summary()
+    assert "__int__()" in report.host_reads["align"] and __file__ in report.host_reads["align"]
+    assert all(r.passed for r in report.replays)  # every value right: only the read fails it
+    assert not report.passed and report.exit_code == 1
+    assert "NOT GRAPH-SAFE align" in report.to_summary()
+    assert json.loads(report.to_json())["host_reads"] == report.host_reads
+
+
+def test_the_correct_backend_reads_nothing_on_the_host() -> None:
+    report = verify_graph(BASE, replays=[REPLAYS["capture-softmax"]], engine=Engine.TRITON)
+    assert report.host_reads == {} and report.passed, report.to_summary()
 
 
 # -- the CLI -----------------------------------------------------------------------------------
 
 
-def test_cli_graph_passes_the_correct_forward(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_graph_passes_the_correct_backend(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*CLI, "--replays", "skew"]) == 0
     out = capsys.readouterr().out
     assert "PASS: 2 of 2 replays agree with the golden" in out
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
-def test_cli_graph_fails_a_stale_counts_forward_and_writes_json(
+def test_cli_graph_fails_a_stale_counts_backend_and_writes_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "graph.json"
-    forward = "tests.tester.production_wrong:StaleCounts"
-    assert main([*CLI, "--replays", "skew", "--forward", forward, "--json", str(path)]) == 1
+    backend = "tests.tester.production_wrong:StaleCounts"
+    assert main([*CLI, "--replays", "skew", "--backend", backend, "--json", str(path)]) == 1
     assert "FAIL at permute" in capsys.readouterr().out
     report = json.loads(path.read_text())
-    assert not report["passed"] and report["forward"] == StaleCounts.name
+    assert not report["passed"] and report["backend"] == backend
     first, skew = report["replays"]
     assert first["passed"] and first["first_failure"] is None
     assert skew["name"] == "skew" and skew["first_failure"] == "permute"
@@ -319,3 +352,21 @@ def test_cli_graph_refuses_unknown_replay_names(capsys: pytest.CaptureFixture[st
     assert main([*CLI, "--replays", "skew,nope"]) == 2
     err = capsys.readouterr().err
     assert "--replays: unknown ['nope']" in err and "half-live" in err
+
+
+def test_cli_graph_forward_is_gone_with_the_migration(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*CLI, "--forward", "tests.tester.production_wrong:StaleCounts"]) == 2
+    assert "graph --forward is gone: pass --backend module:Class" in capsys.readouterr().err
+
+
+def test_one_class_fails_run_and_graph_at_the_same_stage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A kernel written once in the documented surface (an OptimizedBackend subclass) that
+    breaks gather: `run` and `graph` both name gather."""
+    spec = "tests.tester.wrong_backends:TopkWeightsIgnored"
+    assert main(["run", *TINY, "--engine", "triton", "--backend", spec]) == 1
+    assert "first failure: gather" in capsys.readouterr().out
+    assert main([*CLI, "--replays", "skew", "--backend", spec]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL at gather" in out and "0 of 2 replays agree" in out

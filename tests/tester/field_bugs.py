@@ -1,11 +1,12 @@
 """Bug classes reported from the field in 2026 (vLLM, SGLang, DeepGEMM, FlashInfer, Triton) as
 wrong backends.
 
-Each class is the optimized path (`OptimizedBackend`, or `ProductionForward` for a bug that lives
-only under graph replay) with ONE stage method overridden, the way the field bug sat in a real
-kernel or its host code; the docstring names the bug (its public thread), what it does wrong
-and the stage that must catch it. `CATCHES` says, per class, the problem (and poison) that
-reaches the bug and where the suite must catch it, so the GPU tier can reuse the table.
+Each class is the optimized path (`OptimizedBackend`; for a bug that lives only under graph
+replay, the same class run by `moe-verify graph`) with ONE stage method overridden, the way the
+field bug sat in a real kernel or its host code; the docstring names the bug (its public
+thread), what it does wrong and the stage that must catch it. `CATCHES` says, per class, the
+problem (and poison) that reaches the bug and where the suite must catch it, so the GPU tier can
+reuse the table.
 
 Three classes need inputs that random draws never reach, all made by the product:
 
@@ -38,9 +39,8 @@ from moe_verify.spec import (
     Topology,
     Trace,
 )
-from optimized.backend import OptimizedBackend
+from optimized.backend import OptimizedBackend, Outputs
 from optimized.kernels import scatter
-from optimized.production import ForwardConfig, Outputs, ProductionForward, RankWeights, Taps
 from reference.formats import dequantize_fp8_blocks
 from tests.tester.recipe_backends import bf16_steps
 from tests.tester.wrong_backends import _with
@@ -264,7 +264,7 @@ class LlActQuantWarpRemainder(OptimizedBackend):
 # -- production (graph replay) -------------------------------------------------------------------
 
 
-class LocalCountBoundsIds(ProductionForward):
+class LocalCountBoundsIds(OptimizedBackend):
     """align (vLLM tests/kernels/moe/test_expert_map_bounds.py, PR #41834): the count kernel
     guards its expert_map read with the one expert count it is given, the LOCAL one
     (`0 <= id < E_l`), instead of the table size: stale positive ids (123456789 in CUDA-graph
@@ -278,12 +278,13 @@ class LocalCountBoundsIds(ProductionForward):
 
     name = "local_count_bounds_ids"
 
-    def align(self, cfg: ForwardConfig, hidden: torch.Tensor, w: RankWeights, up: Taps) -> Outputs:
-        out = super().align(cfg, hidden, w, up)
-        ids = up["route"]["topk_ids"]
-        bounded = torch.where((ids >= 0) & (ids < cfg.num_local_experts), ids, -1)
+    def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        out = super().align(problem, inputs, upstream, rank)
+        sh = self.shard(problem, inputs, rank)
+        ids = upstream["route"]["topk_ids"]
+        bounded = torch.where((ids >= 0) & (ids < sh.num_local_experts), ids, -1)
         out["counts"] = scatter.count_expert_tokens(
-            bounded, cfg.num_local_experts, w.expert_map, validate=False
+            bounded, sh.num_local_experts, sh.expert_map, validate=self.validate
         )
         return out
 
@@ -340,11 +341,11 @@ CATCHES: tuple[Catch, ...] = (
 
 @dataclass(frozen=True)
 class GraphCatch:
-    """A wrong production forward, its field bug, the topology, and per default replay (names
-    from `moe_verify.graph.default_replays`) the first failure `verify_graph` must report, or
-    None where that replay must pass; `ranks` the ranks whose stage fails."""
+    """A wrong backend for production mode, its field bug, the topology, and per default replay
+    (names from `moe_verify.graph.default_replays`) the first failure `verify_graph` must report,
+    or None where that replay must pass; `ranks` the ranks whose stage fails."""
 
-    forward: type[ProductionForward]
+    backend: type[OptimizedBackend]
     bug: str
     topology: str
     replays: tuple[tuple[str, str | None], ...]
@@ -352,7 +353,7 @@ class GraphCatch:
 
     @property
     def id(self) -> str:
-        return f"{self.forward.name}-{self.topology}"
+        return f"{self.backend.name}-{self.topology}"
 
 
 GRAPH_CATCHES: tuple[GraphCatch, ...] = (

@@ -1,12 +1,13 @@
-"""Wrong production forwards: bugs that live only where one op is called many times on the same
-buffers, as a captured CUDA graph is replayed.
+"""Wrong backends for production mode: bugs that live only where one op is called many times on
+the same buffers, as a captured CUDA graph is replayed.
 
-Each class is `ProductionForward` with one stage method overridden, the way the bug would sit in
-a real kernel's host code. Eager, host-validated verification (`moe-verify run`) calls a forward
-once per case on fresh tensors and cannot see these: `moe-verify graph` must, and the docstring
-of each names the stage or guard of moe_verify/graph.py that catches it.
+Each class is `OptimizedBackend` with one stage method overridden, the way the bug would sit in
+a real kernel's host code: the same class `moe-verify run` verifies and `moe-verify graph` runs
+inside the op. Eager, host-validated verification (`moe-verify run`) calls a backend once per case
+on fresh tensors and cannot see these: `moe-verify graph` must, and the docstring of each names
+the stage or guard of moe_verify/graph.py that catches it.
 
-State a wrong forward keeps across calls lives per rank, keyed by the rank's w13 tensor (as a
+State a wrong backend keeps across calls lives per rank, keyed by the rank's w13 tensor (as a
 layer's persistent buffer lives on the layer), never by address: a later test's tensors may
 reuse an address.
 """
@@ -18,24 +19,51 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from optimized import OptimizedBackend
+from optimized.backend import Outputs
+from optimized.deepgemm import choose_grouped_layout
 from optimized.kernels import scatter
-from optimized.production import ForwardConfig, Outputs, ProductionForward, RankWeights, Taps
+from optimized.topology import Shard
 
 
-def _scattered_outputs(cfg: ForwardConfig, out: scatter.Scattered) -> Outputs:
-    """The permute stage's outputs under the contract's names (as ProductionForward.permute)."""
+def _scatter(
+    backend: OptimizedBackend,
+    problem: MoEProblem,
+    upstream: Trace,
+    sh: Shard,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    expert_map: torch.Tensor | None,
+) -> Outputs:
+    """The permute stage's outputs under the contract's names (as OptimizedBackend.permute),
+    scattered with the given ids, counts and map."""
+    q, align = upstream["quant_input"], upstream["align"]
+    a1q, m_sum = q["a1q"], align["M_sum"]
+    out = scatter.ep_scatter(
+        a1q,
+        q["a1q_scale"],
+        ids,
+        counts,
+        sh.num_local_experts,
+        align["alignment"],
+        m_sum,
+        expert_map,
+        validate=backend.validate,
+        a_perm_out=backend.workspaces.get("a_perm", (m_sum, a1q.shape[1]), a1q.dtype, a1q.device),
+    )
     return {
-        "a_perm": out.a_perm,
+        "a_perm": backend.workspaces.own(out.a_perm),
         "a_scale_perm": out.a_scale_perm,
         "m_indices": out.m_indices,
         "expert_ends": out.expert_ends,
         "inv_perm": out.inv_perm,
         "expert_start": out.expert_start,
-        "layout": cfg.layout,
+        "layout": choose_grouped_layout(problem).layout.value,
     }
 
 
-class StaleCounts(ProductionForward):
+class StaleCounts(OptimizedBackend):
     """permute: lays the expert segments out with the per-expert counts of the PREVIOUS call.
 
     A stale-metadata bug: a kernel keeps the counts in a persistent buffer and refreshes it after
@@ -49,36 +77,25 @@ class StaleCounts(ProductionForward):
 
     name = "stale_counts"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
         self._previous: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def permute(
-        self, cfg: ForwardConfig, hidden: torch.Tensor, w: RankWeights, up: Taps
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
     ) -> Outputs:
-        q, align = up["quant_input"], up["align"]
-        counts = align["counts"]
-        if w.w13.q not in self._previous:
-            self._previous[w.w13.q] = counts.clone()  # the first call has no earlier counts
-        stale = self._previous[w.w13.q]
-        m_sum = align["M_sum"]
-        out = scatter.ep_scatter(
-            q["a1q"],
-            q["a1q_scale"],
-            up["route"]["topk_ids"],
-            stale,
-            cfg.num_local_experts,
-            cfg.alignment,
-            m_sum,
-            w.expert_map,
-            validate=False,
-            a_perm_out=self.buffers(m_sum)["a_perm"],
-        )
+        sh = self.shard(problem, inputs, rank)
+        counts = upstream["align"]["counts"]
+        if sh.w13.q not in self._previous:
+            self._previous[sh.w13.q] = counts.clone()  # the first call has no earlier counts
+        stale = self._previous[sh.w13.q]
+        ids = upstream["route"]["topk_ids"]
+        out = _scatter(self, problem, upstream, sh, ids, stale, sh.expert_map)
         stale.copy_(counts)  # the bug: refreshed after the scatter read it
-        return _scattered_outputs(cfg, out)
+        return out
 
 
-class ClampedStaleIds(ProductionForward):
+class ClampedStaleIds(OptimizedBackend):
     """permute: maps the ids through the expert table after clamping them into it
     (`expert_map[ids.clamp(max=E - 1)]`, -1 kept) instead of skipping ids outside it, then
     recounts and scatters the local ids without a map (as vLLM's permute recounts tokens).
@@ -93,33 +110,20 @@ class ClampedStaleIds(ProductionForward):
     name = "clamped_stale_ids"
 
     def permute(
-        self, cfg: ForwardConfig, hidden: torch.Tensor, w: RankWeights, up: Taps
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
     ) -> Outputs:
-        q, align = up["quant_input"], up["align"]
-        ids = up["route"]["topk_ids"].long()
-        table = w.expert_map
+        sh = self.shard(problem, inputs, rank)
+        ids = upstream["route"]["topk_ids"].long()
+        table = sh.expert_map
         if table is None:
-            table = torch.arange(cfg.num_local_experts, dtype=torch.int32, device=ids.device)
+            table = torch.arange(sh.num_local_experts, dtype=torch.int32, device=ids.device)
         mapped = table.long()[ids.clamp(0, table.numel() - 1)]  # the bug: clamp, not skip
         local = torch.where(ids >= 0, mapped, -1).to(torch.int32)
-        counts = scatter.count_expert_tokens(local, cfg.num_local_experts, validate=False)
-        m_sum = align["M_sum"]
-        out = scatter.ep_scatter(
-            q["a1q"],
-            q["a1q_scale"],
-            local,
-            counts,
-            cfg.num_local_experts,
-            cfg.alignment,
-            m_sum,
-            None,
-            validate=False,
-            a_perm_out=self.buffers(m_sum)["a_perm"],
-        )
-        return _scattered_outputs(cfg, out)
+        counts = scatter.count_expert_tokens(local, sh.num_local_experts, validate=False)
+        return _scatter(self, problem, upstream, sh, local, counts, None)
 
 
-class CachedOutput(ProductionForward):
+class CachedOutput(OptimizedBackend):
     """gather: writes every call's output into the tensor it returned from its first call.
 
     An op that keeps a persistent output buffer to save an allocation: each call overwrites the
@@ -131,35 +135,36 @@ class CachedOutput(ProductionForward):
 
     name = "cached_output"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
         self._out: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def gather(self, cfg: ForwardConfig, hidden: torch.Tensor, w: RankWeights, up: Taps) -> Outputs:
-        out = super().gather(cfg, hidden, w, up)["out"]
-        if w.w13.q not in self._out:
-            self._out[w.w13.q] = out
+    def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        out = super().gather(problem, inputs, upstream, rank)["out"]
+        key = self.shard(problem, inputs, rank).w13.q
+        if key not in self._out:
+            self._out[key] = out
             return {"out": out}
-        cached = self._out[w.w13.q]
+        cached = self._out[key]
         cached.copy_(out)
         return {"out": cached}
 
 
 @dataclass(frozen=True)
 class Catch:
-    """Where `moe-verify graph` must catch a wrong forward: the topology that reaches its bug
+    """Where `moe-verify graph` must catch a wrong backend: the topology that reaches its bug
     and, replay by replay (names from `moe_verify.graph.default_replays`, run in this order),
     the first failure it must report: a stage, a guard, or None where the replay must pass (so
     the check is shown to discriminate). `ranks`: the ranks whose stage fails, where several."""
 
-    forward: type[ProductionForward]
+    backend: type[OptimizedBackend]
     topology: str
     replays: tuple[tuple[str, str | None], ...]
     ranks: tuple[int, ...] | None = None
 
     @property
     def id(self) -> str:
-        return self.forward.name
+        return self.backend.name
 
 
 CATCHES: tuple[Catch, ...] = (

@@ -18,7 +18,6 @@ from moe_verify.spec import STAGES, Engine, MoEProblem, Stage, Trace
 from moe_verify.verification import verify
 from optimized import op
 from optimized.backend import OptimizedBackend
-from optimized.production import ProductionForward
 from reference import ReferenceBackend
 from tests.tester import field_bugs as fb
 from tolerance.report import Report
@@ -37,11 +36,9 @@ def test_every_field_bug_class_is_in_a_table() -> None:
     classes = {
         c
         for c in vars(fb).values()
-        if isinstance(c, type)
-        and issubclass(c, (OptimizedBackend, ProductionForward))
-        and c not in (OptimizedBackend, ProductionForward)
+        if isinstance(c, type) and issubclass(c, OptimizedBackend) and c is not OptimizedBackend
     }
-    tabled = {c.backend for c in fb.CATCHES} | {g.forward for g in fb.GRAPH_CATCHES}
+    tabled = {c.backend for c in fb.CATCHES} | {g.backend for g in fb.GRAPH_CATCHES}
     assert tabled == classes
     assert len({c.id for c in fb.CATCHES}) == len(fb.CATCHES)
 
@@ -168,13 +165,13 @@ def _recorded(report, record_report: Callable[[Report], Report]) -> None:
 
 @pytest.mark.parametrize("catch", fb.GRAPH_CATCHES, ids=lambda c: c.id)
 def test_stale_ids_class_under_graph_replay(catch: fb.GraphCatch, record_report) -> None:
-    assert [s for s in STAGES if s in vars(catch.forward)] == [Stage.ALIGN]
-    forward = op.register_forward(catch.forward())
+    assert [s for s in STAGES if s in vars(catch.backend)] == [Stage.ALIGN]
+    backend = op.register_backend(catch.backend())
     report = verify_graph(
         GRAPH_BASE.replace(topology=catch.topology),
         replays=[REPLAYS[name] for name, _ in catch.replays],
         engine=Engine.TRITON,
-        forward=forward,
+        backend=backend,
     )
     _recorded(report, record_report)
     assert [(r.replay.name, r.first_failure) for r in report.replays] == list(catch.replays), (
@@ -188,7 +185,7 @@ def test_stale_ids_class_under_graph_replay(catch: fb.GraphCatch, record_report)
             assert "counts" in text and "rank 1" in text, text
 
 
-def test_correct_forward_passes_the_stale_id_replays_under_ep(record_report) -> None:
+def test_correct_backend_passes_the_stale_id_replays_under_ep(record_report) -> None:
     report = verify_graph(
         GRAPH_BASE.replace(topology="ep:2"),
         replays=[REPLAYS[n] for n, _ in fb.GRAPH_CATCHES[-1].replays],
