@@ -34,6 +34,7 @@ from moe_verify.spec import (
     StageViolation,
     TopologyKind,
     Trace,
+    is_sm90,
     run_stages,
 )
 from optimized import deepgemm
@@ -69,8 +70,7 @@ def gemm_recipe(problem: MoEProblem, engine: Engine, out: torch.Tensor, alignmen
         or problem.scale_fmt not in sm90
         or interpreter_mode()
         or grouped_gemm.default_block_m(alignment) != MEASURED_BLOCK_ROWS
-        or not out.is_cuda
-        or torch.cuda.get_device_capability(out.device)[0] != 9
+        or not is_sm90(out.device)
     ):
         return {}
     return {"recipe": GemmRecipe.TENSOR_CORE.value}
