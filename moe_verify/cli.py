@@ -266,6 +266,8 @@ def cmd_graph(args: argparse.Namespace) -> int:
         )
 
     problem = problem_from_args(args)
+    if not args.in_process:
+        return graph_contained(args, problem)
     bound = args.bound if args.bound is not None else problem.tokens
     replays = default_replays(bound, problem.seed)
     if args.replays:
@@ -287,6 +289,24 @@ def cmd_graph(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(report.to_json())
     return report.exit_code
+
+
+def graph_contained(args: argparse.Namespace, problem: MoEProblem) -> int:
+    """`graph` in a child process: its output and exit status, or, when a kernel fault or the
+    case timeout ended it, one line naming the replay, rank and stage in flight (exit 1)."""
+    from moe_verify.graph import run_graph_contained
+
+    child = run_graph_contained(args.argv, args.case_timeout)
+    sys.stdout.write(child.done.stdout)
+    if not child.crashed:
+        sys.stderr.write(child.done.stderr)
+        return child.done.rc
+    if os.environ.get("MOE_VERIFY_DEBUG") == "1":
+        sys.stderr.write(child.done.stderr)
+    print(child.describe(problem.id))
+    if args.json:
+        Path(args.json).write_text(child.to_json(problem.id))
+    return EXIT_FAIL
 
 
 def cmd_audit_e8m0(args: argparse.Namespace) -> int:
@@ -498,6 +518,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="call the op eagerly on the static buffers even on a GPU (what a CPU does)",
     )
     gr.add_argument("--json", help="write the per-replay report as JSON here")
+    gr.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run in this process: faster to start, but a segfault or an illegal memory access "
+        "in a kernel ends the command (default: a child process, whose crash is reported with "
+        "the replay, rank and stage in flight)",
+    )
+    add_case_timeout_arg(gr)
     gr.set_defaults(func=cmd_graph)
 
     au = sub.add_parser(

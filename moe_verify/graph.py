@@ -25,6 +25,10 @@ as `--backend`), graph-safe. The warm-up call counts host reads (moe_verify/host
 stage that reads the device on the host cannot be captured, so the report names the stage, the
 call and the line, fails, and runs the replays eagerly so every stage is still compared.
 
+A kernel fault (a segfault, an illegal memory access) must not take the run down: the CLI runs
+`verify_graph` in a child process (moe_verify/cli.py) with a breadcrumb file, which names the
+replay, rank and stage in flight (`breadcrumb`), and reports a crash with them.
+
 Without a GPU there is no capture: every "replay" is an eager call of the op on the same static
 buffers, and the report says so. Everything else (staging, stale padding, taps, guards, the
 comparison) runs the same.
@@ -32,13 +36,19 @@ comparison) runs the same.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Sequence
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from moe_verify.contain import Completed, run_contained
 from moe_verify.device import default_device
 from moe_verify.host_reads import HostReads
 from moe_verify.inputs import make_inputs
@@ -55,7 +65,7 @@ from moe_verify.spec import (
     run_stages,
 )
 from moe_verify.verification import compare_reduce, engine_of, has_reduce, rank_experts
-from optimized import op
+from optimized import op, production
 from optimized.production import (
     ForwardConfig,
     RankWeights,
@@ -71,6 +81,30 @@ from tolerance.report import Report
 STALE_IDS = (123456789, 2071690107)
 # The workspace poison before each replay: 0xFF is NaN in bf16 and e4m3, -1 in int32.
 WORKSPACE_POISON = 0xFF
+
+
+BREADCRUMB_ENV = "MOE_VERIFY_BREADCRUMB"
+
+
+@contextlib.contextmanager
+def breadcrumb(case: str, replay: str, rank: int) -> Iterator[None]:
+    """While inside, the breadcrumb file ($MOE_VERIFY_BREADCRUMB) names the case, replay and rank
+    in flight and, for every eager stage call, the stage: what a crash report can say."""
+    path = os.environ.get(BREADCRUMB_ENV)
+    if not path:
+        yield
+        return
+
+    def write(stage: str | None) -> None:
+        crumb = {"case": case, "replay": replay, "rank": rank, "stage": stage}
+        Path(path).write_text(json.dumps(crumb) + "\n")
+
+    write(None)
+    production.stage_listeners.append(write)
+    try:
+        yield
+    finally:
+        production.stage_listeners.remove(write)
 
 
 @dataclass(frozen=True)
@@ -378,8 +412,9 @@ class GraphSession:
     def warm_up_and_capture(self) -> str:
         """The warm-up call of every rank, then (no stage reading the host) the capture.
         Returns how the replays will run."""
-        for r in self.ranks:
-            warm = self._warm_up(r)
+        for rank, r in enumerate(self.ranks):
+            with breadcrumb(self.problem.id, "warm-up", rank):
+                warm = self._warm_up(r)
             warm.fill_(float("nan"))
             self.sentinels.append(warm)
         if self.host_reads:
@@ -390,9 +425,13 @@ class GraphSession:
             )
         if not self.capture:
             return "no CUDA device: each replay is an eager op call on the static buffers"
-        for r in self.ranks:
+        for rank, r in enumerate(self.ranks):
             r.graph = torch.cuda.CUDAGraph()
-            with op.recording(r.taps), torch.cuda.graph(r.graph):
+            with (
+                breadcrumb(self.problem.id, "capture", rank),
+                op.recording(r.taps),
+                torch.cuda.graph(r.graph),
+            ):
                 r.out = self._call(r)
         torch.cuda.synchronize(self.device)
         return "captured once per rank with torch.cuda.graph"
@@ -507,7 +546,8 @@ def verify_graph(
         golden = _golden(session, ids, weights)
         outs, runs, results = [], [], []
         for rank, r in enumerate(session.ranks):
-            out, taps = session.replay_rank(r)
+            with breadcrumb(session.problem.id, replay.name, rank):
+                out, taps = session.replay_rank(r)
             tested = _with_route(taps, golden[rank])
             outs.append(out)
             runs.append(RankRun(rank, golden[rank], {Mode.CHAINED: tested}))
@@ -531,3 +571,50 @@ def verify_graph(
         previous = outs
         session.keepalive.extend(outs)
     return report
+
+
+# -- containment ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Contained:
+    """How a `graph` child process ended: its exit (`Completed`) and the last breadcrumb (the
+    case, replay, rank and stage in flight), None when it wrote none."""
+
+    done: Completed
+    crumb: dict[str, object] | None
+
+    @property
+    def crashed(self) -> bool:
+        """Killed by a signal, out of time, or an exit status `graph` never uses."""
+        return self.done.timed_out or self.done.rc not in (0, 1, 2)
+
+    def describe(self, case: str) -> str:
+        c = self.crumb or {}
+        where = ", ".join(
+            f"{name} {c[name]}" for name in ("replay", "rank", "stage") if c.get(name) is not None
+        )
+        if c.get("replay") and c.get("stage") is None:
+            where += ", stage unknown (inside a captured graph, or before the first stage)"
+        return (
+            f"CRASH graph {case}: the child process was {self.done.exit_text} "
+            f"({where or 'before the first replay'}); a kernel fault ended it, not this run"
+        )
+
+    def to_json(self, case: str) -> str:
+        return json.dumps(
+            {"case": case, "passed": False, "crashed": self.done.exit_text, "at": self.crumb},
+            indent=2,
+        )
+
+
+def run_graph_contained(argv: Sequence[str], timeout_s: float | None) -> Contained:
+    """`moe-verify graph` (its `argv`) in a child process of its own, with a breadcrumb file:
+    a segfault or an illegal memory access in a kernel ends the child, not the caller."""
+    with tempfile.TemporaryDirectory(prefix="moe-verify-graph-") as tmp:
+        crumb_path = Path(tmp) / "breadcrumb.json"
+        env = {**os.environ, BREADCRUMB_ENV: str(crumb_path)}
+        cmd = [sys.executable, "-m", "moe_verify.cli", *argv, "--in-process"]
+        done = run_contained(cmd, timeout_s, env)
+        crumb = json.loads(crumb_path.read_text()) if crumb_path.exists() else None
+    return Contained(done, crumb)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -311,6 +311,8 @@ def rank_inputs(hidden_states: torch.Tensor, weights: RankWeights) -> MoEInputs:
 
 
 _running: list[str] = []
+# Called with each stage's name as it starts (eager calls only: a graph replay runs no Python).
+stage_listeners: list[Callable[[str], None]] = []
 
 
 def running_stage() -> str | None:
@@ -321,6 +323,8 @@ def running_stage() -> str | None:
 
 @contextlib.contextmanager
 def _stage(stage: str) -> Iterator[None]:
+    for listen in stage_listeners:
+        listen(stage)
     _running.append(stage)
     try:
         yield
