@@ -37,6 +37,7 @@ _EXPORTS = {
         "moe_verify.spec",
     ),
     "make_inputs": "moe_verify.inputs",
+    "RunOptions": "moe_verify.options",
     "verify": "moe_verify.verification",
     "verify_rank": "moe_verify.verification",
     "replay": "moe_verify.verification",

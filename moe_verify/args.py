@@ -1,5 +1,6 @@
 """Command-line vocabulary shared by `moe-verify` and the torchrun worker: exit codes, the problem
-and backend flags, the flags of `run`, and the problem they describe."""
+and backend flags, the flags of `run`, and the problem and run options they describe
+(`problem_from_args`, `run_options`; `run_flags` is the way back, for the torchrun ranks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 from pathlib import Path
 
 from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S
+from moe_verify.loader import class_spec
+from moe_verify.options import RunOptions, is_instance
 from moe_verify.spec import (
     MODE_CHOICES,
     Engine,
@@ -307,3 +310,63 @@ def problem_from_args(args: argparse.Namespace) -> MoEProblem:
         ll_capacity=args.ll_capacity,
         tiny_tokens=args.tiny_tokens,
     )
+
+
+# The run options a command's flags set: argparse's dest -> RunOptions' field.
+_OPTION_DESTS = {
+    "backend": "backend",
+    "engine": "engine",
+    "mode": "mode",
+    "workspace": "workspace",
+    "poison": "poison",
+    "poison_padding": "padding_poison",
+    "gemm_recipe": "gemm_recipe",
+    "compare_on": "compare_device",
+    "case_timeout": "case_timeout_s",
+    "dump_dir": "dump_dir",
+    "plot": "plot_dir",
+    "invariance": "invariance",
+}
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The RunOptions of a command's flags (`run`'s, `sweep`'s, the torchrun worker's), built
+    once and checked before any work; an option the command has no flag for keeps RunOptions'
+    default. --compare-on golden is the golden's device (None), --case-timeout 0 no limit."""
+    given = vars(args)
+    fields = {field: given[dest] for dest, field in _OPTION_DESTS.items() if dest in given}
+    if "compare_device" in fields:
+        fields["compare_device"] = "cpu" if fields["compare_device"] == "cpu" else None
+    return RunOptions(**fields)
+
+
+def run_flags(options: RunOptions) -> list[str]:
+    """The flags of `moe-verify run` that `run_options` reads back as `options` (the torchrun
+    launcher starts its ranks with them); a ValueError for what no flag can say: a backend
+    instance, a comparison device other than the golden's or the CPU."""
+    if is_instance(options.backend):
+        raise ValueError(f"backend {options.backend!r}: a flag names a backend, not an instance")
+    if options.compare_device not in (None, "cpu"):
+        raise ValueError(
+            f"compare_device {options.compare_device!r}: --compare-on takes golden or cpu only"
+        )
+    backend = options.backend if isinstance(options.backend, str) else class_spec(options.backend)
+    flags = ["--backend", backend, "--engine", options.engine.value, "--mode", options.mode]
+    flags += ["--case-timeout", str(options.case_timeout_s or 0)]
+    if options.workspace:
+        flags.append("--workspace")
+    for byte in options.poison:
+        flags += ["--poison", str(byte)]
+    if options.padding_poison:
+        flags.append("--poison-padding")
+    if options.gemm_recipe is not None:
+        flags += ["--gemm-recipe", options.gemm_recipe.value]
+    if options.compare_device == "cpu":
+        flags += ["--compare-on", "cpu"]
+    if options.dump_dir is not None:
+        flags += ["--dump-dir", str(options.dump_dir)]
+    if options.plot_dir is not None:
+        flags += ["--plot", str(options.plot_dir)]
+    if options.invariance is not None:
+        flags += ["--invariance", options.invariance]
+    return flags

@@ -31,6 +31,7 @@ from moe_verify.args import (
     check_output_dir,
     check_output_file,
     problem_from_args,
+    run_options,
 )
 from moe_verify.contain import terminate_as_exit, terminated, user_interrupted, watch_interrupts
 from moe_verify.spec import MODE_CHOICES, Engine, MoEProblem
@@ -71,62 +72,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_output_file("--markdown", args.markdown)
     check_output_dir("--dump-dir", args.dump_dir)
     check_output_dir("--plot", args.plot)
+    options = run_options(args)  # every run option checked before any work
     if args.sanitize:  # the same flags, run again in a child under the sanitizer
         from moe_verify.sanitize import run_sanitized
 
-        return run_sanitized(args.sanitize, args.argv[1:], args.case_timeout or None, args.launcher)
+        return run_sanitized(args.sanitize, args.argv[1:], options.case_timeout_s, args.launcher)
     require_engine(args.engine)
+    problem = problem_from_args(args)
     if args.launcher == "torchrun":
-        given = {
-            "--workspace": args.workspace,
-            "--poison": args.poison,
-            "--plot": args.plot,
-            "--invariance": args.invariance,
-        }
-        unsupported = [flag for flag, value in given.items() if value]
-        if unsupported:
-            raise ValueError(f"{', '.join(unsupported)}: not supported with --launcher torchrun")
-        from moe_verify.distributed.launch import launch_from_args
+        from moe_verify.distributed.launch import launch
 
-        return launch_from_args(args)
+        return launch(
+            problem, options, json_path=args.json, markdown_path=args.markdown, nproc=args.nproc
+        )
     if args.nproc is not None:
         raise ValueError("--nproc needs --launcher torchrun")
-    from moe_verify.verification import verify, verify_invariance
+    from moe_verify.verification import verify
 
-    problem = problem_from_args(args)
-    if args.invariance:
-        given = {"--workspace": args.workspace, "--poison": args.poison, "--plot": args.plot,
-                 "--dump-dir": args.dump_dir, "--poison-padding": args.poison_padding,
-                 "--gemm-recipe": args.gemm_recipe}  # fmt: skip
-        unsupported = [flag for flag, value in given.items() if value]
-        if unsupported:
-            raise ValueError(f"{', '.join(unsupported)}: not supported with --invariance")
-        report = verify_invariance(
-            problem,
-            args.invariance,
-            backend=args.backend,
-            mode=args.mode,
-            engine=args.engine,
-            case_timeout_s=args.case_timeout or None,
-        )
-        print(report.to_table() if args.verbose else report.to_summary())
-        print(f"invariance {report.files['invariance'][0]}: every stage compared bit for bit")
-        return report.exit_code
-    report = verify(
-        problem,
-        backend=args.backend,
-        mode=args.mode,
-        engine=args.engine,
-        dump_dir=Path(args.dump_dir) if args.dump_dir else None,
-        compare_device="cpu" if args.compare_on == "cpu" else None,
-        case_timeout_s=args.case_timeout or None,
-        plot_dir=Path(args.plot) if args.plot else None,
-        workspace=args.workspace,
-        poison=args.poison,
-        padding_poison=args.poison_padding,
-        gemm_recipe=args.gemm_recipe,
-    )
+    report = verify(problem, options=options)
     print(report.to_table() if args.verbose else report.to_summary())
+    if options.invariance is not None:
+        print(f"invariance {report.files['invariance'][0]}: every stage compared bit for bit")
     print_files(report, args)
     if args.json:
         Path(args.json).write_text(report.to_json())
@@ -145,19 +111,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     require_engine(args.engine)
     from moe_verify.sweep import sweep
 
-    # plot_dir only when asked for: the sweep's plots are optional, its cases are not.
-    plots = {"plot_dir": Path(args.plot)} if args.plot else {}
     summary = sweep(
         args.preset,
-        backend=args.backend,
-        mode=args.mode,
-        engine=args.engine,
+        options=run_options(args),
         out_dir=Path(args.out),
         isolate=not args.in_process,
         filter_text=args.filter,
-        case_timeout_s=args.case_timeout or None,
         shard=args.shard,
-        **plots,
     )
     return summary.exit_code
 

@@ -2,10 +2,12 @@
 
 A dump directory holds one directory per failing case, named by the case id:
   problem.json            the MoEProblem (MoEProblem.from_dict reads it back)
-  run.json                how it was run: the backend spec as verify() got it ("optimized",
-                          "module:Class", the module:Class of a Backend instance), engine, mode,
-                          workspace, poison, padding poison and GEMM recipe options (absent
-                          in older dumps, and when the dumping caller did not say)
+  run.json                how it was run: RunOptions.to_dict() (moe_verify/options.py), the
+                          backend as the spec verify() got ("optimized", "module:Class", the
+                          module:Class of a Backend class or instance); absent in older dumps
+                          and when the dumping caller did not say. A run.json of an older
+                          version (backend, engine, mode, workspace, poison, padding_poison,
+                          gemm_recipe) reads with the other options at their defaults.
   report.json             the report that failed
   inputs.safetensors      every MoEInputs tensor, keyed by field (QuantizedWeight as field.q/.scale)
   <side>_r<rank>.safetensors  each trace (golden, isolated, chained; golden_sm90_chain, the
@@ -23,7 +25,6 @@ import dataclasses
 import json
 import os
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from moe_verify.options import RunOptions
 from moe_verify.runner import RankRun
 from moe_verify.safe_io import UntrustedFileError, load_safetensors, read_json, safe_file
 from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Trace
@@ -48,14 +50,8 @@ class DumpedCase:
 
     problem: MoEProblem
     inputs: MoEInputs
-    backend: str | None  # the spec verify() got; None: an older dump that did not record it
-    engine: str | None
-    mode: str | None
-    workspace: bool
-    poison: tuple[int, ...]  # the poison bytes the run used (two: the run was checked under both)
     path: Path  # the case directory
-    padding_poison: bool = False  # the golden's padding rows were poisoned (verify padding_poison)
-    gemm_recipe: str | None = None  # what isolated GEMMs were held to; None: automatic
+    options: RunOptions | None  # how it was run; None: an older dump that did not record it
 
 
 def _inputs_to_tensors(inputs: MoEInputs) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -181,31 +177,11 @@ def dump_case(
     inputs: MoEInputs,
     runs: list[RankRun],
     report: Report,
-    *,
-    backend: str | None = None,
-    engine: str | None = None,
-    mode: str | None = None,
-    workspace: bool = False,
-    poison: Sequence[int] = (),
-    padding_poison: bool = False,
-    gemm_recipe: str | None = None,
+    options: RunOptions | None = None,
 ) -> Path:
     """Write everything needed to reproduce and inspect a failing case, with how it was run
-    (`backend` as verify() got it, or the module:Class of the instance it got); the case
-    directory."""
-    out = dump_header(
-        directory,
-        problem,
-        inputs,
-        report,
-        backend=backend,
-        engine=engine,
-        mode=mode,
-        workspace=workspace,
-        poison=poison,
-        padding_poison=padding_poison,
-        gemm_recipe=gemm_recipe,
-    )
+    (`options`); the case directory."""
+    out = dump_header(directory, problem, inputs, report, options)
     for run in runs:
         sides = {"golden": run.golden, "golden_sm90_chain": run.chained_golden, **run.tested}
         dump_rank_traces(out, run.rank, sides)
@@ -217,31 +193,15 @@ def dump_header(
     problem: MoEProblem,
     inputs: MoEInputs,
     report: Report,
-    *,
-    backend: str | None = None,
-    engine: str | None = None,
-    mode: str | None = None,
-    workspace: bool = False,
-    poison: Sequence[int] = (),
-    padding_poison: bool = False,
-    gemm_recipe: str | None = None,
+    options: RunOptions | None = None,
 ) -> Path:
     """The case directory with problem.json, report.json, inputs.safetensors and, given the
-    `backend`, run.json (how to run it again: see the module docstring); its path."""
+    `options`, run.json (how to run it again: see the module docstring); its path."""
     out = Path(directory) / problem.id
     out.mkdir(parents=True, exist_ok=True)
     (out / PROBLEM_FILE).write_text(json.dumps(problem.to_dict(), indent=2))
-    if backend is not None:  # without it a replay needs --backend, as for an older dump
-        run = {
-            "backend": backend,
-            "engine": engine,
-            "mode": mode,
-            "workspace": bool(workspace),
-            "poison": [int(b) for b in poison],
-            "padding_poison": bool(padding_poison),
-            "gemm_recipe": gemm_recipe,
-        }
-        (out / RUN_FILE).write_text(json.dumps(run, indent=2))
+    if options is not None:  # without them a replay needs --backend, as for an older dump
+        (out / RUN_FILE).write_text(json.dumps(options.to_dict(), indent=2))
     (out / "report.json").write_text(report.to_json())
     tensors, meta = _inputs_to_tensors(inputs)
     save_file(tensors, str(out / INPUTS_FILE), metadata=meta)
@@ -299,55 +259,21 @@ def load_case(directory: Path, device: torch.device | str | None = None) -> Dump
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
         raise UntrustedFileError(f"{problem_path}: not a valid MoEProblem ({why})") from None
-    run = _read_run(root, case)
+    options = _read_run(root, case)
     inputs_path = safe_file(root, f"{case}/{INPUTS_FILE}")
     tensors, meta = load_safetensors(root, inputs_path)
     inputs = _inputs_from_tensors(inputs_path, tensors, meta, device or default_device())
-    return DumpedCase(
-        problem,
-        inputs,
-        run["backend"],
-        run["engine"],
-        run["mode"],
-        run["workspace"],
-        tuple(run["poison"]),
-        root / case,
-        run["padding_poison"],
-        run["gemm_recipe"],
-    )
+    return DumpedCase(problem, inputs, root / case, options)
 
 
-def _read_run(root: Path, case: str) -> dict[str, Any]:
-    """run.json checked field by field; an older dump without one records nothing (None)."""
-    unknown: dict[str, Any] = {
-        "backend": None,
-        "engine": None,
-        "mode": None,
-        "workspace": False,
-        "poison": [],
-        "padding_poison": False,
-        "gemm_recipe": None,
-    }
+def _read_run(root: Path, case: str) -> RunOptions | None:
+    """run.json as RunOptions, read as untrusted input; None for an older dump without one."""
     name = f"{case}/{RUN_FILE}"
     if not os.path.lexists(root / name):
-        return unknown
+        return None
     run = read_json(root, name)
     path = safe_file(root, name)
-    if not isinstance(run, dict):
-        raise UntrustedFileError(f"{path}: expected a JSON object, got {type(run).__name__}")
-    for key in ("backend", "engine", "mode", "gemm_recipe"):
-        if run.get(key) is not None and not isinstance(run[key], str):
-            raise UntrustedFileError(f"{path}: {key!r} must be a string, got {run[key]!r:.80}")
-    for key in ("workspace", "padding_poison"):
-        if not isinstance(run.get(key, False), bool):
-            raise UntrustedFileError(f"{path}: {key!r} must be true or false")
-    poison = run.get("poison", [])
-    if not (
-        isinstance(poison, list)
-        and len(poison) <= 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in poison)
-    ):
-        raise UntrustedFileError(
-            f"{path}: 'poison' must be a list of at most two bytes (0..255), got {poison!r:.80}"
-        )
-    return {**unknown, **{k: run[k] for k in unknown if k in run}}
+    try:
+        return RunOptions.from_dict(run)
+    except (TypeError, ValueError) as exc:
+        raise UntrustedFileError(f"{path}: {exc}") from None

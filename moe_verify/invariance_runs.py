@@ -1,7 +1,8 @@
 """The tested side's second run of a metamorphic pair (tolerance/invariance.py INVARIANCES): the
 pair of backends and problems a setting gives (`invariance_pair`: alignment, M_sum, the ep:N+ll
-capacity, DeepGEMM's hints; two poisons are built by `verify`), and each stage's agreement check
-of the two runs (`with_agreement`). `verify` runs the pair rank by rank.
+capacity, DeepGEMM's hints; two poisons are built by moe_verify/verification.py `tested_sides`),
+and each stage's agreement check of the two runs (`with_agreement`). `verify` runs the pair rank
+by rank.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from moe_verify.options import check_invariance
 from moe_verify.runner import RankRun, resolve_backend
 from moe_verify.spec import (
     LL_BLOCK_ROWS,
@@ -20,7 +22,7 @@ from moe_verify.spec import (
     TopologyKind,
 )
 from tolerance.compare import StageResult
-from tolerance.invariance import INVARIANCES, Invariance, agreement
+from tolerance.invariance import Invariance, agreement
 
 
 @dataclass(frozen=True)
@@ -54,17 +56,12 @@ def with_agreement(
 
 
 def invariance_pair(
-    problem: MoEProblem, kind: str, backend: str, engine: Engine | str
+    problem: MoEProblem, kind: str, backend: str | type | Backend, engine: Engine | str
 ) -> tuple[Backend, Backend, MoEProblem, str]:
     """The two tested backends and the second run's problem of the invariance `kind`
     (tolerance/invariance.py INVARIANCES), and the pair's label; a ValueError saying why where
     the setting has no second legal value here."""
-    if kind not in INVARIANCES or kind == "poison":
-        known = [k for k in INVARIANCES if k != "poison"]
-        raise ValueError(
-            f"invariance: expected one of {known} (two poisons: --workspace --poison A "
-            f"--poison B), got {kind!r}"
-        )
+    check_invariance(kind)
     from optimized import OptimizedBackend
 
     first = resolve_backend(backend, engine)

@@ -24,6 +24,7 @@ import torch
 from moe_verify import progress
 from moe_verify.contain import CaseTimeout, expired, terminated, user_interrupted
 from moe_verify.loader import load_class
+from moe_verify.options import check_backend
 from moe_verify.poison import poisoned_allocations
 from moe_verify.protect import Guarded, guards_own_upstream
 from moe_verify.spec import (
@@ -91,11 +92,7 @@ def resolve_backend(
             return VllmBackend(engine=engine)
         except VllmUnavailable as exc:
             raise ValueError(f"backend 'vllm': {exc}") from exc
-    if isinstance(spec, str) and ":" not in spec:
-        raise ValueError(
-            f"backend: expected 'optimized', 'golden', 'vllm' or 'module:Class', got {spec!r}"
-        )
-    cls = load_class(spec, "backend") if isinstance(spec, str) else spec
+    cls = load_class(check_backend(spec), "backend") if isinstance(spec, str) else spec
     from optimized import OptimizedBackend
 
     options: dict[str, object] = dict(workspaces)

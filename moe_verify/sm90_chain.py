@@ -41,27 +41,16 @@ def sm90_device(t: torch.Tensor) -> bool:
     return t.is_cuda and is_sm90(t.device)
 
 
-def check_gemm_recipe(
-    problem: MoEProblem, gemm_recipe: GemmRecipe | str | None
-) -> GemmRecipe | None:
-    """`gemm_recipe` as a GemmRecipe (None: automatic); a ValueError where an explicit
-    tensor_core cannot apply (not the SM90 fp8_block recipe with fp32 or ceil-UE8M0 scales)."""
-    if gemm_recipe is None:
-        return None
-    try:
-        recipe = GemmRecipe(gemm_recipe)
-    except ValueError:
-        known = [r.value for r in GemmRecipe]
-        raise ValueError(
-            f"gemm_recipe: expected one of {known} or None, got {gemm_recipe!r}"
-        ) from None
-    if recipe is GemmRecipe.TENSOR_CORE:
+def check_gemm_recipe(problem: MoEProblem, gemm_recipe: GemmRecipe | None) -> None:
+    """A ValueError where an explicit tensor_core cannot apply to `problem` (not the SM90
+    fp8_block recipe with fp32 or ceil-UE8M0 scales); the value itself is RunOptions'
+    (moe_verify/options.py)."""
+    if gemm_recipe is GemmRecipe.TENSOR_CORE:
         if problem.recipe is not Recipe.FP8_BLOCK or problem.scale_fmt not in _SM90_FORMATS:
             raise ValueError(
                 f"gemm_recipe tensor_core models SM90's fp8_block GEMM with fp32 or ceil-UE8M0 "
                 f"scales, got recipe {problem.recipe}, scale format {problem.scale_fmt}"
             )
-    return recipe
 
 
 def gemm_recipe_applies(

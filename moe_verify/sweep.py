@@ -28,6 +28,7 @@ harness failed); the exit code is 0 when every case passed, 2 when any errored, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -40,6 +41,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 from moe_verify.cases import preset
@@ -55,6 +57,7 @@ from moe_verify.contain import (
     user_interrupted,
     watch_interrupts,
 )
+from moe_verify.options import RunOptions, options_of
 from moe_verify.progress import SweepBar
 from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Status
 
@@ -80,6 +83,8 @@ STARTUP_GRACE_S = 120.0
 # "Fatal Python error" on (the Python stack of every thread at the crash).
 STDERR_LINES = 60
 SUMMARY_JSON_EVERY_S = 30.0
+# What a sweep runs with when built from keyword arguments: both modes, the CLI's case timeout.
+SWEEP_DEFAULTS = {"mode": "both", "case_timeout_s": DEFAULT_CASE_TIMEOUT_S}
 CRASH_REPORT = "Fatal Python error"
 
 
@@ -166,14 +171,7 @@ def release_memory() -> None:
         pass  # outcome (its ERROR) stands, and the worker is replaced after an error anyway
 
 
-def run_in_process(
-    problem: MoEProblem,
-    backend: str,
-    mode: str,
-    engine: str,
-    case_timeout_s: float | None,
-    plot_dir: Path | None,
-) -> CaseOutcome:
+def run_in_process(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
     """One case in this process under its deadline; whatever the backend raises is the case's
     ERROR, except the user's Ctrl-C and our SIGTERM, which propagate. The case's memory is
     released before the next case (`release_memory`)."""
@@ -181,14 +179,7 @@ def run_in_process(
 
     start = time.perf_counter()
     try:
-        report = verify(
-            problem,
-            backend=backend,
-            mode=mode,
-            engine=engine,
-            case_timeout_s=case_timeout_s,
-            plot_dir=plot_dir,
-        )
+        report = verify(problem, options=options)
     except KeyboardInterrupt:
         if user_interrupted():
             raise
@@ -311,31 +302,16 @@ class _Isolated:
             self.worker.close()
             self.worker = None
 
-    def __call__(
-        self,
-        problem: MoEProblem,
-        backend: str,
-        mode: str,
-        engine: str,
-        case_timeout_s: float | None,
-        plot_dir: Path | None,
-    ) -> CaseOutcome:
+    def __call__(self, problem: MoEProblem, options: RunOptions) -> CaseOutcome:
         start = time.perf_counter()
         self.cases += 1
         name = str(self.cases)
-        request = {
-            "name": name,
-            "problem": problem.to_dict(),
-            "backend": backend,
-            "mode": mode,
-            "engine": engine,
-            "case_timeout_s": case_timeout_s,
-            "plot_dir": str(Path(plot_dir).resolve()) if plot_dir is not None else None,
-        }
+        request = {"name": name, "problem": problem.to_dict(), "options": options.to_dict()}
         if self.worker is None:
             self.worker = _Worker(self.folder)
         worker = self.worker
-        limit = case_timeout_s + STARTUP_GRACE_S if case_timeout_s else None
+        timeout = options.case_timeout_s
+        limit = timeout + STARTUP_GRACE_S if timeout else None
         done = worker.run(request, limit)
         seconds = time.perf_counter() - start
         crumb = self.folder / BREADCRUMB
@@ -463,28 +439,34 @@ def select_cases(
 
 def sweep(
     cases: str | list[MoEProblem],
-    backend: str = "optimized",
-    mode: str = "both",
-    engine: str = "auto",
+    options: RunOptions | None = None,
+    *,
     out_dir: Path = Path("moe-verify-out"),
     isolate: bool = True,
     filter_text: str | None = None,
-    case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S,
-    plot_dir: Path | None = None,
     shard: str | None = None,
+    **run: Any,
 ) -> SweepSummary:
-    """Run a preset (by name) or the given cases; see the module docstring. `case_timeout_s`
-    bounds each case (None or 0: no limit); `plot_dir` gets a heatmap of each failing stage
-    (moe_verify/plot.py); `shard` 'i/n' runs the i-th of n interleaved shards of the chosen
-    cases (`select_cases`). The summaries go to `out_dir`, which must be writable. SIGINT or
-    SIGTERM kill the case in flight and end the sweep (KeyboardInterrupt or SystemExit
-    propagates), the finished cases' summaries already written."""
+    """Run a preset (by name) or the given cases, each as `options` say (moe_verify/options.py
+    RunOptions: its case timeout bounds each case, its plot directory gets a heatmap of each
+    failing stage); see the module docstring. RunOptions' fields as keyword arguments (the form
+    of the call before RunOptions) build the options over SWEEP_DEFAULTS instead. `shard` 'i/n'
+    runs the i-th of n interleaved shards of the chosen cases (`select_cases`). The summaries go
+    to `out_dir`, which must be writable. SIGINT or SIGTERM kill the case in flight and end the
+    sweep (KeyboardInterrupt or SystemExit propagates), the finished cases' summaries already
+    written."""
+    options = options_of("sweep", options, run, SWEEP_DEFAULTS)
+    options.check_launcher("isolated" if isolate else "none")
+    if isolate:  # absolute: the worker writes where asked whatever its directory
+        options = dataclasses.replace(
+            options,
+            dump_dir=None if options.dump_dir is None else options.dump_dir.resolve(),
+            plot_dir=None if options.plot_dir is None else options.plot_dir.resolve(),
+        )
     name = cases if isinstance(cases, str) else "cases"
     chosen = select_cases(cases, filter_text, shard)
     if shard:
         name = f"{name} shard {shard}"
-    if case_timeout_s is not None and case_timeout_s < 0:
-        raise ValueError(f"case_timeout_s: expected >= 0 (0: no limit), got {case_timeout_s!r}")
     out_dir = Path(out_dir)
     _writable(out_dir)
     summary = SweepSummary([], total=len(chosen))
@@ -505,7 +487,7 @@ def sweep(
             for problem in chosen:
                 summary.running = problem.id
                 progress()
-                outcome = run(problem, backend, mode, engine, case_timeout_s, plot_dir)
+                outcome = run(problem, options)
                 summary.outcomes.append(outcome)
                 summary.running = None
                 progress()

@@ -2,7 +2,7 @@
 DIR` imports the harness once, then runs the cases its parent sends, one after another.
 
 Protocol, JSON only: the parent writes one line per case to our stdin, {"name", "problem"
-(MoEProblem.to_dict), "backend", "mode", "engine", "case_timeout_s", "plot_dir"}; we run it in
+(MoEProblem.to_dict), "options" (RunOptions.to_dict, moe_verify/options.py)}; we run it in
 process under its deadline, write its outcome to DIR/<name>.json (atomically) and answer one line
 {"done": name} on the stdout we started with. Everything the case prints, faulthandler's report of
 a crash and the deadline's last words included, goes to DIR/<name>.log, so the parent keeps the
@@ -37,22 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     # torch, Triton and the backends load here, once, before the first case.
     import moe_verify.verification  # noqa: F401
     from moe_verify.contain import watch_interrupts
+    from moe_verify.options import RunOptions
     from moe_verify.spec import MoEProblem
 
     for line in sys.stdin:
         request = json.loads(line)
         name = request["name"]
         _log_to(log_path(folder, name))
-        plot_dir = request["plot_dir"]
         # Watched, so a backend's own KeyboardInterrupt is its case's error, not the user's.
         with watch_interrupts():
             outcome = run_in_process(
-                MoEProblem.from_dict(request["problem"]),
-                request["backend"],
-                request["mode"],
-                request["engine"],
-                request["case_timeout_s"],
-                Path(plot_dir) if plot_dir else None,
+                MoEProblem.from_dict(request["problem"]), RunOptions.from_dict(request["options"])
             )
         result = {
             "status": outcome.status,

@@ -15,9 +15,9 @@ an invariance) and its agreement check are moe_verify/invariance_runs.py's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +27,7 @@ from moe_verify.device import default_device
 from moe_verify.dump import dump_case, load_case
 from moe_verify.inputs import check_inputs, make_inputs
 from moe_verify.invariance_runs import Twin, invariance_pair, with_agreement
+from moe_verify.options import RunOptions, options_of
 from moe_verify.poison import poison_padding
 from moe_verify.preflight import preflight
 from moe_verify.runner import RankRun, resolve_backend, run_golden, run_rank
@@ -47,7 +48,6 @@ from moe_verify.spec import (
     StageSkipped,
     TopologyKind,
     Trace,
-    check_bool,
 )
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
@@ -151,32 +151,28 @@ def has_reduce(problem: MoEProblem) -> bool:
 
 def verify(
     problem: MoEProblem,
-    backend: str | Backend = "optimized",
-    mode: Mode | str = "isolated",
+    backend: str | type | Backend | None = None,
+    mode: Mode | str | None = None,
     *,
+    options: RunOptions | None = None,
     inputs: MoEInputs | None = None,
     device: torch.device | str | None = None,
-    engine: Engine | str = Engine.AUTO,
-    dump_dir: Path | None = None,
-    compare_device: torch.device | str | None = None,
-    case_timeout_s: float | None = None,
-    plot_dir: Path | None = None,
-    workspace: bool = False,
-    poison: int | Sequence[int] | None = None,
-    padding_poison: bool = False,
-    gemm_recipe: GemmRecipe | str | None = None,
+    **run: Any,
 ) -> Report:
-    """Verify `backend` against the golden on `problem`; see the module docstring for modes.
+    """Verify a backend against the golden on `problem` as `options` say (moe_verify/options.py
+    RunOptions: backend, mode, engine, workspaces and poisons, padding poison, GEMM recipe,
+    comparison device, case timeout, dump and plot directories, invariance); see the module
+    docstring for modes. The older form of the call, `backend`, `mode` and RunOptions' fields as
+    keyword arguments (`verify(problem, backend="golden", mode="both")`), builds the options
+    from them; giving both is a ValueError.
 
-    `backend` is "optimized", "golden", "vllm", "module:Class", or a Backend instance. Given
-    `inputs` must match the problem (`check_inputs`); otherwise they are made from its seed after a
-    memory pre-flight. On failure with `dump_dir`, the inputs and every trace are written there for
-    `moe-verify replay`; with `plot_dir`, one heatmap per failing stage (moe_verify/plot.py).
-    Stages are compared on the golden's device unless `compare_device` names another (e.g. "cpu"
-    to spend no GPU memory on the comparison's float64 temporaries). `case_timeout_s` bounds the
-    whole case (moe_verify/contain.py). `workspace` and `poison` build the optimized backend with
-    reused, poisoned workspaces; two poison bytes run the tested side once under each, and every
-    stage must also agree bit for bit between the two (tolerance/invariance.py).
+    Given `inputs` must match the problem (`check_inputs`); otherwise they are made from its seed
+    on `device` (default: the GPU when there is one) after a memory pre-flight. On failure with a
+    dump directory, the inputs, every trace and the options go there for `moe-verify replay`;
+    with a plot directory, one heatmap per failing stage (moe_verify/plot.py). `case_timeout_s`
+    bounds the whole case (moe_verify/contain.py). Two poison bytes run the tested side once under
+    each, an invariance once with the setting changed (moe_verify/invariance_runs.py), and every
+    stage must also agree bit for bit between the two runs (tolerance/invariance.py).
 
     `padding_poison`: the golden's padding rows (permute, or the batches past masked_m under
     ep:N+ll) hold stale worst-case values (moe_verify/poison.py `poison_padding`) before any
@@ -187,86 +183,72 @@ def verify(
     `gemm_recipe`: what gemm1 / gemm2 are held to. None (automatic): bit for bit to the golden's
     tensor-core recipe where the tested stage ran DeepGEMM on an SM90 GPU (or declares the
     recipe), isolated on the same operands and chained against the golden's SM90 chain, every
-    stage then bit for bit (`with_sm90_chain`), else bounded against fp32 dequant math;
-    "tensor_core": bit for bit wherever the SM90 fp8_block recipe applies (on a CPU too: the
-    Triton interpreter's exact math then fails it); "fp32_dequant": bounded always. The bound is
-    reported beside a bitwise verdict (docs/tolerance.md#zero-tolerance-on-sm90).
+    stage then bit for bit (moe_verify/sm90_chain.py `with_sm90_chain`), else bounded against
+    fp32 dequant math; "tensor_core": bit for bit wherever the SM90 fp8_block recipe applies (on
+    a CPU too: the Triton interpreter's exact math then fails it); "fp32_dequant": bounded
+    always. The bound is reported beside a bitwise verdict
+    (docs/tolerance.md#zero-tolerance-on-sm90).
     """
-    modes = Mode.select(mode)
-    gemm_recipe = check_gemm_recipe(problem, gemm_recipe)
-    padding_poison = check_bool("padding_poison", padding_poison)
-    if padding_poison:
-        check_padding_poison(modes)
-    poisons = _poisons(poison)
-    if not isinstance(backend, str) and (workspace or poisons):
-        raise ValueError(
-            f"workspace={workspace}, poison={poison}: they build the backend, so pass it by name "
-            f"(e.g. {backend_spec(backend)!r}), not as an instance already built"
-        )
-    tested = resolve_backend(
-        backend, engine, workspace=workspace, poison=poisons[0] if poisons else None
-    )
-    twin = (
-        resolve_backend(backend, engine, workspace=workspace, poison=poisons[1])
-        if len(poisons) == 2
-        else None
-    )
+    given = {k: v for k, v in (("backend", backend), ("mode", mode)) if v is not None}
+    opts = options_of("verify", options, {**given, **run})
+    modes = opts.modes
+    check_gemm_recipe(problem, opts.gemm_recipe)
+    tested, twin = tested_sides(problem, opts)
     golden = resolve_backend("golden")
     inputs = case_inputs(problem, inputs, device)
     sides = 1 + len(modes) * (2 if twin is not None else 1)
     steps = problem.topology.size * len(problem.stages) * sides
     where = lambda: f"{problem.id}, {progress.where()}"  # what a timeout names
-    with deadline(case_timeout_s, where), progress.case_bar(problem.id, steps):
-        label = " vs ".join(f"0x{b:02x}" for b in poisons)
-        report, runs, maps = _verify_ranks(
-            problem,
-            inputs,
-            tested,
-            Twin(twin, problem, label, INVARIANCES["poison"]) if twin is not None else None,
-            golden,
-            modes,
-            dump_dir,
-            plot_dir,
-            compare_device,
-            padding_poison=padding_poison,
-            gemm_recipe=gemm_recipe,
-        )
-    if poisons:
-        report.files["poison"] = [f"0x{b:02x}" for b in poisons]
-    if padding_poison:
+    with deadline(opts.case_timeout_s, where), progress.case_bar(problem.id, steps):
+        report, runs, maps = _verify_ranks(problem, inputs, tested, twin, golden, opts)
+    if opts.invariance is not None and twin is not None:
+        report.files["invariance"] = [f"{opts.invariance}: {twin.label}"]
+    if opts.poison:
+        report.files["poison"] = [f"0x{b:02x}" for b in opts.poison]
+    if opts.padding_poison:
         padded = Stage.DISPATCH if problem.topology.kind is TopologyKind.EP_LL else Stage.PERMUTE
         report.files["padding_poison"] = [str(padded)]
-    if plot_dir is not None and maps:
+    if opts.plot_dir is not None and maps:
         from moe_verify.plot import write_plots
 
-        report.files["plots"] = [str(f) for f in write_plots(problem, maps, Path(plot_dir))]
-    if dump_dir is not None and not report.passed:
-        spec = backend if isinstance(backend, str) else backend_spec(backend)
-        where = dump_case(
-            Path(dump_dir),
-            problem,
-            inputs,
-            runs,
-            report,
-            backend=spec,
-            engine=str(getattr(tested, "engine", None) or Engine(engine)),
-            mode=str(mode),
-            workspace=workspace,
-            poison=list(poisons),
-            padding_poison=padding_poison,
-            gemm_recipe=None if gemm_recipe is None else str(gemm_recipe),
-        )
+        report.files["plots"] = [str(f) for f in write_plots(problem, maps, opts.plot_dir)]
+    if opts.dump_dir is not None and not report.passed:
+        ran = dataclasses.replace(opts, engine=engine_ran(tested, opts.engine))
+        where = dump_case(opts.dump_dir, problem, inputs, runs, report, ran)
         report.files["dump"] = [str(where)]
     return report
 
 
-def check_padding_poison(modes: tuple[Mode, ...]) -> None:
-    """The padding poison needs isolated mode."""
-    if Mode.ISOLATED not in modes:
-        raise ValueError(
-            "padding_poison: it poisons the golden's upstream, which only isolated mode feeds to "
-            "the tested stages; mode 'chained' would run unpoisoned (use 'isolated' or 'both')"
+def tested_sides(problem: MoEProblem, options: RunOptions) -> tuple[Backend, Twin | None]:
+    """The tested backend, and the second run of its metamorphic pair: the invariance's, or the
+    second poison's (the first poison is the first run's), or None."""
+    if options.invariance is not None:
+        kind = options.invariance
+        first, second, second_problem, label = invariance_pair(
+            problem, kind, options.backend, options.engine
         )
+        return first, Twin(second, second_problem, label, INVARIANCES[kind])
+    poisons = options.poison
+
+    def build(poison: int | None) -> Backend:
+        return resolve_backend(
+            options.backend, options.engine, workspace=options.workspace, poison=poison
+        )
+
+    tested = build(poisons[0] if poisons else None)
+    if len(poisons) < 2:
+        return tested, None
+    label = " vs ".join(f"0x{b:02x}" for b in poisons)
+    return tested, Twin(build(poisons[1]), problem, label, INVARIANCES["poison"])
+
+
+def engine_ran(tested: Backend, asked: Engine) -> Engine:
+    """The engine the tested backend says it runs (the optimized one resolves auto), for the
+    dump; `asked` where it names none of ours."""
+    try:
+        return Engine(getattr(tested, "engine", None) or asked)
+    except ValueError:  # a backend's own `engine` attribute
+        return asked
 
 
 def case_inputs(
@@ -287,19 +269,14 @@ def _verify_ranks(
     tested: Backend,
     twin: Twin | None,
     golden: Backend,
-    modes: tuple[Mode, ...],
-    dump_dir: Path | None,
-    plot_dir: Path | None,
-    compare_device: torch.device | str | None,
-    *,
-    padding_poison: bool = False,
-    gemm_recipe: GemmRecipe | None = None,
+    options: RunOptions,
 ) -> tuple[Report, list[RankRun], list]:
     """Every rank verified, then the reduce; the report, the kept runs and the plots' data.
     `twin`: the tested side's second run of a metamorphic pair, every stage of which must agree
-    bit for bit with the first. `padding_poison`: each rank's golden with its padding rows
-    poisoned (`poison_padding`), the one golden both the tested side and a twin read.
-    `gemm_recipe`: as `verify`'s."""
+    bit for bit with the first. With `options.padding_poison`, each rank's golden has its
+    padding rows poisoned (`poison_padding`), the one golden both the tested side and a twin
+    read."""
+    modes, plot = options.modes, options.plot_dir is not None
     # Rank by rank: compare, then keep only what the reduce needs (every trace when dumping),
     # so memory holds one rank's intermediates at a time.
     runs: list[RankRun] = []
@@ -308,12 +285,12 @@ def _verify_ranks(
     for rank in range(problem.topology.size):
         poisoned = (
             poison_padding(run_golden(golden, problem, inputs, rank), problem)
-            if padding_poison
+            if options.padding_poison
             else None
         )
         verdict = verify_rank(
-            problem, inputs, tested, golden, rank, modes,
-            golden_trace=poisoned, compare_device=compare_device, gemm_recipe=gemm_recipe,
+            problem, inputs, tested, golden, rank, modes, golden_trace=poisoned,
+            compare_device=options.compare_device, gemm_recipe=options.gemm_recipe,
         )  # fmt: skip
         if twin is not None:
             # A twin on the same problem reads the same golden; on a variant, its own.
@@ -325,7 +302,7 @@ def _verify_ranks(
             verdict.results.update(
                 {m: with_agreement(verdict.results[m], verdict.run, other, m, twin) for m in modes}
             )
-        if plot_dir is not None:
+        if plot:
             from moe_verify.plot import error_maps
 
             for m in modes:
@@ -333,16 +310,16 @@ def _verify_ranks(
                 if failing:
                     maps += error_maps(problem, verdict.run, m, failing)
         per_rank.append(verdict.results)
-        runs.append(verdict.run if dump_dir is not None else verdict.run.for_reduce())
+        runs.append(verdict.run if options.dump_dir is not None else verdict.run.for_reduce())
         del verdict
     results = {}
     for m in modes:
         # stage by stage, ranks ascending within a stage; then the reduce
         ordered = [r[m][i] for i in range(len(per_rank[0][m])) for r in per_rank]
         if has_reduce(problem):
-            reduced = compare_reduce(problem, runs, m, compare_device)
+            reduced = compare_reduce(problem, runs, m, options.compare_device)
             ordered.append(reduced)
-            if plot_dir is not None and reduced.status.failing:
+            if plot and reduced.status.failing:
                 maps += reduce_maps(problem, runs, m)
         results[m] = ordered
     report = Report(
@@ -360,7 +337,7 @@ def _verify_ranks(
 def verify_invariance(
     problem: MoEProblem,
     kind: str,
-    backend: str = "optimized",
+    backend: str | type | Backend = "optimized",
     mode: Mode | str = "isolated",
     *,
     engine: Engine | str = Engine.AUTO,
@@ -368,74 +345,46 @@ def verify_invariance(
     device: torch.device | str | None = None,
     case_timeout_s: float | None = None,
 ) -> Report:
-    """Verify `backend` against the golden on `problem`, and run it a second time with only the
-    setting `kind` changed: every stage must also agree bit for bit between the two runs, a check
-    named after the setting and the pair (tolerance/invariance.py). A setting of the tested side
-    alone (m_sum, expected_m, num_sms) reaches the later stages in chained mode; in isolated mode
-    each stage reads the golden's upstream, so only the stage that the setting changes sees it.
-    A setting of the problem (alignment, ll_capacity) gives the second run its own golden, whose
-    upstream its isolated stages read."""
-    modes = Mode.select(mode)
-    tested, second, second_problem, label = invariance_pair(problem, kind, backend, engine)
-    golden = resolve_backend("golden")
-    inputs = case_inputs(problem, inputs, device)
-    twin = Twin(second, second_problem, label, INVARIANCES[kind])
-    steps = problem.topology.size * len(problem.stages) * (1 + 2 * len(modes))
-    where = lambda: f"{problem.id}, {progress.where()}"  # what a timeout names
-    with deadline(case_timeout_s, where), progress.case_bar(problem.id, steps):
-        report, _, _ = _verify_ranks(problem, inputs, tested, twin, golden, modes, None, None, None)
-    report.files["invariance"] = [f"{kind}: {label}"]
-    return report
-
-
-def _poisons(poison: int | Sequence[int] | None) -> tuple[int, ...]:
-    """None, one byte or two distinct bytes, each in 0..255."""
-    if poison is None:
-        return ()
-    values = (poison,) if isinstance(poison, int) else tuple(poison)
-    if not 1 <= len(values) <= 2:
-        raise ValueError(f"poison: expected one or two bytes, got {len(values)}: {values}")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0xFF:
-            raise ValueError(f"poison: expected a byte in 0..255, got {v!r}")
-    if len(values) == 2 and values[0] == values[1]:
-        raise ValueError(f"poison: a two-poison run needs two different bytes, got {values}")
-    return values
-
-
-def backend_spec(backend: Backend) -> str:
-    """'module:Class' of a Backend instance, as `--backend` takes it (for dumps and replay)."""
-    cls = type(backend)
-    return f"{cls.__module__}:{cls.__qualname__}"
+    """`verify` with the invariance `kind` (RunOptions.invariance): `backend` verified against
+    the golden on `problem`, and run a second time with only the setting `kind` changed: every
+    stage must also agree bit for bit between the two runs, a check named after the setting and
+    the pair (tolerance/invariance.py). A setting of the tested side alone (m_sum, expected_m,
+    num_sms) reaches the later stages in chained mode; in isolated mode each stage reads the
+    golden's upstream, so only the stage that the setting changes sees it. A setting of the
+    problem (alignment, ll_capacity) gives the second run its own golden, whose upstream its
+    isolated stages read."""
+    options = RunOptions(
+        backend, mode, engine=engine, case_timeout_s=case_timeout_s, invariance=kind
+    )
+    return verify(problem, options=options, inputs=inputs, device=device)
 
 
 def replay(
     directory: Path,
-    backend: str | Backend | None = None,
+    backend: str | type | Backend | None = None,
     engine: Engine | str | None = None,
     mode: Mode | str | None = None,
 ) -> Report:
-    """Re-run a dumped case on the dumped inputs (bit-identical to the failing run), with the
-    backend, engine, mode and workspace options the dump recorded unless others are given, and
-    its padding poison and GEMM recipe (what the case was checked against) always.
-    `directory` is the case directory or a dump directory holding exactly one case."""
+    """Re-run a dumped case on the dumped inputs (bit-identical to the failing run) with the
+    options the dump recorded (moe_verify/options.py RunOptions), its dump and plot directories
+    left out; a given `backend` (then without the recorded workspace and poisons, which were the
+    recorded backend's), `engine` or `mode` replaces the recorded one. `directory` is the case
+    directory or a dump directory holding exactly one case."""
     case = load_case(directory)
-    chosen = backend if backend is not None else case.backend
-    if chosen is None:
+    if case.options is None and backend is None:
         raise ValueError(
             f"dump {case.path} does not record its backend (an older dump): pass --backend"
         )
-    return verify(
-        case.problem,
-        backend=chosen,
-        mode=mode if mode is not None else (case.mode or "both"),
-        inputs=case.inputs,
-        engine=engine if engine is not None else (case.engine or Engine.AUTO),
-        workspace=case.workspace if backend is None else False,
-        poison=(case.poison or None) if backend is None else None,
-        padding_poison=case.padding_poison,
-        gemm_recipe=case.gemm_recipe,
-    )
+    recorded = case.options or RunOptions(backend, "both")
+    changes: dict[str, Any] = {"dump_dir": None, "plot_dir": None}
+    if backend is not None:
+        changes.update(backend=backend, workspace=False, poison=())
+    if engine is not None:
+        changes["engine"] = engine
+    if mode is not None:
+        changes["mode"] = mode
+    options = dataclasses.replace(recorded, **changes)
+    return verify(case.problem, options=options, inputs=case.inputs)
 
 
 def rank_experts(problem: MoEProblem) -> dict[int, list[int]] | None:

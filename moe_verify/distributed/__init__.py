@@ -6,11 +6,6 @@ ranks that failed. The names below are the protocol between them.
 
 from __future__ import annotations
 
-import argparse
-
-from moe_verify.args import problem_from_args
-from moe_verify.spec import MoEProblem
-
 STATUS_DIR_ENV = "MOE_VERIFY_DIST_DIR"
 TIMEOUT_ENV = "MOE_VERIFY_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 900.0
@@ -25,11 +20,3 @@ NO_MULTICAST_ENV = {
 SETUP_STAGE = "setup"
 # A rank's note while it is in the collectives ("exchange: all-reduce", ...).
 EXCHANGE = "exchange"
-
-
-def rank_problem(args: argparse.Namespace) -> MoEProblem:
-    """The problem of `moe-verify run`'s flags (or --problem-json); flags that torchrun ranks do not
-    honour yet are refused rather than ignored."""
-    if getattr(args, "compare_on", "golden") != "golden":
-        raise ValueError("--compare-on cpu is not supported with --launcher torchrun yet")
-    return problem_from_args(args)

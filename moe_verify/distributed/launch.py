@@ -9,7 +9,7 @@ before the timeout or the signal goes on, and the ranks still working are named.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from moe_verify.args import EXIT_ERROR
-from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S, CaseTimeout, deadline
-from moe_verify.distributed import EXCHANGE, NO_MULTICAST_ENV, STATUS_DIR_ENV, rank_problem
-from moe_verify.spec import Engine, Mode, MoEProblem
+from moe_verify.args import EXIT_ERROR, run_flags
+from moe_verify.contain import CaseTimeout, deadline
+from moe_verify.distributed import EXCHANGE, NO_MULTICAST_ENV, STATUS_DIR_ENV
+from moe_verify.options import RunOptions
+from moe_verify.spec import MoEProblem
 
 # Beyond the case timeout, what torchrun may take to start the ranks (each imports torch and
 # Triton, joins the group) and to exchange and report once their local work is done.
@@ -66,44 +67,33 @@ def _launch_env(status_dir: Path) -> dict[str, str]:
 
 def launch(
     problem: MoEProblem,
+    options: RunOptions,
     *,
-    backend: str = "optimized",
-    engine: Engine | str = Engine.AUTO,
-    mode: Mode | str = "both",
     json_path: str | None = None,
     markdown_path: str | None = None,
     nproc: int | None = None,
-    dump_dir: str | None = None,
-    case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S,
-    padding_poison: bool = False,
-    gemm_recipe: str | None = None,
 ) -> int:
-    """Run `problem` with one torchrun process per rank; the exit code of `moe-verify run`.
-    `case_timeout_s` bounds each rank's work (None or 0: no limit), and the whole launch with
-    STARTUP_GRACE_S more. `padding_poison` and `gemm_recipe` reach every rank as `verify`'s do."""
-
+    """Run `problem` with one torchrun process per rank, each under `options` (what a rank
+    cannot honour is refused first: RunOptions.check_launcher); the exit code of `moe-verify
+    run`. The case timeout bounds each rank's work (None: no limit), and the whole launch with
+    STARTUP_GRACE_S more."""
+    options.check_launcher("torchrun")
     size = problem.topology.size
     if nproc is not None and nproc != size:
         raise ValueError(
             f"--nproc {nproc}: topology {problem.topology} has {size} ranks, one process each"
         )
-    Mode.select(mode)  # refused here, before any process starts
+    if options.dump_dir is not None:  # the same directory whatever directory a rank runs in
+        options = dataclasses.replace(options, dump_dir=options.dump_dir.resolve())
+    case_timeout_s = options.case_timeout_s
     with tempfile.TemporaryDirectory(prefix="moe-verify-dist-") as tmp:
         status = Path(tmp)
         (status / "problem.json").write_text(json.dumps(problem.to_dict()))
-        worker = ["--problem-json", str(status / "problem.json")]
-        worker += ["--backend", backend, "--engine", engine, "--mode", mode]
+        worker = ["--problem-json", str(status / "problem.json"), *run_flags(options)]
         if json_path:
             worker += ["--json", str(Path(json_path).resolve())]
         if markdown_path:
             worker += ["--markdown", str(Path(markdown_path).resolve())]
-        if dump_dir:
-            worker += ["--dump-dir", str(Path(dump_dir).resolve())]
-        worker += ["--case-timeout", f"{case_timeout_s or 0:g}"]
-        if padding_poison:
-            worker += ["--poison-padding"]
-        if gemm_recipe:
-            worker += ["--gemm-recipe", str(gemm_recipe)]
         torchrun = [
             "--standalone",
             f"--nproc-per-node={size}",
@@ -213,20 +203,3 @@ def failed_ranks(notes: dict[int, dict], failures: dict[int, ProcessFailure]) ->
     own = {r for r, f in failures.items() if f.exitcode != -signal.SIGTERM}
     own |= {r for r, n in notes.items() if n.get("error")}
     return sorted(own or failures)
-
-
-def launch_from_args(args: argparse.Namespace) -> int:
-    """`moe-verify run --launcher torchrun`: the run flags, one process per rank."""
-    return launch(
-        rank_problem(args),
-        backend=args.backend,
-        engine=args.engine,
-        mode=args.mode,
-        json_path=args.json,
-        markdown_path=args.markdown,
-        nproc=args.nproc,
-        dump_dir=args.dump_dir,
-        case_timeout_s=getattr(args, "case_timeout", DEFAULT_CASE_TIMEOUT_S) or None,
-        padding_poison=bool(args.poison_padding),
-        gemm_recipe=args.gemm_recipe,
-    )

@@ -53,8 +53,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from moe_verify import progress
-from moe_verify.args import EXIT_ERROR, EXIT_PASS, add_run_args
-from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S, CaseTimeout, deadline
+from moe_verify.args import EXIT_ERROR, EXIT_PASS, add_run_args, problem_from_args, run_options
+from moe_verify.contain import CaseTimeout, deadline
 from moe_verify.distributed import (
     DEFAULT_TIMEOUT_S,
     EXCHANGE,
@@ -62,10 +62,10 @@ from moe_verify.distributed import (
     SETUP_STAGE,
     STATUS_DIR_ENV,
     TIMEOUT_ENV,
-    rank_problem,
 )
 from moe_verify.dump import dump_header, dump_rank_traces
 from moe_verify.inputs import make_inputs
+from moe_verify.options import RunOptions
 from moe_verify.poison import poison_padding
 from moe_verify.runner import resolve_backend, run_golden
 from moe_verify.sm90_chain import check_gemm_recipe
@@ -80,7 +80,7 @@ from moe_verify.spec import (
     Status,
     Trace,
 )
-from moe_verify.verification import check_padding_poison, verify_rank
+from moe_verify.verification import verify_rank
 from optimized.triton_compat import interpreter_mode
 from reference.topology import REDUCE_INPUTS, Partial, finish, rank_partial, reduce_ranks
 from tolerance.compare import StageResult, compare_stage
@@ -318,26 +318,28 @@ def _barrier(ctx: RankContext) -> None:
 
 
 def verify_on_rank(
-    problem: MoEProblem, tested: Backend, args: argparse.Namespace, ctx: RankContext
+    problem: MoEProblem,
+    tested: Backend,
+    options: RunOptions,
+    ctx: RankContext,
+    *,
+    json_path: str | None = None,
+    markdown_path: str | None = None,
 ) -> int:
-    """Local work, exchange, and on rank 0 the report; the verdict is every rank's exit code."""
-    modes = Mode.select(args.mode)
-    dump_dir = getattr(args, "dump_dir", None)
-    timeout = getattr(args, "case_timeout", DEFAULT_CASE_TIMEOUT_S) or None
-    padding_poison = bool(getattr(args, "poison_padding", False))
+    """Local work, exchange, and on rank 0 the report (and its --json / --markdown files); the
+    verdict is every rank's exit code."""
+    modes = options.modes
     try:
-        if padding_poison:
-            check_padding_poison(modes)
-        recipe = check_gemm_recipe(problem, getattr(args, "gemm_recipe", None))
-        with deadline(timeout, progress.where):
+        check_gemm_recipe(problem, options.gemm_recipe)
+        with deadline(options.case_timeout_s, progress.where):
             work = local_work(
                 problem,
                 tested,
                 modes,
                 ctx,
-                keep_traces=bool(dump_dir),
-                padding_poison=padding_poison,
-                gemm_recipe=recipe,
+                keep_traces=options.dump_dir is not None,
+                padding_poison=options.padding_poison,
+                gemm_recipe=options.gemm_recipe,
             )
     except (Exception, CaseTimeout) as exc:  # noqa: BLE001 - this rank's result; collectives go on
         work = _failed_work(modes, ctx.rank, exc)
@@ -354,17 +356,17 @@ def verify_on_rank(
             golden="golden",
         )
         print(report.to_table(), flush=True)
-        if args.json:
-            Path(args.json).write_text(report.to_json())
-        if args.markdown:
-            Path(args.markdown).write_text(report.to_markdown())
+        if json_path:
+            Path(json_path).write_text(report.to_json())
+        if markdown_path:
+            Path(markdown_path).write_text(report.to_markdown())
         verdict = report.exit_code
         root = os.environ.get(STATUS_DIR_ENV)
         if root:
             (Path(root) / "verdict.json").write_text(json.dumps({"exit": verdict}))
     verdict = int(_gather_objects(ctx, verdict)[0])  # rank 0's, once its files are written
-    if dump_dir and verdict != EXIT_PASS:
-        _dump(Path(dump_dir), problem, work, ctx, report, args)
+    if options.dump_dir is not None and verdict != EXIT_PASS:
+        _dump(options.dump_dir, problem, work, ctx, report, options)
     _note(ctx.rank, stage="done", exit=verdict)
     return verdict
 
@@ -375,12 +377,12 @@ def _dump(
     work: RankWork,
     ctx: RankContext,
     report: Report | None,
-    args: argparse.Namespace | None = None,
+    options: RunOptions | None = None,
 ) -> None:
-    """A failing case for `moe-verify replay`: rank 0 writes the problem, the report, the
-    backend `args` name (so replay re-runs it) and the inputs (every rank builds the same ones
-    from the seed), each rank its own traces; rank 0 then says which ranks' traces are missing,
-    and why."""
+    """A failing case for `moe-verify replay`: rank 0 writes the problem, the report, the run
+    `options` (so replay re-runs it) and the inputs (every rank builds the same ones from the
+    seed), each rank its own traces; rank 0 then says which ranks' traces are missing, and
+    why."""
     out = directory / problem.id
     problem_text = None
     try:
@@ -388,16 +390,7 @@ def _dump(
             inputs = work.inputs
             if inputs is None:  # rank 0 failed before its inputs were kept: the seed rebuilds them
                 inputs = make_inputs(problem, ctx.device)
-            run = {}
-            if args is not None:
-                run = {
-                    "backend": args.backend,
-                    "engine": args.engine,
-                    "mode": args.mode,
-                    "padding_poison": bool(getattr(args, "poison_padding", False)),
-                    "gemm_recipe": getattr(args, "gemm_recipe", None),
-                }
-            dump_header(directory, problem, inputs, report, **run)
+            dump_header(directory, problem, inputs, report, options)
         if not work.traces:
             problem_text = "no traces (it failed before comparing)"
         dump_rank_traces(out, ctx.rank, dict(work.traces))
@@ -424,20 +417,24 @@ def main(argv: list[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="moe_verify.distributed.worker")
         add_run_args(parser)
         args = parser.parse_args(argv)
-        problem = rank_problem(args)
+        options = run_options(args)
+        options.check_launcher("torchrun")  # also when torchrun is started by hand
+        problem = problem_from_args(args)
         if problem.topology.size != world:
             raise ValueError(
                 f"topology {problem.topology} has {problem.topology.size} ranks, torchrun started "
                 f"{world} processes (--nproc-per-node must equal the topology's size)"
             )
-        tested = resolve_backend(args.backend, args.engine)
+        tested = resolve_backend(options.backend, options.engine)
     except ValueError as exc:
         print(f"moe-verify[rank {rank}]: error: {exc}", file=sys.stderr)
         _note(rank, stage=SETUP_STAGE, error=str(exc))
         return EXIT_ERROR
     ctx = init_rank(rank, world, local_rank)
     try:
-        return verify_on_rank(problem, tested, args, ctx)
+        return verify_on_rank(
+            problem, tested, options, ctx, json_path=args.json, markdown_path=args.markdown
+        )
     finally:
         dist.destroy_process_group()
 

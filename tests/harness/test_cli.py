@@ -82,7 +82,7 @@ def test_compare_on_cpu_reaches_compare_and_torchrun_refuses_it(
     assert main(["run", "-T", "8", "-H", "128", "-I", "128", "-E", "4"]) == 0
     assert devices == [None, None]  # the golden's device
     assert main(["run", "--launcher", "torchrun", "--topology", "ep:2", "--compare-on", "cpu"]) == 2
-    assert "--compare-on cpu is not supported with --launcher torchrun" in capsys.readouterr().err
+    assert "--compare-on cpu: not supported with --launcher torchrun" in capsys.readouterr().err
 
 
 class DeclinesGemm2(OptimizedBackend):
@@ -462,14 +462,14 @@ def _passing_report() -> Report:
             [],
             {
                 "workspace": False,
-                "poison": None,
+                "poison": (),
                 "case_timeout_s": 900.0,
                 "plot_dir": None,
                 "padding_poison": False,
             },
         ),
-        (["--workspace", "--poison", "0xFF"], {"workspace": True, "poison": [0xFF]}),
-        (["--poison", "255", "--poison", "0"], {"poison": [255, 0]}),
+        (["--workspace", "--poison", "0xFF"], {"workspace": True, "poison": (0xFF,)}),
+        (["--poison", "255", "--poison", "0"], {"poison": (255, 0)}),
         (["--case-timeout", "0"], {"case_timeout_s": None}),  # no limit
         (["--case-timeout", "2.5"], {"case_timeout_s": 2.5}),
         (["--poison-padding"], {"padding_poison": True}),
@@ -494,7 +494,7 @@ def test_run_flags_reach_verify(
 
     monkeypatch.setattr(verification, "verify", stand_in)
     assert main(["run", *TINY, *flags]) == 0
-    assert {k: seen[k] for k in expected} == expected
+    assert {k: getattr(seen["options"], k) for k in expected} == expected
 
 
 @pytest.mark.parametrize(
@@ -523,9 +523,9 @@ def test_run_problem_flags_reach_the_problem(
 def test_plot_dir_reaches_verify_and_is_named(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def stand_in(problem, plot_dir=None, **kwargs):
+    def stand_in(problem, options):
         report = _passing_report()
-        report.files["plots"] = [str(plot_dir / "gemm1.png")]
+        report.files["plots"] = [str(options.plot_dir / "gemm1.png")]
         return report
 
     monkeypatch.setattr(verification, "verify", stand_in)
@@ -552,7 +552,7 @@ def test_sweep_contains_crashes_unless_in_process(
 
     monkeypatch.setattr(moe_verify.sweep, "sweep", stand_in)
     assert main(["sweep", "--out", str(tmp_path), *flags]) == 1  # the summary's exit code
-    assert seen["isolate"] is isolate and seen["case_timeout_s"] == 900.0
+    assert seen["isolate"] is isolate and seen["options"].case_timeout_s == 900.0
 
 
 def test_replay_defaults_to_what_the_dump_recorded(

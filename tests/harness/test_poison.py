@@ -281,7 +281,8 @@ def test_a_poisoned_failure_dumps_and_replays_poisoned(tmp_path: Path) -> None:
     )  # fmt: skip
     assert not report.passed and report.first_failure == "gemm1", report.summary_line()
     case = load_case(tmp_path)
-    assert case.padding_poison and case.gemm_recipe is None
+    assert case.options is not None
+    assert case.options.padding_poison and case.options.gemm_recipe is None
     again = replay(tmp_path)
     assert not again.passed and again.first_failure == "gemm1", again.summary_line()
     assert again.files.get("padding_poison") == ["permute"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_verify.dump import load_trace
+from moe_verify.options import RunOptions
 from moe_verify.spec import REPORT_STAGES, MoEProblem
 from moe_verify.sweep import sweep
 from moe_verify.verification import replay, verify
@@ -146,11 +147,10 @@ def test_each_case_releases_its_memory_before_the_next(monkeypatch: pytest.Monke
     monkeypatch.setattr(verification, "verify", verify)
     monkeypatch.setattr(sweep_module, "release_memory", release)
     problem = MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=4)
-    outcome = sweep_module.run_in_process(problem, "optimized", "isolated", "triton", None, None)
+    options = RunOptions("optimized", "isolated", engine="triton")
+    outcome = sweep_module.run_in_process(problem, options)
     assert outcome.status == "pass" and released == [True]
-    broken = sweep_module.run_in_process(
-        problem, "no.such:Backend", "isolated", "triton", None, None
-    )
+    broken = sweep_module.run_in_process(problem, RunOptions("no.such:Backend", "isolated"))
     assert broken.status == "error" and len(released) == 2
 
 
@@ -167,5 +167,5 @@ def test_releasing_a_broken_cuda_context_does_not_mask_the_case(
     monkeypatch.setattr(torch.cuda, "empty_cache", broken)
     sweep_module.release_memory()  # does not raise
     problem = MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=4)
-    outcome = sweep_module.run_in_process(problem, "optimized", "isolated", "triton", None, None)
-    assert outcome.status == "pass"
+    options = RunOptions("optimized", "isolated", engine="triton")
+    assert sweep_module.run_in_process(problem, options).status == "pass"

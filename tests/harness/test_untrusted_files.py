@@ -449,8 +449,9 @@ def test_load_case_of_a_directory_with_no_case(tmp_path: Path) -> None:
 
 def test_the_dump_records_the_backend_spec_engine_and_mode(dumped: Path) -> None:
     case = load_case(dumped, device="cpu")
-    assert (case.backend, case.engine, case.mode) == (WRONG, "triton", "isolated")
-    assert (case.workspace, case.poison) == (False, ())
+    run = case.options
+    assert run is not None and (run.backend, run.engine, run.mode) == (WRONG, "triton", "isolated")
+    assert (run.workspace, run.poison) == (False, ())
     want = make_inputs(PROBLEM, "cpu")  # the dumped inputs are the ones the failing run used
     for name in ("hidden_states", "router_logits", "w13", "w2"):
         assert torch.equal(getattr(case.inputs, name), getattr(want, name)), name
@@ -463,11 +464,12 @@ def test_a_backend_instance_is_recorded_as_its_module_and_class(tmp_path: Path) 
 
     verify(PROBLEM, backend=MisroutedToken(engine="triton"), mode="chained", dump_dir=tmp_path)
     case = load_case(tmp_path, device="cpu")
-    assert (case.backend, case.mode) == (WRONG, "chained")
+    run = case.options
+    assert run is not None and (run.backend, run.mode) == (WRONG, "chained")
 
 
 def test_an_older_dump_records_no_backend(dumped: Path, tmp_path: Path) -> None:
     case, _ = _copy(dumped, tmp_path)
     (case / "run.json").unlink()
     old = load_case(case, device="cpu")
-    assert (old.backend, old.engine, old.mode) == (None, None, None)
+    assert old.options is None  # no backend, engine or mode recorded
