@@ -91,7 +91,7 @@ class WritesPastItsOutput(OptimizedBackend):
 
     def gemm1(self, p, x, up, rank):
         out = super().gemm1(p, x, up, rank)
-        ((key, buf),) = [(k, b) for k, b in self.workspaces.buffers.items() if k[0] == "mm_w13"]
+        ((key, buf),) = [(k, b) for k, b in self.workspaces.buffers.items() if k[0] == "mm1"]
         flat = buf.view(-1)
         if self.spill > 0:
             torch.as_strided(flat, (self.spill,), (1,), flat.storage_offset() + flat.numel())[:] = 1
@@ -111,7 +111,7 @@ def test_a_write_outside_a_workspace_fails_its_stage_by_name(spill: int, where: 
     reason = failing["gemm1"].reason
     assert f"gemm1 changed {2 * abs(spill)} bytes of the guard band {where} workspace" in reason
     nearest = "+0 past its end" if spill > 0 else "-1 before its start"
-    assert "'mm_w13' (torch.bfloat16 (" in reason and f"nearest at byte {nearest}" in reason
+    assert "'mm1' (torch.bfloat16 (" in reason and f"nearest at byte {nearest}" in reason
 
 
 class OverrunsThenRaises(WritesPastItsOutput):

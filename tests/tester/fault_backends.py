@@ -163,7 +163,7 @@ class OverrunsWorkspace(OptimizedBackend):
     def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         out = super().gemm1(p, x, up, rank)
         if _faults(p):
-            (buf,) = [b for k, b in self.workspaces.buffers.items() if k[0] == "mm_w13"]
+            (buf,) = [b for k, b in self.workspaces.buffers.items() if k[0] == "mm1"]
             flat = buf.view(-1)
             torch.as_strided(flat, (8,), (1,), flat.storage_offset() + flat.numel())[:] = 1
         return out
