@@ -55,7 +55,6 @@ from moe_verify.spec import (
 )
 from moe_verify.timing import median_seconds, replay_seconds
 from optimized import deepgemm, op, production
-from optimized.backend import OptimizedBackend
 from optimized.production import (
     BATCHED,
     CarvedBuffers,
@@ -671,6 +670,7 @@ def _measure(
     repeats: int,
     bandwidth: float,
     verification: bool,
+    backend: str,
 ) -> ProductionBench:
     device = inputs.hidden_states.device
     on_gpu = device.type == "cuda"
@@ -687,10 +687,10 @@ def _measure(
     t = hidden.shape[0]
     layout = workspace_layout(cfg, t)
     workspace = torch.empty(workspace_bytes(cfg, t), dtype=torch.uint8, device=device)
-    backend = OptimizedBackend()
+    runner = op.registered_backend(backend)
     taps: Taps = {}
-    production.forward(backend, cfg, hidden, ids, weights_k, weights, workspace, taps)
-    upstream = Trace(backend.name, rank)
+    production.forward(runner, cfg, hidden, ids, weights_k, weights, workspace, taps)
+    upstream = Trace(runner.name, rank)
     for name, outputs in taps.items():
         upstream.add(name, outputs)
     x = rank_inputs(hidden, weights)
@@ -704,8 +704,8 @@ def _measure(
     for stage in BATCHED_STAGES if cfg.layout == BATCHED else CONTIGUOUS_STAGES:
 
         def call(stage: Stage = stage) -> None:
-            with backend.production(cfg, weights, buffers):
-                backend.run_stage(stage, problem, x, upstream, rank)
+            with runner.production(cfg, weights, buffers):
+                runner.run_stage(stage, problem, x, upstream, rank)
 
         seconds = _time(call, capture, device, repeats)
         if stage in FLOORED_STAGES:
@@ -721,7 +721,7 @@ def _measure(
         else:
             rows.append(StageRow(stage.value, seconds * 1e6, note=_NO_TARGET[stage]))
 
-    forward = functools.partial(op.call, cfg, hidden, ids, weights_k, weights, workspace)
+    forward = functools.partial(op.call, cfg, hidden, ids, weights_k, weights, workspace, backend)
     forward_s = _time(forward, capture, device, repeats)
     kernels, memops, launch_note = count_launches(forward, device)
     return ProductionBench(
@@ -742,18 +742,19 @@ def _measure(
         launches=kernels,
         memops=memops,
         launch_note=launch_note,
-        verification=_verification(problem, inputs, rank, cfg.engine, repeats)
+        verification=_verification(problem, inputs, rank, cfg.engine, repeats, backend)
         if verification
         else (),
     )
 
 
 def _verification(
-    problem: MoEProblem, inputs: MoEInputs, rank: int, engine: Engine, repeats: int
+    problem: MoEProblem, inputs: MoEInputs, rank: int, engine: Engine, repeats: int, name: str
 ) -> tuple[VerificationRow, ...]:
     """Verification mode's stages, each fed the backend's own upstream (chained), on the
-    production engine: eager calls with every host check the backend runs."""
-    backend = OptimizedBackend(engine=engine)
+    production engine: eager calls with every host check the backend runs (a fresh instance of
+    the registered backend's class)."""
+    backend = type(op.registered_backend(name))(engine=engine)
     trace = backend.run(problem, inputs, rank)
     rows = []
     for stage in problem.stages:
@@ -795,12 +796,16 @@ def bench_production(
     repeats: int = 20,
     device: torch.device | str | None = None,
     verification: bool = True,
+    backend: str = "optimized",
 ) -> ProductionBench:
     """Time `rank` of `problem` in production mode beside DeepGEMM alone and the byte floor,
-    with verification mode's times apart (`verification=False` leaves them out)."""
+    with verification mode's times apart (`verification=False` leaves them out). `backend`: the
+    registered backend the op runs (`moe_verify.runner.production_backend` registers one)."""
     problem, rank, engine, repeats, dev = _checked(problem, rank, engine, repeats, device)
+    op.registered_backend(backend)  # a clear error before any work
     inputs = make_inputs(problem, dev)
-    return _measure(problem, inputs, rank, engine, repeats, _bandwidth(dev), verification)
+    bandwidth = _bandwidth(dev)
+    return _measure(problem, inputs, rank, engine, repeats, bandwidth, verification, backend)
 
 
 def bench_decode(
@@ -810,6 +815,7 @@ def bench_decode(
     engine: Engine | str = Engine.AUTO,
     repeats: int = 20,
     device: torch.device | str | None = None,
+    backend: str = "optimized",
 ) -> DecodeBench:
     """The production forward of `problem` at each decode size in `tokens` (problem.tokens is
     replaced): latency, the two GEMMs alone, their ratio, launches, per-stage latencies. One set
@@ -829,6 +835,7 @@ def bench_decode(
             repeats,
             bandwidth,
             verification=False,
+            backend=backend,
         )  # fmt: skip
         for t in sizes
     )

@@ -183,7 +183,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         text = bench_production_tables(problem, args)
     else:
-        given = {"--decode": args.decode or None, "--rank": args.rank, "--engine": args.engine}
+        given = {
+            "--decode": args.decode or None,
+            "--rank": args.rank,
+            "--engine": args.engine,
+            "--backend": args.backend,
+        }
         unused = [flag for flag, value in given.items() if value is not None]
         if unused:
             raise ValueError(f"{', '.join(unused)}: needs --production")
@@ -203,13 +208,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def bench_production_tables(problem: MoEProblem, args: argparse.Namespace) -> str:
     """The production-mode tables of `moe-verify bench --production [--decode]`."""
     from moe_verify.bench_production import bench_decode, bench_production
+    from moe_verify.runner import production_backend
 
     engine = args.engine or Engine.AUTO.value
     require_engine(engine)
     rank = 0 if args.rank is None else args.rank
-    text = bench_production(problem, rank=rank, engine=engine, repeats=args.repeats).to_markdown()
+    backend = production_backend(args.backend or "optimized", engine)
+    bench = bench_production(problem, rank=rank, engine=engine, repeats=args.repeats,
+                             backend=backend)  # fmt: skip
+    text = bench.to_markdown()
     if args.decode:
-        decode = bench_decode(problem, rank=rank, engine=engine, repeats=args.repeats)
+        decode = bench_decode(problem, rank=rank, engine=engine, repeats=args.repeats,
+                              backend=backend)  # fmt: skip
         text += "\n" + decode.to_markdown()
     return text
 
@@ -217,7 +227,8 @@ def bench_production_tables(problem: MoEProblem, args: argparse.Namespace) -> st
 def cmd_graph(args: argparse.Namespace) -> int:
     check_output_file("--json", args.json)
     require_engine(args.engine)
-    from moe_verify.graph import default_replays, resolve_graph_backend, verify_graph
+    from moe_verify.graph import default_replays, verify_graph
+    from moe_verify.runner import production_backend
 
     if args.forward is not None:
         raise ValueError(
@@ -242,7 +253,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         bound=bound,
         replays=replays,
         engine=args.engine,
-        backend=resolve_graph_backend(args.backend, args.engine),
+        backend=production_backend(args.backend, args.engine),
         capture=False if args.no_capture else None,
     )
     print(report.to_summary())
@@ -435,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
         "GEMMs alone, launches, per-stage latency)",
     )
     bn.add_argument("--rank", type=int, default=None, help="with --production: the rank (0)")
+    bn.add_argument(
+        "--backend",
+        default=None,
+        help="with --production: the backend whose stage methods the op runs (optimized | vllm "
+        "| module:Class, the class `run --backend` takes; default optimized)",
+    )
     bn.add_argument(
         "--engine",
         default=None,

@@ -52,7 +52,7 @@ from moe_verify.contain import Completed, run_contained
 from moe_verify.device import default_device
 from moe_verify.host_reads import HostReads
 from moe_verify.inputs import make_inputs
-from moe_verify.runner import RankRun, resolve_backend
+from moe_verify.runner import RankRun
 from moe_verify.spec import (
     Engine,
     Mode,
@@ -262,24 +262,6 @@ class _GivenRoute(ReferenceBackend):
 
     def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
         return {"topk_ids": self._ids, "topk_weights": self._weights}
-
-
-def resolve_graph_backend(spec: str, engine: Engine | str = Engine.AUTO) -> str:
-    """The registered name of the backend `spec` names, registering it: the same specs `run`
-    takes ('optimized', 'vllm', 'module:Class'), for any `optimized.OptimizedBackend` (or
-    subclass), whose stage methods production mode runs graph-safe."""
-    if spec == "optimized" or spec in op.registered_names():
-        return spec
-    backend = resolve_backend(spec, engine)
-    from optimized import OptimizedBackend
-
-    if not isinstance(backend, OptimizedBackend):
-        raise ValueError(
-            f"graph: backend {spec!r} ({type(backend).__name__}) has no production mode: the op "
-            "runs the stage methods of optimized.OptimizedBackend graph-safe, so `graph` takes "
-            "OptimizedBackend and its subclasses (the class `run --backend` takes, written once)"
-        )
-    return op.register_backend(backend, spec)
 
 
 def check_graphable(problem: MoEProblem) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from moe_verify import progress
 from moe_verify.contain import CaseTimeout, expired, terminated, user_interrupted
-from moe_verify.loader import load_class
+from moe_verify.loader import class_spec, load_class
 from moe_verify.options import check_backend
 from moe_verify.poison import poisoned_allocations
 from moe_verify.protect import Guarded, guards_own_upstream
@@ -115,6 +115,27 @@ def resolve_backend(
     if missing:
         raise ValueError(f"backend {spec!r} lacks {missing} of the Backend protocol")
     return backend
+
+
+def production_backend(spec: str | Backend, engine: Engine | str = Engine.AUTO) -> str:
+    """Register the backend `spec` names (`resolve_backend`'s specs: 'optimized', 'vllm',
+    'module:Class', a class or an instance) for production mode, a fresh instance each time, and
+    return the name the op runs it by. Production mode runs the stage methods of an
+    optimized.OptimizedBackend (or a subclass) graph-safe, so only those are taken."""
+    from optimized import OptimizedBackend, op
+
+    if spec == "optimized":
+        return op.register_backend(OptimizedBackend())
+    backend = resolve_backend(spec, engine)
+    name = spec if isinstance(spec, str) else class_spec(type(backend))
+    if not isinstance(backend, OptimizedBackend):
+        raise ValueError(
+            f"backend {name!r} ({type(backend).__name__}) has no production mode: the op runs "
+            "the stage methods of optimized.OptimizedBackend graph-safe, so graph and bench "
+            "--production take OptimizedBackend and its subclasses (the class `run --backend` "
+            "takes, written once)"
+        )
+    return op.register_backend(backend, name)
 
 
 @dataclass

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import pytest
 
 from moe_verify import verify
-from moe_verify.graph import GraphReport, default_replays, resolve_graph_backend, verify_graph
+from moe_verify.graph import GraphReport, default_replays, verify_graph
+from moe_verify.runner import production_backend
 from moe_verify.spec import Engine, GroupedLayout, MoEProblem, Recipe, ScaleFmt
 from optimized import op
 from tests.tester.production_wrong import CATCHES, Catch
@@ -103,7 +104,7 @@ def test_one_class_fails_run_and_the_captured_graph_at_the_same_stage() -> None:
         problem,
         replays=[REPLAYS["capture-softmax"], REPLAYS["skew"]],
         engine=Engine.DEEPGEMM,
-        backend=resolve_graph_backend(spec, Engine.DEEPGEMM),
+        backend=production_backend(spec, Engine.DEEPGEMM),
     )
     assert report.captured and not report.host_reads, report.capture_note
     assert [r.first_failure for r in report.replays] == ["gather", "gather"], report.to_summary()

@@ -29,9 +29,11 @@ from moe_verify.bench_production import (
     gemm_row,
     memory_row,
 )
+from moe_verify.cli import main
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import MoEProblem, Stage, Trace
-from optimized import deepgemm
+from moe_verify.runner import production_backend
+from moe_verify.spec import MoEInputs, MoEProblem, Stage, Trace
+from optimized import OptimizedBackend, deepgemm
 from reference.moe import ReferenceBackend
 from reference.topology import placement
 
@@ -246,6 +248,9 @@ BAD = [
     pytest.param(lambda: bench_production(TINY, engine="cutlass"), "engine", id="bad-engine"),
     pytest.param(lambda: bench_decode(TINY, tokens=()), "tokens", id="decode-no-sizes"),
     pytest.param(lambda: bench_decode(TINY, tokens=(0,)), r"tokens\[\]", id="decode-size-zero"),
+    pytest.param(
+        lambda: bench_production(TINY, backend="nope"), "no backend named 'nope'", id="backend"
+    ),
 ]
 
 
@@ -258,3 +263,29 @@ def test_bad_arguments_are_named(call: Callable[[], object], names: str) -> None
 def test_problem_must_be_a_problem() -> None:
     with pytest.raises(TypeError, match="problem: expected a MoEProblem"):
         bench_production("tp:1")
+
+
+class CountsGathers(OptimizedBackend):
+    """The optimized path, counting the calls of its gather: production mode must run it."""
+
+    calls = 0
+
+    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
+        type(self).calls += 1
+        return super().gather(p, x, up, rank)
+
+
+def test_production_times_the_backend_it_is_given() -> None:
+    """bench --production runs the class `run --backend` takes: the forward, the op and the
+    stage timing all call its gather (none of it is the built-in forward)."""
+    CountsGathers.calls = 0
+    name = production_backend("tests.harness.test_bench_production:CountsGathers")
+    bench = bench_production(TINY, repeats=1, verification=False, backend=name)
+    assert bench.forward_us > 0
+    # the tapped forward, gather's warm-up and timed call, the op's warm-up and timed call
+    assert CountsGathers.calls >= 5, CountsGathers.calls
+
+
+def test_cli_backend_needs_production(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "-T", "8", "--backend", "optimized"]) == 2
+    assert "--backend: needs --production" in capsys.readouterr().err

@@ -29,9 +29,9 @@ from moe_verify.graph import (
     _golden,
     _guards,
     default_replays,
-    resolve_graph_backend,
     verify_graph,
 )
+from moe_verify.runner import production_backend
 from moe_verify.spec import (
     Engine,
     GroupedLayout,
@@ -283,14 +283,14 @@ def test_graph_refuses_no_replays() -> None:
     ],
     ids=["unknown", "golden", "not-an-optimized-backend", "missing-class", "no-module"],
 )
-def test_resolve_graph_backend_refuses(spec: str, match: str) -> None:
+def test_production_backend_refuses(spec: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        resolve_graph_backend(spec)
+        production_backend(spec)
 
 
-def test_resolve_graph_backend_registers_the_class_run_takes() -> None:
+def test_production_backend_registers_the_class_run_takes() -> None:
     spec = "tests.tester.production_wrong:StaleCounts"
-    name = resolve_graph_backend(spec)
+    name = production_backend(spec)
     assert name == spec and isinstance(op.registered_backend(name), StaleCounts)
 
 
