@@ -9,7 +9,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from moe_verify.bench_production import (
+from moe_verify.bench_production import bench_decode, bench_production
+from moe_verify.cli import main
+from moe_verify.inputs import make_inputs
+from moe_verify.production_report import Environment, ProductionBench
+from moe_verify.production_targets import (
     BATCHED_STAGES,
     CONTIGUOUS_STAGES,
     CPU_TIMING,
@@ -18,19 +22,13 @@ from moe_verify.bench_production import (
     GEMM_VS_DEEPGEMM,
     GRAPH_TIMING,
     MEMORY_BANDWIDTH,
-    Environment,
-    ProductionBench,
     Target,
     Traffic,
     Verdict,
-    bench_decode,
-    bench_production,
     floor_bytes,
     gemm_row,
     memory_row,
 )
-from moe_verify.cli import main
-from moe_verify.inputs import make_inputs
 from moe_verify.runner import production_backend
 from moe_verify.spec import MoEInputs, MoEProblem, Stage, Trace
 from optimized import OptimizedBackend, deepgemm
