@@ -9,7 +9,8 @@ each stage) goes to a file of ours, and the sanitizer's output shares one pipe w
 the crumb can be read the moment the first error line arrives: that is the stage in flight when the
 error was found, even for tools whose errors do not stop the run (racecheck, initcheck,
 synccheck). The kernel's name cross-checks it: each of our kernels belongs to known stages
-(KERNEL_STAGES), and the crumb picks among them (gemm1 or gemm2 for the grouped GEMM).
+(KERNEL_STAGES), and the crumb picks among them (gemm1 or gemm2 for the grouped GEMM). Reading
+the output is moe_verify/sanitize_output.py's; the stage and the report, sanitize_report.py's.
 
 The report names the tool, the error count, the first error (kind, kernel, stage, case, thread,
 block, address), the child's own exit code and verdict line, and how much slower the sanitized run
@@ -24,9 +25,7 @@ sanitizer error to show for it).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -34,17 +33,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_verify.args import (
-    EXIT_ERROR,
-    EXIT_FAIL,
-    EXIT_PASS,
-    add_run_args,
-    problem_from_args,
-)
 from moe_verify.args import SANITIZER_TOOLS as TOOLS
+from moe_verify.args import add_run_args, problem_from_args
 from moe_verify.contain import (
     KILL_GRACE_S,
     Completed,
@@ -53,6 +45,13 @@ from moe_verify.contain import (
     terminate_as_exit,
 )
 from moe_verify.protect import SANITIZER_TOOL_ENV
+from moe_verify.sanitize_output import (
+    is_error_header,
+    is_sanitizer_line,
+    parse_output,
+    verdict_line,
+)
+from moe_verify.sanitize_report import Crumb, SanitizeReport, attribute
 from reference.tensor_core import FUSED_ENV
 
 SANITIZER = "compute-sanitizer"
@@ -66,296 +65,12 @@ SANITIZER_GRACE_S = 300.0
 # cuBLAS's nvjet kernels are excluded as DeepGEMM's sanitizer test excludes them: the golden's
 # matmuls are not ours to judge, and instrumenting them only costs time.
 EXCLUDE_KERNELS = "kns=nvjet"
-PREFIX = "========="
-ERROR_PREFIX = "moe-verify: error:"
 # Flags of `run` that write files: the unsanitized timing run leaves them to the sanitized one.
 OUTPUT_FLAGS = ("--json", "--markdown", "--dump-dir", "--plot")
-
-# Our kernels and the stages that launch them (optimized/backend.py); the breadcrumb picks among
-# several. A kernel not listed (a backend's own, vLLM's, torch's) takes the breadcrumb's stage.
-KERNEL_STAGES: dict[str, tuple[str, ...]] = {
-    "_quantize_fp8_groups_kernel": ("quant_input", "shared"),
-    "_quantize_mxfp8_kernel": ("quant_input", "shared"),
-    "_pack_ue8m0_kernel": ("quant_input", "shared"),
-    "_count_kernel": ("align",),
-    "_segments_kernel": ("permute",),
-    "_scatter_kernel": ("permute",),
-    "_grouped_gemm_kernel": ("gemm1", "gemm2", "shared"),
-    "_silu_mul_quant_kernel": ("act_quant", "shared"),
-    "_ep_gather_kernel": ("gather",),
-}
-# Every DeepGEMM kernel is a grouped GEMM of ours (optimized/deepgemm.py).
-DEEPGEMM_STAGES = ("gemm1", "gemm2", "shared")
-
-# Lines of the sanitizer that are no error: its banner, summaries, and notes on how the target
-# ended. Each is matched at the start of the text after the prefix.
-_NOT_ERRORS = (
-    "COMPUTE-SANITIZER",
-    "ERROR SUMMARY",
-    "RACECHECK SUMMARY",
-    "LEAK SUMMARY",
-    "Target application returned an error",
-    "Error: process didn't terminate successfully",
-    "Default timeout can be adjusted with --launch-timeout",
-)
-# The sanitizer itself could not do its job: no verdict on the kernels.
-_SANITIZER_FAILURES = (
-    "Error: No attachable process found",
-    "Error: Target application terminated before first instrumented API call",
-    "Internal Sanitizer Error",
-    "Error: Unable to",
-)
-_SUMMARY = re.compile(r"ERROR SUMMARY: ([\d,]+) errors?")
-_RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY: .*\(([\d,]+) errors?")
-# "at _scatter_kernel+0x1d0 in /x/scatter.py:240" (2022.x on), "at 0x1d0 in _scatter_kernel" and
-# "at 0x00000060 in memcheck_demo.cu:6:unaligned_kernel(void)" (older releases).
-_AT_OLD = re.compile(r"\bat 0x[0-9a-fA-F]+ in (?P<rest>.+?)(?: \[\d+ hazards?\])?$")
-_AT_NEW = re.compile(
-    r"\bat (?P<fn>.+?)\+0x[0-9a-fA-F]+(?: in (?P<loc>\S+))?(?: \[\d+ hazards?\])?$"
-)
-_OLD_LOC = re.compile(r"(?P<loc>[^\s:]+:\d+):(?P<fn>.+)")
-_THREAD = re.compile(r"by thread \((?P<t>[\d, ]+)\) in block \((?P<b>[\d, ]+)\)")
-_HAZARD_THREAD = re.compile(r"(?:Read|Write) Thread \((?P<t>[\d, ]+)\)")
-_HAZARD_BLOCK = re.compile(r"in block \((?P<b>[\d, ]+)\)")
-# "Address 0x7f.. is out of bounds" (CUDA 12); CUDA 13 writes "... to 0x7f.. is out of bounds".
-_ADDRESS = re.compile(r"\b(?:Address|to) (?P<a>0x[0-9a-fA-F]+(?: .+)?)$")
-_SHARED_ADDRESS = re.compile(r"at (?P<a>__shared__ 0x[0-9a-fA-F]+)")
 
 
 class SanitizerUnavailable(RuntimeError):
     """compute-sanitizer cannot run this case here: it is not installed, or there is no GPU."""
-
-
-@dataclass(frozen=True)
-class SanitizerError:
-    """One error block of the sanitizer's output: its first line (`kind`) and what it names."""
-
-    kind: str  # "Invalid __global__ write of size 4 bytes", "Race reported between ..."
-    kernel: str | None  # as the sanitizer names it: "_scatter_kernel", "void deep_gemm::...(...)"
-    location: str | None  # "file.py:123" when the kernel has line info
-    thread: str | None  # "(0,0,0)"
-    block: str | None
-    address: str | None  # "0x7f... is out of bounds"
-    lines: tuple[str, ...]  # the block without the prefix, up to its host backtrace
-
-    @property
-    def kernel_base(self) -> str | None:
-        """The kernel's name without 'void ', template and call arguments, or a Triton
-        specialization suffix: '_scatter_kernel', 'deep_gemm::sm90_fp8_gemm_1d2d_impl'."""
-        if self.kernel is None:
-            return None
-        name = self.kernel.strip()
-        name = name.removeprefix("void ").strip()
-        for stop in ("(", "<"):
-            name = name.split(stop, 1)[0]
-        return name.strip() or None
-
-    @property
-    def warning(self) -> bool:
-        return self.kind.lower().startswith("warning")
-
-
-@dataclass(frozen=True)
-class SanitizerOutput:
-    """What the sanitizer printed: its error blocks in order, the counts of its summaries, and a
-    message when it failed to run at all."""
-
-    errors: tuple[SanitizerError, ...]
-    summary_count: int | None  # the largest count of ERROR / RACECHECK SUMMARY; None: neither
-    failure: str | None
-
-    @property
-    def count(self) -> int:
-        """Errors found: the summary's count, or the blocks seen when no summary came (the run
-        was killed before the sanitizer could print one)."""
-        if self.summary_count is not None:
-            return self.summary_count
-        return sum(1 for e in self.errors if not e.warning)
-
-    @property
-    def first(self) -> SanitizerError | None:
-        """The first error that names a kernel (an API error such as 'Program hit
-        cudaErrorLaunchFailure' is the consequence of a kernel's, reported at the next call),
-        else the first error, else the first warning."""
-        real = [e for e in self.errors if not e.warning]
-        for candidates in ([e for e in real if e.kernel], real, list(self.errors)):
-            if candidates:
-                return candidates[0]
-        return None
-
-
-def is_sanitizer_line(line: str) -> bool:
-    return line.startswith(PREFIX)
-
-
-def _body(line: str) -> str:
-    return line[len(PREFIX) :]
-
-
-def is_error_header(line: str) -> bool:
-    """A sanitizer line that starts an error block: unindented after the prefix, and neither a
-    banner, a summary, a note on the target's exit nor a failure of the sanitizer itself."""
-    if not is_sanitizer_line(line):
-        return False
-    body = _body(line)
-    if not body.startswith(" ") or body.startswith("  "):
-        return False
-    text = body.strip()
-    return bool(text) and not text.startswith(_NOT_ERRORS + _SANITIZER_FAILURES)
-
-
-def _kernel_at(text: str) -> tuple[str | None, str | None]:
-    """(kernel, location) of an 'at ...' clause, in the old or the new format."""
-    old = _AT_OLD.search(text)
-    if old:
-        rest = old.group("rest").strip()
-        split = _OLD_LOC.fullmatch(rest)
-        return (split.group("fn"), split.group("loc")) if split else (rest, None)
-    new = _AT_NEW.search(text)
-    if new:
-        return new.group("fn").strip(), new.group("loc")
-    return None, None
-
-
-def _error(block: list[str]) -> SanitizerError:
-    """One error block (header first, prefix stripped) as what it names."""
-    kernel = location = thread = block_id = address = None
-    kept: list[str] = []
-    for text in block:
-        if text.startswith("Saved host backtrace"):
-            break
-        kept.append(text)
-        if kernel is None:
-            kernel, location = _kernel_at(text)
-        if thread is None and (m := _THREAD.search(text) or _HAZARD_THREAD.search(text)):
-            thread = f"({m.group('t').replace(' ', '')})"
-        if block_id is None and (m := _THREAD.search(text) or _HAZARD_BLOCK.search(text)):
-            block_id = f"({m.group('b').replace(' ', '')})"
-        if address is None and (m := _ADDRESS.search(text) or _SHARED_ADDRESS.search(text)):
-            address = m.group("a")
-    # A header's location clause ("Race reported between Write access at <kernel>+0x90 ...")
-    # is not its kind; a race's second access is on the next line ("and Read access at ...").
-    short = block[0].split(" at ", 1)[0].rstrip(" :")
-    if len(block) > 1 and block[1].startswith("and ") and " access" in block[1]:
-        short += " " + block[1].split(" at ", 1)[0]
-    for word in ("Error: ", "ERROR: "):
-        short = short.removeprefix(word)
-    return SanitizerError(short, kernel, location, thread, block_id, address, tuple(kept))
-
-
-def parse_output(lines: list[str]) -> SanitizerOutput:
-    """The sanitizer's lines (any others are the child's and are skipped) as error blocks and
-    counts. A block is its unindented header line and the indented lines after it, up to a bare
-    prefix line, the next header or a summary."""
-    errors: list[SanitizerError] = []
-    counts: list[int] = []
-    failure: str | None = None
-    block: list[str] | None = None
-
-    def close() -> None:
-        nonlocal block
-        if block:
-            errors.append(_error(block))
-        block = None
-
-    for line in lines:
-        if not is_sanitizer_line(line):
-            continue
-        text = _body(line).strip()
-        if is_error_header(line):
-            close()
-            block = [text]
-            continue
-        if not text:
-            close()
-            continue
-        for pattern in (_SUMMARY, _RACE_SUMMARY):
-            if m := pattern.search(text):
-                close()
-                counts.append(int(m.group(1).replace(",", "")))
-        if text.startswith(_SANITIZER_FAILURES):
-            close()
-            failure = failure or text
-        elif block is not None and _body(line).startswith("  "):
-            block.append(text)
-    close()
-    return SanitizerOutput(tuple(errors), max(counts) if counts else None, failure)
-
-
-# -- where the error was ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Crumb:
-    """The runner's breadcrumb: the case and stage in flight (moe_verify/runner.py)."""
-
-    case: str
-    rank: int
-    stage: str
-    mode: str
-
-    @staticmethod
-    def read(path: Path) -> Crumb | None:
-        try:
-            data = json.loads(path.read_text())
-            return Crumb(
-                str(data["case"]), int(data["rank"]), str(data["stage"]), str(data["mode"])
-            )
-        except (OSError, ValueError, KeyError, TypeError):  # none yet, or caught mid-write
-            return None
-
-
-def kernel_stages(kernel_base: str | None) -> tuple[str, ...]:
-    """The stages that launch `kernel_base` (KERNEL_STAGES, DeepGEMM's), () when not ours."""
-    if not kernel_base:
-        return ()
-    if kernel_base.startswith("deep_gemm::"):
-        return DEEPGEMM_STAGES
-    name = kernel_base.rsplit("::", 1)[-1]
-    for kernel, stages in KERNEL_STAGES.items():
-        # Triton 2.x named a kernel by its signature too (_scatter_kernel_0d1d2d)
-        if re.fullmatch(rf"{re.escape(kernel)}(?:_\d\w*)?", name):
-            return stages
-    return ()
-
-
-@dataclass(frozen=True)
-class Attribution:
-    """The stage an error belongs to, and how that was found."""
-
-    stage: str | None
-    rank: int | None
-    side: str | None  # golden, isolated or chained
-    how: str
-
-
-def attribute(error: SanitizerError | None, crumb: Crumb | None) -> Attribution:
-    """The stage of `error`: the breadcrumb's when the kernel is one of that stage's (or not one
-    of ours); the kernel's own when the breadcrumb disagrees or is missing."""
-    if error is None:
-        return Attribution(None, None, None, "no error")
-    stages = kernel_stages(error.kernel_base)
-    rank = crumb.rank if crumb else None
-    side = crumb.mode if crumb else None
-    if crumb is not None and (not stages or crumb.stage in stages):
-        how = (
-            "from the breadcrumb; the kernel is one of this stage's"
-            if stages
-            else "from the breadcrumb (the kernel is not one of the suite's)"
-        )
-        return Attribution(crumb.stage, rank, side, how)
-    if len(stages) == 1:
-        why = f"the breadcrumb said {crumb.stage}" if crumb else "no breadcrumb"
-        return Attribution(stages[0], rank, side, f"from the kernel's name ({why})")
-    if stages:
-        why = f"the breadcrumb said {crumb.stage}" if crumb else "no breadcrumb to pick one"
-        return Attribution(None, rank, side, f"the kernel runs in {' or '.join(stages)} ({why})")
-    return Attribution(
-        None, None, None, "no breadcrumb (before the first stage) and not our kernel"
-    )
-
-
-# -- running it -------------------------------------------------------------------------------
 
 
 def find_sanitizer(
@@ -535,110 +250,6 @@ def _case_id(flags: list[str]) -> str:
     parser = _FlagParser(prog="moe-verify run", add_help=False)
     add_run_args(parser)
     return problem_from_args(parser.parse_args(flags)).id
-
-
-def verdict_line(lines: list[str]) -> str | None:
-    """The child's verdict: its report's summary line ('PASS <case> ...', 'FAIL ...') or its
-    one-line error, the last one it printed."""
-    found = None
-    for line in lines:
-        if is_sanitizer_line(line):
-            continue
-        if line.startswith(("PASS ", "FAIL ", "SKIP ", "ERROR ", ERROR_PREFIX)):
-            found = line
-    return found
-
-
-@dataclass
-class SanitizeReport:
-    """One sanitized case: what the sanitizer found, where, and what the run itself said."""
-
-    tool: str
-    case: str
-    command: list[str]
-    errors: int
-    first: SanitizerError | None
-    where: Attribution
-    child_rc: int
-    verdict: str | None
-    wall_s: float
-    timed_out: bool
-    failure: str | None  # the sanitizer could not run
-    crumb: Crumb | None = None  # the breadcrumb the stage came from
-    baseline_s: float | None = None
-    baseline_rc: int | None = None
-    child_output: list[str] = field(default_factory=list)
-
-    @property
-    def slowdown(self) -> float | None:
-        if not self.baseline_s:
-            return None
-        return self.wall_s / self.baseline_s
-
-    @property
-    def exit_code(self) -> int:
-        if self.errors:
-            return EXIT_FAIL
-        if self.failure or self.timed_out:
-            return EXIT_ERROR
-        if self.child_rc == EXIT_PASS:
-            return EXIT_PASS
-        return EXIT_FAIL if self.child_rc == EXIT_FAIL else EXIT_ERROR
-
-    def _where_text(self) -> str:
-        w = self.where
-        stage = f"stage {w.stage}" if w.stage else "stage unknown"
-        extra = [f"rank {w.rank}"] if w.rank is not None else []
-        extra += [f"{w.side} side"] if w.side else []
-        return f"{stage} ({', '.join([*extra, w.how])})"
-
-    def _timing(self) -> str:
-        ratio = self.slowdown
-        if ratio is None:
-            return f"The sanitized run took {self.wall_s:.1f} s."
-        runs = f"{self.wall_s:.1f} s vs {self.baseline_s:.1f} s without it"
-        if self.baseline_rc not in (None, self.child_rc):
-            # The sanitized run stopped at the fault, so the two runs did different work.
-            return (
-                f"Under {self.tool} the case ended at the fault after {self.wall_s:.1f} s; without "
-                f"it the case ran to exit {self.baseline_rc} in {self.baseline_s:.1f} s (no "
-                "slowdown measured)."
-            )
-        return f"Under {self.tool} the case ran {ratio:.1f}x slower ({runs})."
-
-    def to_summary(self) -> str:
-        """One paragraph: the verdict, the first error with its kernel, stage and case, the run's
-        own exit and verdict, and the slowdown."""
-        head = (
-            f"{self.tool}: {self.errors} error{'s' if self.errors != 1 else ''} in case {self.case}"
-        )
-        parts = []
-        if self.failure:
-            why = self.failure.rstrip(".")
-            parts.append(f"{head}; the sanitizer could not check it: {why}.")
-        elif self.timed_out:
-            parts.append(f"{head} before the run was killed at its timeout.")
-        elif not self.errors:
-            parts.append(f"{head}.")
-        if self.first is not None and self.errors:
-            e = self.first
-            kernel = f"kernel {e.kernel_base or e.kernel}" if e.kernel else "no kernel named"
-            at = f" at {e.location}" if e.location else ""
-            detail = []
-            if e.thread:
-                detail.append(f"thread {e.thread} in block {e.block}")
-            if e.address:
-                detail.append(f"address {e.address}")
-            tail = f"; {', '.join(detail)}" if detail else ""
-            lead = f"{head} before the run was killed at its timeout" if self.timed_out else head
-            parts.append(
-                f"{lead}; the first: {e.kind} in {kernel}{at}, {self._where_text()}{tail}."
-            )
-        run = f"exit {self.child_rc}" + (f", {self.verdict!r}" if self.verdict else "")
-        parts.append(f"The run itself: {run}.")
-        parts.append(self._timing())
-        parts.append(f"Exit {self.exit_code}.")
-        return " ".join(parts)
 
 
 def sanitize_run(

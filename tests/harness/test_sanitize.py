@@ -21,16 +21,15 @@ import pytest
 from moe_verify import sanitize
 from moe_verify.protect import SANITIZER_TOOL_ENV
 from moe_verify.sanitize import (
-    Crumb,
     SanitizerUnavailable,
-    attribute,
     child_flags,
     find_sanitizer,
-    parse_output,
     require_gpu,
     run_sanitized,
     sanitize_run,
 )
+from moe_verify.sanitize_output import SanitizerError, parse_output
+from moe_verify.sanitize_report import Crumb, attribute
 from moe_verify.spec import MoEProblem
 from reference.tensor_core import FUSED_ENV
 
@@ -245,7 +244,7 @@ def _crumb(stage: str, mode: str = "isolated") -> Crumb:
     return Crumb(PROBLEM.id, 0, stage, mode)
 
 
-def _first(text: str) -> sanitize.SanitizerError:
+def _first(text: str) -> SanitizerError:
     first = parse_output(_lines(text)).first
     assert first is not None
     return first
