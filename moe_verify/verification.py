@@ -138,7 +138,7 @@ def compare_reduce(
 
 def reduce_maps(problem: MoEProblem, runs: list[RankRun], mode: Mode) -> list:
     """The plots' data of a failing cross-rank `reduce` (one panel: it is every rank's sum)."""
-    from moe_verify.plot import error_maps
+    from moe_verify.error_measure import error_maps
 
     golden, tested = reduce_traces(problem, runs, mode)
     return error_maps(problem, RankRun(0, golden, {mode: tested}), mode, [Stage.REDUCE])
@@ -303,7 +303,7 @@ def _verify_ranks(
                 {m: with_agreement(verdict.results[m], verdict.run, other, m, twin) for m in modes}
             )
         if plot:
-            from moe_verify.plot import error_maps
+            from moe_verify.error_measure import error_maps
 
             for m in modes:
                 failing = [r.stage for r in verdict.results[m] if r.status.failing]

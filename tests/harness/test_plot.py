@@ -1,6 +1,7 @@
-"""The picture of a failure (moe_verify/plot.py): one PNG per failing (mode, stage), and each
-kind of bug with its own shape: a misrouted expert lights one segment, a scale bug one column
-block, a rank bug one rank panel. Asserted on the ErrorMap data, then on the files.
+"""The picture of a failure (moe_verify/error_measure.py measures, moe_verify/plot.py draws):
+one PNG per failing (mode, stage), and each kind of bug with its own shape: a misrouted expert
+lights one segment, a scale bug one column block, a rank bug one rank panel. Asserted on the
+ErrorMap data, then on the files.
 
 The planted bugs are the golden with one stage wrong, so every other stage (and every other row
 of the wrong stage) matches it bit for bit and the shape of the error is exactly the bug's.
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_verify.error_map import ErrorMap
+from moe_verify.error_measure import MAX_COLUMNS, MAX_ROWS, error_maps
 from moe_verify.inputs import make_inputs
-from moe_verify.plot import MAX_COLUMNS, MAX_ROWS, ErrorMap, error_maps, write_plots
+from moe_verify.plot import write_plots
 from moe_verify.spec import Mode, MoEInputs, MoEProblem, Recipe, ScaleFmt, Stage, Trace
 from moe_verify.verification import verify_rank
 from reference import ReferenceBackend
