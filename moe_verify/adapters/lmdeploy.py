@@ -1,0 +1,509 @@
+"""LmdeployBackend: LMDeploy's installed PyTorch-engine FP8 block MoE path, stage by stage.
+
+LMDeploy 0.18's DeepEP normal-mode MoE (`FusedMoENormal.forward`,
+lmdeploy/pytorch/backends/cuda/moe/blocked_fp8.py:68) quantizes the hidden states, lets DeepEP
+dispatch them (local expert ids, -1 for remote slots, per-expert counts already rounded up to
+`expert_alignment=128` on the host), and runs `fused_moe_v3_fp8`
+(lmdeploy/pytorch/kernels/cuda/moe/ep_fp8.py:148). Every stage LMDeploy owns calls the installed
+LMDeploy function that `fused_moe_v3_fp8` (or its caller) calls; none of its code is copied:
+
+| stage       | LMDeploy 0.18 (lmdeploy.pytorch.kernels.cuda.…)                                  |
+| ----------- | -------------------------------------------------------------------------------- |
+| quant_input | blocked_gemm_fp8.per_token_group_quant_fp8(x, 128, scale_fmt=None or 'ue8m0')     |
+| align       | (DeepEP's count; M_sum = sum of the aligned counts, as ep_fp8.py:159 sizes it)    |
+| permute     | moe.ep_fp8.ep_scatter_fp8 (fed DeepEP's aligned counts and local ids)            |
+| gemm1/gemm2 | third_party.deep_gemm.m_grouped_fp8_gemm_nt_contiguous where DeepGEMM runs       |
+| act_quant   | activation.silu_and_mul + blocked_gemm_fp8.per_token_group_quant_fp8(y, 128)     |
+| gather      | moe.ep.ep_gather                                                                 |
+
+route and shared are the suite's, and so is align's count (DeepEP's dispatch computes it in
+LMDeploy); the GEMMs run on the suite's Triton engine where DeepGEMM is absent (recorded).
+
+Fixed parameters are declared, and a problem asking another is skipped with the reason: the
+alignment is 128 (`expert_alignment=128`, blocked_fp8.py:48; `ep_scatter_fp8` asserts
+`m_indices.shape[0] % 128 == 0`, ep_fp8.py:122), the grouped layout is m_indices (LMDeploy passes
+no psum layout), the activation is plain silu (`silu_and_mul` has no clamp, no swigluoai), the
+scales are fp32 (the ue8m0 packed format is not on this path), H is a multiple of 1024
+(`ep_gather` asserts `hidden_size % BLOCK_D == 0` with BLOCK_D = 1024, moe/ep.py:181), and EP
+places E/N contiguous experts per rank (`num_local_experts = num_experts // ep_size`,
+blocked_fp8.py:54, and DeepEP's local ids).
+
+What LMDeploy produces is returned as produced, with these explicit conversions (each in the
+stage's `derived` entry): `inv_perm` is `ep_scatter_fp8`'s `output_index` (int64, like the ids
+DeepEP hands it) cast to int32; `expert_ends` is the scatter's `expert_start_loc` after the
+kernel, whose atomic cursor starts at each aligned segment start and ends at start + live count.
+The GEMM's scale layout transform (`get_mn_major_tma_aligned_tensor`) is DeepGEMM's and runs only
+where DeepGEMM is installed.
+
+Importing: `lmdeploy/__init__.py` imports the whole serving stack (TurboMind, the API server);
+the adapter puts a bare package object for `lmdeploy` (its `__path__` the installed package's)
+in sys.modules before importing the kernel modules, so only their closure is imported
+(~36 modules, 394 KiB; psutil, pydantic and transformers are its third-party imports).
+
+On a CPU (the Triton interpreter) two switches, and only there: LMDeploy's launchers size their
+grids from `kernels.cuda.utils.get_device_props`, which reads `torch.cuda.get_device_properties`;
+while an LMDeploy stage runs without CUDA, the name in `blocked_gemm_fp8` and `activation` answers
+an H200's properties (132 SMs, 64 warps and 32 blocks per SM, LMDeploy's own SM90 table). The
+grids are grid-stride loops, so the properties change the launch, not the result. And
+`activation.fast_expf`, a module-level alias of `tl.math.exp` (activation.py:8) that the
+interpreter cannot patch, is looked up at call time instead (the same tl.math.exp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from types import ModuleType
+from typing import Any
+from unittest import mock
+
+import torch
+
+from moe_verify.spec import (
+    Engine,
+    GroupedLayout,
+    MoEInputs,
+    MoEProblem,
+    MSumRecipe,
+    Placement,
+    Recipe,
+    ScaleFmt,
+    StageSkipped,
+    TopologyKind,
+    Trace,
+)
+from optimized.backend import OptimizedBackend, Outputs
+from optimized.deepgemm import choose_engine, choose_grouped_layout
+from optimized.topology import hosted_experts
+
+TESTED_VERSION = "0.18.0"
+# DeepEP normal mode's expert_alignment in FusedMoENormal (blocked_fp8.py:48), and ep_scatter_fp8's
+# BLOCK_E, whose multiple M_sum must be (ep_fp8.py:122).
+ALIGNMENT = 128
+# ep_gather's BLOCK_D: H must be a multiple of it (moe/ep.py:177-181).
+GATHER_BLOCK_D = 1024
+# _quant_fp8_kernel's columns per CTA for bf16 input (512 bytes a warp, 2 warps): a K that is a
+# multiple takes the unmasked branch, the one the Triton interpreter runs.
+INTERPRETED_QUANT_COLUMNS = 512
+# LMDeploy's own SM90 entries (kernels/cuda/utils.py WARPS_PER_SM, BLOCKS_PER_SM) and an H200's SMs.
+H200_PROPS = {
+    "multi_processor_count": 132,
+    "compute_capability": (9, 0),
+    "warps_per_sm": 64,
+    "blocks_per_sm": 32,
+}
+
+_CUDA = "lmdeploy.pytorch.kernels.cuda"
+# attribute -> (module, the names the adapter calls in it)
+_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "quant": (f"{_CUDA}.blocked_gemm_fp8", ("per_token_group_quant_fp8", "get_device_props")),
+    "activation": (f"{_CUDA}.activation", ("silu_and_mul", "get_device_props")),
+    "ep_fp8": (f"{_CUDA}.moe.ep_fp8", ("ep_scatter_fp8", "fused_moe_v3_fp8")),
+    "ep": (f"{_CUDA}.moe.ep", ("ep_gather",)),
+}
+
+
+class LmdeployUnavailable(RuntimeError):
+    """LMDeploy cannot be adapted here; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class LmdeployKernels:
+    """The installed LMDeploy's kernel modules the adapter calls, its version, and the switches."""
+
+    version: str
+    quant: ModuleType
+    activation: ModuleType
+    ep_fp8: ModuleType
+    ep: ModuleType
+    deep_gemm: ModuleType | None  # lmdeploy.pytorch.third_party.deep_gemm, where DeepGEMM imports
+    on_cuda: bool
+    switches: tuple[str, ...]
+
+
+def installed_version() -> str:
+    try:
+        return metadata.version("lmdeploy")
+    except metadata.PackageNotFoundError:
+        raise LmdeployUnavailable(
+            "LMDeploy is not installed; it pins torch<=2.12.1 and triton<=3.7.1, so install it "
+            "without its dependencies: pip install --no-deps lmdeploy==0.18.0 psutil pydantic "
+            "transformers (docs/implementations.md)"
+        ) from None
+
+
+def check_version(version: str) -> None:
+    """Accept the tested release only: the kernels' signatures and conventions are its."""
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    if m is None:
+        raise LmdeployUnavailable(f"cannot read LMDeploy's version {version!r}")
+    if m[0] != TESTED_VERSION:
+        raise LmdeployUnavailable(
+            f"LMDeploy {version} is not {TESTED_VERSION}, the release this adapter was built and "
+            "tested on; fused_moe_v3_fp8's kernels and conventions (DeepEP's aligned counts, "
+            "ep_gather's BLOCK_D) may differ in it. Install lmdeploy==0.18.0"
+        )
+
+
+def _stub_package() -> str | None:
+    """Make `lmdeploy` a bare package object so its submodules import without running
+    lmdeploy/__init__.py (the serving stack and TurboMind)."""
+    present = sys.modules.get("lmdeploy")
+    if present is not None:
+        return None  # already imported (stubbed, or the real package): its submodules work
+    spec = importlib.util.find_spec("lmdeploy")
+    if spec is None or not spec.submodule_search_locations:
+        raise LmdeployUnavailable("the lmdeploy package cannot be found on sys.path")
+    package = ModuleType("lmdeploy")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    sys.modules["lmdeploy"] = package
+    return "lmdeploy/__init__.py not run: a bare package object stands for it"
+
+
+def _import(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason LMDeploy is unusable
+        raise LmdeployUnavailable(f"importing {name} failed: {type(exc).__name__}: {exc}") from exc
+
+
+@functools.cache
+def load() -> LmdeployKernels:
+    """Check the installed LMDeploy, import its kernel modules without its package root."""
+    version = installed_version()
+    check_version(version)
+    switches = [s for s in (_stub_package(),) if s]
+    modules: dict[str, ModuleType] = {}
+    for attr, (name, names) in _MODULES.items():
+        module = _import(name)
+        missing = [n for n in names if not hasattr(module, n)]
+        if missing:
+            raise LmdeployUnavailable(f"LMDeploy {version}: {name} lacks {', '.join(missing)}")
+        modules[attr] = module
+    deep_gemm = None
+    if importlib.util.find_spec("deep_gemm") is not None:
+        deep_gemm = _import("lmdeploy.pytorch.third_party.deep_gemm")
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda:
+        switches.append("kernels.cuda.utils.get_device_props answers an H200's (no CUDA)")
+    return LmdeployKernels(
+        version=version, deep_gemm=deep_gemm, on_cuda=on_cuda, switches=tuple(switches), **modules
+    )
+
+
+def availability() -> tuple[bool, str]:
+    """(usable, why): whether the adapter can load the installed LMDeploy here."""
+    try:
+        v = load()
+    except LmdeployUnavailable as exc:
+        return False, str(exc)
+    return True, f"LMDeploy {v.version}" + (f" ({'; '.join(v.switches)})" if v.switches else "")
+
+
+def aligned_counts(counts: torch.Tensor, alignment: int) -> torch.Tensor:
+    """int32 [E_l]: each expert's count rounded up to the alignment, as DeepEP's normal dispatch
+    hands `num_recv_tokens_per_expert` to fused_moe_v3_fp8 (expert_alignment)."""
+    c = counts.to(torch.int64)
+    return ((c + alignment - 1) // alignment * alignment).to(torch.int32)
+
+
+def local_ids(ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """int64 [M,k]: the ids as DeepEP's dispatch hands them to LMDeploy: local expert ids, -1 for
+    a slot no local expert serves (and for -1 slots)."""
+    ids = ids.to(torch.int64)
+    if expert_map is None:
+        return ids
+    return torch.where(ids >= 0, expert_map[ids.clamp(min=0)].to(torch.int64), -1)
+
+
+def _interpreted_exp(x: Any) -> Any:
+    """tl.math.exp looked up when called: the Triton interpreter patches tl.math while a kernel
+    runs, but not the module-level alias `activation.fast_expf = tl.math.exp` bound at import."""
+    import triton.language as tl
+
+    return tl.math.exp(x)
+
+
+class LmdeployBackend(OptimizedBackend):
+    """LMDeploy's fused_moe_v3_fp8 path (fp8_block, SM90 scales) as a Backend; see the module
+    docstring."""
+
+    name = "lmdeploy"
+
+    def __init__(self, engine: Engine | str = Engine.AUTO) -> None:
+        self.lmd = load()
+        self._engine_note: str | None = None
+        if Engine(engine) is Engine.AUTO and self.lmd.deep_gemm is None:
+            engine = Engine.TRITON
+            self._engine_note = "no DeepGEMM for lmdeploy.pytorch.third_party.deep_gemm: Triton"
+        # LMDeploy sizes the permuted buffer from DeepEP's host counts (ep_fp8.py:159)
+        super().__init__(engine=engine, exact_m_sum=True)
+        self.name = f"lmdeploy-{self.lmd.version}"
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _require_supported(self, problem: MoEProblem) -> None:
+        if problem.recipe is not Recipe.FP8_BLOCK:
+            raise StageSkipped(f"LMDeploy's fused_moe_v3_fp8 runs fp8_block; not {problem.recipe}")
+        if problem.scale_fmt is ScaleFmt.UE8M0_PACKED:
+            raise StageSkipped(
+                "fused_moe_v3_fp8 hands DeepGEMM fp32 scales (per_token_group_quant_fp8 packs "
+                "nothing); the ue8m0_packed format is not on this path"
+            )
+        topo = problem.topology
+        if topo.kind is TopologyKind.EP_LL:
+            raise StageSkipped("ep:N+ll runs LMDeploy's FusedMoELowLatency; not adapted")
+        if topo.kind in (TopologyKind.EP, TopologyKind.EP_HT):
+            per = problem.num_experts // topo.size
+            if topo.placement is Placement.EXPLICIT or problem.num_experts % topo.size:
+                raise StageSkipped(
+                    "LMDeploy places num_experts // ep_size contiguous experts per rank "
+                    "(blocked_fp8.py:54); this placement is not one it runs"
+                )
+            assert per > 0
+
+    def _check_placement(self, problem: MoEProblem, rank: int) -> None:
+        if problem.topology.kind is TopologyKind.TP:
+            return
+        per = problem.num_experts // problem.topology.size
+        if hosted_experts(problem, rank) != list(range(rank * per, (rank + 1) * per)):
+            raise StageSkipped("the suite's placement is not LMDeploy's contiguous E/N blocks")
+
+    def _require_layout(self, problem: MoEProblem) -> None:
+        if choose_grouped_layout(problem).layout is not GroupedLayout.M_INDICES:
+            raise StageSkipped(
+                "fused_moe_v3_fp8 hands DeepGEMM m_indices (no psum layout): run it with "
+                "--grouped-layout m_indices or auto"
+            )
+
+    @contextlib.contextmanager
+    def _device_props(self) -> Iterator[None]:
+        """Without CUDA, get_device_props (torch.cuda.get_device_properties) raises: answer an
+        H200's while an LMDeploy stage runs (the CPU switch; never with CUDA)."""
+        if self.lmd.on_cuda:
+            yield
+            return
+
+        def props(device: Any = None) -> dict[str, Any]:
+            return dict(H200_PROPS)
+
+        with (
+            mock.patch.object(self.lmd.quant, "get_device_props", props),
+            mock.patch.object(self.lmd.activation, "get_device_props", props),
+            mock.patch.object(self.lmd.activation, "fast_expf", _interpreted_exp),
+        ):
+            yield
+
+    def _buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The workspace `name` (verification with workspaces, production mode), else torch.empty
+        as LMDeploy allocates it."""
+        buf = self.workspaces.get(name, shape, dtype, device)
+        return torch.empty(shape, dtype=dtype, device=device) if buf is None else buf
+
+    def _kernel(self, what: str) -> str:
+        return f"lmdeploy {self.lmd.version}: {what}"
+
+    def _tma_aligned(self, scale: torch.Tensor) -> torch.Tensor:
+        """DeepGEMM's MN-major TMA-aligned scales, as fused_moe_v3_fp8 hands them to the GEMM."""
+        if self.lmd.deep_gemm is None:
+            return scale
+        return self.lmd.deep_gemm.get_mn_major_tma_aligned_tensor(scale)
+
+    # -- stages ----------------------------------------------------------------------------------
+
+    def dispatch(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs:
+        raise StageSkipped("ep:N+ll runs LMDeploy's FusedMoELowLatency; not adapted")
+
+    def quant_input(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs:
+        """FusedMoENormal.forward's quantizer (blocked_fp8.py:79): per_token_group_quant_fp8 with
+        the model's scale_fmt ('ue8m0' rounds the scale up to a power of two)."""
+        self._require_supported(problem)
+        hidden = inputs.hidden_states
+        if "token_index" in upstream["route"]:
+            hidden = hidden[upstream["route"]["token_index"]]
+        fmt = "ue8m0" if problem.scale_fmt.is_ue8m0 else None
+        with self._device_props():
+            q, s = self.lmd.quant.per_token_group_quant_fp8(
+                hidden, problem.recipe.act_group, scale_fmt=fmt
+            )
+        return {"a1q": q, "a1q_scale": s, "kernel": self._kernel("per_token_group_quant_fp8")}
+
+    def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        """DeepEP's count (the suite's here) and the M_sum fused_moe_v3_fp8 allocates:
+        sum(num_recv_tokens_per_expert), the counts rounded up to 128 (exact_counts)."""
+        self._require_supported(problem)
+        self._check_placement(problem, rank)
+        if problem.alignment != ALIGNMENT:
+            raise StageSkipped(
+                f"LMDeploy's DeepEP dispatch aligns each expert to {ALIGNMENT} "
+                f"(expert_alignment, blocked_fp8.py:48); run it with --alignment {ALIGNMENT}"
+            )
+        out = super().align(problem, inputs, upstream, rank)
+        out["recipe"] = MSumRecipe.EXACT_COUNTS.value
+        out["kernel"] = "DeepEP's role: the suite's count; M_sum as fused_moe_v3_fp8 sizes it"
+        return out
+
+    def permute(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs:
+        """ep_scatter_fp8 on DeepEP's inputs: local ids, the aligned counts, M_sum rows."""
+        self._require_supported(problem)
+        self._require_layout(problem)
+        sh = self.shard(problem, inputs, rank)
+        align, quant = upstream["align"], upstream["quant_input"]
+        a1q, a1q_scale = quant["a1q"], quant["a1q_scale"]
+        if a1q_scale.dtype != torch.float32:
+            raise StageSkipped(f"ep_scatter_fp8 copies fp32 scales; got {a1q_scale.dtype}")
+        ids = local_ids(upstream["route"]["topk_ids"], sh.expert_map)
+        m_sum, hidden = int(align["M_sum"]), a1q.shape[1]
+        dev = a1q.device
+        ws = self.workspaces
+        # allocated as fused_moe_v3_fp8 does (torch.empty, ep_fp8.py:167-171), or the workspace's
+        a_perm = self._buffer("a_perm", (m_sum, hidden), a1q.dtype, dev)
+        a_scale_perm = self._buffer("a_scale_perm", (m_sum, a1q_scale.shape[1]), torch.float32, dev)
+        m_indices = self._buffer("m_indices", (m_sum,), torch.int32, dev)
+        output_index = torch.empty_like(ids)
+        recv = aligned_counts(align["counts"], int(align["alignment"]))
+        expert_start_loc = torch.empty_like(recv)
+        self.lmd.ep_fp8.ep_scatter_fp8(
+            a1q,
+            a1q_scale,
+            ids,
+            recv,
+            expert_start_loc,
+            a_perm,
+            a_scale_perm,
+            m_indices,
+            output_index,
+        )
+        return {
+            "a_perm": ws.own(a_perm),
+            "a_scale_perm": ws.own(a_scale_perm),
+            "m_indices": ws.own(m_indices),
+            "expert_ends": expert_start_loc,
+            "inv_perm": output_index.to(torch.int32),
+            "layout": GroupedLayout.M_INDICES.value,
+            "derived": "inv_perm: ep_scatter_fp8's int64 output_index cast to int32; "
+            "expert_ends: its expert_start_loc after the kernel (the atomic cursor, which ends "
+            "at segment start + live count)",
+            "kernel": self._kernel("ep_scatter_fp8"),
+        }
+
+    def act_quant(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> Outputs:
+        """silu_and_mul into bf16, then per_token_group_quant_fp8 with no scale_fmt, as
+        fused_moe_v3_fp8 calls them (ep_fp8.py:186-189)."""
+        self._require_supported(problem)
+        self._require_layout(problem)
+        act = problem.activation
+        if act.kind != "silu" or act.limit is not None:
+            raise StageSkipped(f"LMDeploy's silu_and_mul is plain silu; not {act}")
+        mm1 = upstream["gemm1"]["mm1"]
+        rows, width = mm1.shape[0], mm1.shape[1] // 2
+        if not self.lmd.on_cuda and width % INTERPRETED_QUANT_COLUMNS:
+            raise StageSkipped(
+                "under the Triton interpreter (3.9) the masked branch of LMDeploy's "
+                "_quant_fp8_kernel fails ('mask has unsupported dtype', blocked_gemm_fp8.py:87): "
+                f"Ip must be a multiple of {INTERPRETED_QUANT_COLUMNS} on a CPU; Ip = {width}"
+            )
+        down_input = torch.empty((rows, width), dtype=torch.bfloat16, device=mm1.device)
+        with self._device_props():
+            self.lmd.activation.silu_and_mul(mm1, down_input)
+            q, s = self.lmd.quant.per_token_group_quant_fp8(down_input, problem.recipe.act_group)
+        return {
+            "a2q": q,
+            "a2q_scale": s,
+            "layout": GroupedLayout.M_INDICES.value,
+            "kernel": self._kernel("silu_and_mul + per_token_group_quant_fp8"),
+        }
+
+    def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        """ep_gather: each token's weighted sum over its local slots."""
+        self._require_supported(problem)
+        mm2 = upstream["gemm2"]["mm2"]
+        if mm2.shape[1] % GATHER_BLOCK_D:
+            raise StageSkipped(
+                f"LMDeploy's ep_gather needs H a multiple of {GATHER_BLOCK_D} (BLOCK_D, "
+                f"moe/ep.py:181); H = {mm2.shape[1]}"
+            )
+        route = upstream["route"]
+        ids = local_ids(route["topk_ids"], self.shard(problem, inputs, rank).expert_map)
+        out = self._buffer("out", (ids.shape[0], mm2.shape[1]), torch.bfloat16, mm2.device)
+        self.lmd.ep.ep_gather(mm2, ids, route["topk_weights"], upstream["permute"]["inv_perm"], out)
+        return {"out": self.workspaces.own(out), "kernel": self._kernel("ep_gather")}
+
+    # -- GEMMs: LMDeploy's DeepGEMM wrapper, or the suite's Triton engine ------------------------
+
+    def gemm1(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        if "dispatch" in upstream or not self._through_lmdeploy(problem, upstream):
+            return self._noted(super().gemm1(problem, inputs, upstream, rank))
+        perm = upstream["permute"]
+        mm1 = self._lmd_gemm(
+            problem, inputs, upstream, rank, "w13", perm["a_perm"], perm["a_scale_perm"]
+        )
+        return {"mm1": mm1, **self._lmd_gemm_record(problem, upstream)}
+
+    def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        if "dispatch" in upstream or not self._through_lmdeploy(problem, upstream):
+            return self._noted(super().gemm2(problem, inputs, upstream, rank))
+        act = upstream["act_quant"]
+        mm2 = self._lmd_gemm(problem, inputs, upstream, rank, "w2", act["a2q"], act["a2q_scale"])
+        return {"mm2": mm2, **self._lmd_gemm_record(problem, upstream)}
+
+    def _noted(self, outputs: Outputs) -> Outputs:
+        if self._engine_note:
+            outputs["engine_reason"] = self._engine_note
+        return outputs
+
+    def _through_lmdeploy(self, problem: MoEProblem, upstream: Trace) -> bool:
+        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
+        return choice.engine is Engine.DEEPGEMM and self.lmd.deep_gemm is not None
+
+    def _lmd_gemm_record(self, problem: MoEProblem, upstream: Trace) -> Outputs:
+        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
+        return {
+            "engine": Engine.DEEPGEMM,
+            "engine_reason": f"{choice.reason}; through lmdeploy.pytorch.third_party.deep_gemm",
+            "layout": GroupedLayout.M_INDICES.value,
+        }
+
+    def _lmd_gemm(
+        self,
+        problem: MoEProblem,
+        inputs: MoEInputs,
+        upstream: Trace,
+        rank: int,
+        which: str,
+        a: torch.Tensor,
+        a_scale: torch.Tensor,
+    ) -> torch.Tensor:
+        """m_grouped_fp8_gemm_nt_contiguous as _deepgemm_grouped_fp8_nt_contiguous calls it
+        (ep_fp8.py:143): activation scales MN-major TMA-aligned, LMDeploy's m_indices."""
+        self._require_layout(problem)
+        sh = self.shard(problem, inputs, rank)
+        w = sh.w13 if which == "w13" else sh.w2
+        w_scale = self._deepgemm_weight_scales(problem, inputs, rank, which, w)
+        out = torch.empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16, device=a.device)
+        if a.shape[0] == 0:
+            return out
+        dg = self.lmd.deep_gemm
+        assert dg is not None
+        dg.m_grouped_fp8_gemm_nt_contiguous(
+            (a, self._tma_aligned(a_scale)), (w.q, w_scale), out, upstream["permute"]["m_indices"]
+        )
+        return out
