@@ -92,6 +92,14 @@ def resolve_backend(
             return VllmBackend(engine=engine)
         except VllmUnavailable as exc:
             raise ValueError(f"backend 'vllm': {exc}") from exc
+    if spec == "lmdeploy":
+        from moe_verify.adapters.lmdeploy import LmdeployBackend, LmdeployUnavailable
+
+        refuse()
+        try:
+            return LmdeployBackend(engine=engine)
+        except LmdeployUnavailable as exc:
+            raise ValueError(f"backend 'lmdeploy': {exc}") from exc
     cls = load_class(check_backend(spec), "backend") if isinstance(spec, str) else spec
     from optimized import OptimizedBackend
 
