@@ -58,7 +58,9 @@ def resolve_backend(
     workspace: bool = False,
     poison: int | None = None,
 ) -> Backend:
-    """'optimized', 'golden', 'vllm' (vLLM's installed kernels, docs/vllm.md),
+    """'optimized', 'golden', 'vllm' (vLLM's installed kernels, docs/vllm.md), 'lmdeploy'
+    (LMDeploy's fused_moe_v3_fp8 kernels, moe_verify/adapters/lmdeploy.py), 'sglang'
+    (SGLang's, moe_verify/adapters/sglang.py),
     'package.module:Class' or a class (any class with the Backend protocol), built here; an
     instance is returned as it is. `workspace` and `poison` (optimized/workspace.py) go to the
     optimized backend and to subclasses of it."""
@@ -100,6 +102,14 @@ def resolve_backend(
             return LmdeployBackend(engine=engine)
         except LmdeployUnavailable as exc:
             raise ValueError(f"backend 'lmdeploy': {exc}") from exc
+    if spec == "sglang":
+        from moe_verify.adapters.sglang import SglangBackend, SglangUnavailable
+
+        refuse()
+        try:
+            return SglangBackend(engine=engine)
+        except SglangUnavailable as exc:
+            raise ValueError(f"backend 'sglang': {exc}") from exc
     cls = load_class(check_backend(spec), "backend") if isinstance(spec, str) else spec
     from optimized import OptimizedBackend
 
