@@ -121,6 +121,21 @@ def aligned_m_sum_all_experts_bound(
     return round_up(num_tokens * topk + num_local_experts * (alignment - 1), alignment)
 
 
+def aligned_m_sum_tight_bound(
+    num_tokens: int, topk: int, num_local_experts: int, alignment: int
+) -> int:
+    """A·(m + (M·k - m) // A) with m = min(M·k, E_l): the largest Σ round_up(n_e, A) over every
+    routing of M·k slots (SGLang 0.5.23's compact layout, `_get_compact_all_tokens`).
+
+    Tight: each of at most m nonempty experts costs one block for its first row, and the other
+    M·k - m rows fill at most (M·k - m) // A more whole blocks. Never above the min-active bound,
+    which rounds that quotient up."""
+    _require_sizes(num_tokens, topk, num_local_experts, alignment)
+    slots = num_tokens * topk
+    active = min(slots, num_local_experts)
+    return alignment * (active + (slots - active) // alignment)
+
+
 def aligned_m_sum_recipes(
     num_tokens: int, topk: int, counts: torch.Tensor, alignment: int
 ) -> dict[MSumRecipe, int]:
@@ -133,6 +148,7 @@ def aligned_m_sum_recipes(
             num_tokens, topk, e_l, alignment
         ),
         MSumRecipe.EXACT_COUNTS: aligned_m_sum_exact(counts, alignment),
+        MSumRecipe.TIGHT_BOUND: aligned_m_sum_tight_bound(num_tokens, topk, e_l, alignment),
     }
 
 

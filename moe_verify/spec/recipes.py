@@ -35,6 +35,9 @@ class MSumRecipe(enum.StrEnum):
     MIN_ACTIVE_BOUND = "min_active_bound"  # round_up(M*k + min(M*k, E_l)*(A-1), A): vLLM >= 0.30
     ALL_EXPERTS_BOUND = "all_experts_bound"  # round_up(M*k + E_l*(A-1), A): older vLLM
     EXACT_COUNTS = "exact_counts"  # sum_e round_up(count_e, A): counts on the host (DeepEP HT)
+    # A*(m + (M*k - m) // A), m = min(M*k, E_l): the largest exact sum any routing reaches (the
+    # tight bound), SGLang 0.5.23 _get_compact_all_tokens (moe_runner/deep_gemm.py)
+    TIGHT_BOUND = "tight_bound"
 
 
 class InputQuantRecipe(enum.StrEnum):
