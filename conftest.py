@@ -56,6 +56,10 @@ def _gate_reason(item: pytest.Item, config: pytest.Config) -> str | None:
         usable, why = _vllm_availability()
         if not usable:
             return f"needs vLLM's kernels (the -m vllm tier, .ci/run step 2): {why}"
+    if item.get_closest_marker("sglang"):
+        usable, why = _sglang_availability()
+        if not usable:
+            return f"needs SGLang's kernels (the -m sglang tier): {why}"
     if item.get_closest_marker("slow") and not config.getoption("--run-slow"):
         return "slow test: pass --run-slow to run it"
     if item.get_closest_marker("bench") and not config.getoption("--run-bench"):
@@ -70,6 +74,21 @@ def _vllm_availability() -> tuple[bool, str]:
     from moe_verify.adapters.vllm import availability
 
     return availability()
+
+
+@functools.cache
+def _sglang_availability() -> tuple[bool, str]:
+    """Whether the SGLang adapter loads here (only when an sglang test was collected)."""
+    from moe_verify.adapters.sglang import availability
+
+    return availability()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # until pyproject's marker list names it
+    config.addinivalue_line(
+        "markers", "sglang: verifies SGLang's installed kernels through moe_verify.adapters.sglang"
+    )
 
 
 def _describe(major: int | None) -> str:
