@@ -40,7 +40,7 @@ from moe_verify.spec import (
 from optimized import deepgemm
 from optimized.deepgemm import EngineChoice, as_engine, choose_engine, choose_grouped_layout
 from optimized.dispatch import batch_m_indices, batched_dispatch
-from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter
+from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter, slot_counts
 from optimized.production import CarvedBuffers, ForwardConfig, RankWeights
 from optimized.routing import select_experts
 from optimized.topology import Shard, hosted_experts, shard, tp_down_shard, tp_gate_up_shard
@@ -253,14 +253,14 @@ class OptimizedBackend:
     def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         sh = self.shard(problem, inputs, rank)
         ids = upstream["route"]["topk_ids"]
-        counts = scatter.count_expert_tokens(
+        counts = slot_counts.count_expert_tokens(
             ids, sh.num_local_experts, sh.expert_map, validate=self.validate
         )
         if problem.topology.kind is TopologyKind.EP_HT or self.exact_m_sum:
             # The one host read of the exact-count path (production mode says so: host_syncs).
-            m_sum = scatter.aligned_m_sum_exact(counts, problem.alignment)
+            m_sum = slot_counts.aligned_m_sum_exact(counts, problem.alignment)
         else:
-            m_sum = scatter.aligned_m_sum_upper_bound(
+            m_sum = slot_counts.aligned_m_sum_upper_bound(
                 ids.shape[0], ids.shape[1], sh.num_local_experts, problem.alignment
             )
         return {"M_sum": m_sum, "alignment": problem.alignment, "counts": counts}

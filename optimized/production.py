@@ -47,7 +47,7 @@ from moe_verify.spec import (
 )
 from optimized import deepgemm
 from optimized.deepgemm import choose_engine, choose_grouped_layout
-from optimized.kernels import scatter
+from optimized.kernels import slot_counts
 from optimized.kernels._validate import fail
 from optimized.topology import hosted_experts, shard
 
@@ -158,7 +158,7 @@ class ForwardConfig:
 
     def m_sum_bound(self, num_tokens: int) -> int:
         """Rows of the permuted buffer for a call of `num_tokens` tokens (the upper bound)."""
-        return scatter.aligned_m_sum_upper_bound(
+        return slot_counts.aligned_m_sum_upper_bound(
             num_tokens, self.topk, self.num_local_experts, self.alignment
         )
 

@@ -33,7 +33,7 @@ from moe_verify.spec import (
     TopologyKind,
 )
 from optimized import deepgemm
-from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter
+from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter, slot_counts
 from reference import formats, layout
 
 pytestmark = pytest.mark.cpu
@@ -838,7 +838,7 @@ def _check_inputs_rows() -> list[Bad]:
 def _m_sum_rows() -> list[Bad]:
     rows = []
     counts = torch.tensor([1, 2], dtype=torch.int32)
-    for mod, name in ((layout, "reference"), (scatter, "optimized")):
+    for mod, name in ((layout, "reference"), (slot_counts, "optimized")):
         bounds = (
             ("upper_bound", mod.aligned_m_sum_upper_bound),
             ("all_experts_bound", getattr(mod, "aligned_m_sum_all_experts_bound", None)),
@@ -905,7 +905,7 @@ def _m_sum_rows() -> list[Bad]:
         ),
         bad(
             "optimized.aligned_m_sum_exact-counts-bool",
-            lambda: scatter.aligned_m_sum_exact([True, 2], 128),
+            lambda: slot_counts.aligned_m_sum_exact([True, 2], 128),
             TypeError,
             "counts[0]",
             "True",
@@ -1026,7 +1026,7 @@ def _kernel_rows() -> list[Bad]:
         ),
         bad(
             "kernels.count_expert_tokens-validate-no",
-            lambda: scatter.count_expert_tokens(dummy, 4, validate="no"),
+            lambda: slot_counts.count_expert_tokens(dummy, 4, validate="no"),
             TypeError,
             "validate",
             "'no'",

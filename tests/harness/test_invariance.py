@@ -12,7 +12,7 @@ from moe_verify.inputs import make_inputs
 from moe_verify.spec import LL_BLOCK_ROWS, LL_STAGES, Mode, MoEProblem, Stage, Status, Trace
 from moe_verify.verification import verify_invariance
 from optimized import OptimizedBackend
-from optimized.kernels import scatter
+from optimized.kernels import slot_counts
 from reference import ReferenceBackend
 from tolerance.invariance import INVARIANCES, agreement
 
@@ -46,7 +46,7 @@ class CapacityDependentGemm1(OptimizedBackend):
     def gemm1(self, problem, inputs, upstream, rank):  # type: ignore[no-untyped-def]
         out = super().gemm1(problem, inputs, upstream, rank)
         align = upstream["align"]
-        need = scatter.aligned_m_sum_exact(align["counts"], align["alignment"])
+        need = slot_counts.aligned_m_sum_exact(align["counts"], align["alignment"])
         if align["M_sum"] > need:
             mm1 = out["mm1"].clone()
             row = int(upstream["permute"]["inv_perm"][0, 0])

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from optimized.kernels.grouped_gemm import grouped_gemm
-from optimized.kernels.scatter import aligned_m_sum_upper_bound, count_expert_tokens, ep_scatter
+from optimized.kernels.scatter import ep_scatter
+from optimized.kernels.slot_counts import aligned_m_sum_upper_bound, count_expert_tokens
 
 pytestmark = pytest.mark.cpu
 

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from optimized.kernels.scatter import (
-    Scattered,
+from optimized.kernels.scatter import Scattered, ep_scatter
+from optimized.kernels.slot_counts import (
     aligned_m_sum_exact,
     aligned_m_sum_upper_bound,
     count_expert_tokens,
-    ep_scatter,
 )
 from reference import formats
 from reference.layout import m_indices_from_expert_ends, permute_plan

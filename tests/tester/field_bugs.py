@@ -40,7 +40,7 @@ from moe_verify.spec import (
     Trace,
 )
 from optimized.backend import OptimizedBackend, Outputs
-from optimized.kernels import scatter
+from optimized.kernels import slot_counts
 from reference.formats import dequantize_fp8_blocks
 from tests.tester.recipe_backends import bf16_steps
 from tests.tester.wrong_backends import _with
@@ -283,7 +283,7 @@ class LocalCountBoundsIds(OptimizedBackend):
         sh = self.shard(problem, inputs, rank)
         ids = upstream["route"]["topk_ids"]
         bounded = torch.where((ids >= 0) & (ids < sh.num_local_experts), ids, -1)
-        out["counts"] = scatter.count_expert_tokens(
+        out["counts"] = slot_counts.count_expert_tokens(
             bounded, sh.num_local_experts, sh.expert_map, validate=self.validate
         )
         return out

@@ -23,7 +23,7 @@ from moe_verify.spec import MoEInputs, MoEProblem, Trace
 from optimized import OptimizedBackend
 from optimized.backend import Outputs
 from optimized.deepgemm import choose_grouped_layout
-from optimized.kernels import scatter
+from optimized.kernels import scatter, slot_counts
 from optimized.topology import Shard
 
 
@@ -119,7 +119,7 @@ class ClampedStaleIds(OptimizedBackend):
             table = torch.arange(sh.num_local_experts, dtype=torch.int32, device=ids.device)
         mapped = table.long()[ids.clamp(0, table.numel() - 1)]  # the bug: clamp, not skip
         local = torch.where(ids >= 0, mapped, -1).to(torch.int32)
-        counts = scatter.count_expert_tokens(local, sh.num_local_experts, validate=False)
+        counts = slot_counts.count_expert_tokens(local, sh.num_local_experts, validate=False)
         return _scatter(self, problem, upstream, sh, local, counts, None)
 
 

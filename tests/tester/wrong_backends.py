@@ -26,7 +26,7 @@ import torch
 from moe_verify.inputs import make_inputs
 from moe_verify.spec import FP8_MAX, STAGES, MoEInputs, MoEProblem, Trace
 from optimized.backend import OptimizedBackend
-from optimized.kernels import scatter
+from optimized.kernels import slot_counts
 from reference.topology import placement
 
 Outputs = dict[str, object]
@@ -136,7 +136,7 @@ class MSumOneBlockShort(OptimizedBackend):
 
     def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         out = super().align(p, x, up, rank)
-        out["M_sum"] = scatter.aligned_m_sum_exact(out["counts"], out["alignment"])
+        out["M_sum"] = slot_counts.aligned_m_sum_exact(out["counts"], out["alignment"])
         out["M_sum"] -= out["alignment"]
         return out
 
@@ -187,7 +187,7 @@ class ExpertMapIgnoredOnRank1(OptimizedBackend):
         if rank == 1:
             ids = up["route"]["topk_ids"]
             local = len(out["counts"])
-            out["counts"] = scatter.count_expert_tokens(ids, local, None, validate=False)
+            out["counts"] = slot_counts.count_expert_tokens(ids, local, None, validate=False)
         return out
 
 
