@@ -1,0 +1,60 @@
+"""Test-the-tester on SGLang: each wrong variant of SGLang's installed kernels (wrong_sglang.py)
+must fail verification in isolated mode, at the stage its bug lives in and nowhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from moe_verify.adapters.sglang import SglangBackend
+from moe_verify.spec import STAGES, MoEProblem, ScaleFmt
+from moe_verify.verification import verify
+from tests.adapters import wrong_sglang as wrong
+
+pytestmark = pytest.mark.sglang
+
+# 12 tokens, top-2 of 8 experts: every segment has padding rows after its live ones.
+BASE = MoEProblem(
+    tokens=12, hidden=384, intermediate=256, num_experts=8, topk=2,
+    scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Expect:
+    variant: type[SglangBackend]
+    problem: MoEProblem
+    stage: str
+
+    @property
+    def id(self) -> str:
+        return self.variant.__name__
+
+
+CASES: list[Expect] = [
+    Expect(wrong.CountsMissLastSlot, BASE, "align"),  # softmax routing: the last slot is live
+    Expect(wrong.PaddingRowsClaimed, BASE, "permute"),  # padding m_indices hold the expert
+    Expect(wrong.GatherWeightsReversed, BASE, "gather"),  # top-2 weights differ within a token
+    Expect(wrong.GatherScaledTwice, BASE, "gather"),
+]
+
+
+def _overridden(variant: type[SglangBackend]) -> list[str]:
+    return [s for s in STAGES if s in vars(variant)]
+
+
+def test_every_variant_has_a_case() -> None:
+    assert {e.variant for e in CASES} == set(wrong.WRONG_VARIANTS)
+
+
+@pytest.mark.parametrize("expect", CASES, ids=lambda e: e.id)
+def test_wrong_variant_fails_at_its_stage(expect: Expect, record_report) -> None:
+    assert _overridden(expect.variant) == [expect.stage]
+    report = record_report(verify(expect.problem, backend=expect.variant(), mode="isolated"))
+    assert not report.passed, f"{expect.id} passed verification: {report.summary_line()}"
+    culprit = report.first_failing_result
+    assert culprit is not None and report.first_failure == expect.stage, report.summary_line()
+    assert culprit.status == "fail", f"{expect.id}: {culprit.label} raised: {culprit.reason}"
+    failing = {r.stage for r in report.isolated or [] if r.status.failing}
+    assert failing == {expect.stage}, f"isolated mode must blame {expect.stage} alone: {failing}"

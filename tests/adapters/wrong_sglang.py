@@ -1,0 +1,91 @@
+"""Wrong variants of SGLang's installed kernels, built at run time (test-the-tester on SGLang).
+
+Each variant is the adapter with one SGLang function wrapped: the wrapper perturbs what the
+function receives or returns as its bug would, never copying SGLang's source, and overrides only
+the stage its bug lives in, so isolated mode must blame that stage alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+from unittest import mock
+
+import torch
+
+from moe_verify.adapters.sglang import SglangBackend
+from moe_verify.spec import MoEInputs, MoEProblem, Trace
+
+Outputs = dict[str, object]
+
+
+class CountsMissLastSlot(SglangBackend):
+    """align: fused_moe_dispatch_index drops the last slot of the flat id list (a `< num_toks - 1`
+    bound): its expert's count is one short."""
+
+    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        ep = self.sglang.ep
+        count = ep.fused_moe_dispatch_index
+
+        @functools.wraps(count)
+        def short(topk_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            ids = topk_ids.clone()
+            ids.view(-1)[-1] = -1
+            return count(ids, *args, **kwargs)
+
+        with mock.patch.object(ep, "fused_moe_dispatch_index", short):
+            return super().align(p, x, up, rank)
+
+
+class PaddingRowsClaimed(SglangBackend):
+    """permute: pad_expert_counts hands ep_scatter the padded counts as the valid ones, so every
+    padding row of a segment is marked with its expert in m_indices instead of -1."""
+
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        ep = self.sglang.ep
+        scatter = ep.ep_scatter
+
+        @functools.wraps(scatter)
+        def claimed(x_, s_, ids, padded, valid, *rest: Any, **kwargs: Any) -> None:
+            return scatter(x_, s_, ids, padded, padded, *rest, **kwargs)
+
+        with mock.patch.object(ep, "ep_scatter", claimed):
+            return super().permute(p, x, up, rank)
+
+
+class GatherWeightsReversed(SglangBackend):
+    """gather: post_reorder_deepgemm reads each token's topk weights in reverse k order."""
+
+    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        ep = self.sglang.ep
+        reorder = ep.post_reorder_deepgemm
+
+        @functools.wraps(reorder)
+        def reversed_weights(down, out, src2dst, ids, weights, *rest: Any, **kw: Any) -> None:
+            return reorder(down, out, src2dst, ids, weights.flip(1).contiguous(), *rest, **kw)
+
+        with mock.patch.object(ep, "post_reorder_deepgemm", reversed_weights):
+            return super().gather(p, x, up, rank)
+
+
+class GatherScaledTwice(SglangBackend):
+    """gather: routed_scaling_factor applied as 2.0 where the model has none (1.0)."""
+
+    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        ep = self.sglang.ep
+        reorder = ep.post_reorder_deepgemm
+
+        @functools.wraps(reorder)
+        def doubled(*args: Any) -> None:
+            return reorder(*args[:-1], 2.0)
+
+        with mock.patch.object(ep, "post_reorder_deepgemm", doubled):
+            return super().gather(p, x, up, rank)
+
+
+WRONG_VARIANTS: tuple[type[SglangBackend], ...] = (
+    CountsMissLastSlot,
+    PaddingRowsClaimed,
+    GatherWeightsReversed,
+    GatherScaledTwice,
+)
