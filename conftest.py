@@ -84,13 +84,6 @@ def _sglang_availability() -> tuple[bool, str]:
     return availability()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # until pyproject's marker list names it
-    config.addinivalue_line(
-        "markers", "sglang: verifies SGLang's installed kernels through moe_verify.adapters.sglang"
-    )
-
-
 def _describe(major: int | None) -> str:
     return "no GPU" if major is None else f"compute capability {major}.x"
 

@@ -69,7 +69,12 @@ from optimized.triton_compat import interpreter_mode
 
 # The DeepGEMM MoE path moved to fused_moe/experts/deep_gemm_moe.py in 0.20; 0.32 is tested.
 MIN_VERSION = (0, 20)
-TESTED_VERSION = (0, 32)
+# The releases the adapter was tested on. 0.33's DeepGEMM MoE kernels are 0.32's: its
+# fused_moe/deep_gemm_utils.py and quantization/utils/fp8_utils.py are byte-identical, and
+# count_expert_num_tokens and DeepGemmExperts (its _act_mul_quant included) are unchanged (0.33
+# changed only the FP4 experts' layout on SM100, which this adapter does not run, and added an
+# optional ExpertTokensMetadata.rank_expert_offset).
+TESTED_RELEASES = ((0, 32), (0, 33))
 # Set to 1 to run a release newer than the tested one (e.g. your checkout of vLLM main).
 UNTESTED_ENV = "MOE_VERIFY_VLLM_UNTESTED"
 # DeepGEMM 2.6's get_mk_alignment_for_contiguous_layout(): BLOCK_M of the contiguous layout, and
@@ -156,21 +161,21 @@ def release(version: str) -> tuple[int, int]:
 def check_version(version: str) -> bool:
     """Refuse releases whose layout the adapter does not know; True for the tested release."""
     rel = release(version)
-    tested = ".".join(map(str, TESTED_VERSION))
+    tested = " and ".join(".".join(map(str, r)) for r in TESTED_RELEASES)
     if rel < MIN_VERSION:
         raise VllmUnavailable(
             f"vLLM {version} is too old: releases before 0.20 keep the DeepGEMM MoE path in "
             "fused_moe/deep_gemm_moe.py, and this adapter knows the 0.20+ layout "
             f"(fused_moe/experts/deep_gemm_moe.py; tested on {tested})"
         )
-    if rel > TESTED_VERSION and os.environ.get(UNTESTED_ENV, "0") in ("", "0"):
+    if rel > max(TESTED_RELEASES) and os.environ.get(UNTESTED_ENV, "0") in ("", "0"):
         raise VllmUnavailable(
-            f"vLLM {version} is newer than {tested}, the release this adapter was tested on; its "
+            f"vLLM {version} is newer than {tested}, the releases this adapter was tested on; its "
             f"kernels may have changed their contract. Set {UNTESTED_ENV}=1 to run it anyway "
             "(recipes are then not declared but matched, and a kernel whose signature lacks what "
             "a stage passes is refused by that stage)"
         )
-    return rel == TESTED_VERSION
+    return rel in TESTED_RELEASES
 
 
 def _enable_triton_for_the_interpreter() -> str | None:
@@ -226,7 +231,7 @@ def load() -> VllmKernels:
         if missing:
             raise VllmUnavailable(
                 f"vLLM {version}: {name} lacks {', '.join(missing)}; the adapter knows the 0.20+ "
-                f"layout, tested on {'.'.join(map(str, TESTED_VERSION))}"
+                f"layout, tested on {' and '.join('.'.join(map(str, r)) for r in TESTED_RELEASES)}"
             )
         modules[attr] = module
     if not hasattr(modules["experts"].DeepGemmExperts, "_act_mul_quant"):
