@@ -8,6 +8,7 @@ skip carries its reason.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
@@ -52,14 +53,11 @@ def _gate_reason(item: pytest.Item, config: pytest.Config) -> str | None:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < 2:
             return f"needs >= 2 GPUs; this machine has {n}"
-    if item.get_closest_marker("vllm"):
-        usable, why = _vllm_availability()
-        if not usable:
-            return f"needs vLLM's kernels (the -m vllm tier, .ci/run step 2): {why}"
-    if item.get_closest_marker("sglang"):
-        usable, why = _sglang_availability()
-        if not usable:
-            return f"needs SGLang's kernels (the -m sglang tier): {why}"
+    for marker, engine in ENGINE_TIERS.items():
+        if item.get_closest_marker(marker):
+            usable, why = _engine_availability(marker)
+            if not usable:
+                return f"needs {engine}'s kernels (the -m {marker} tier, .ci/run): {why}"
     if item.get_closest_marker("slow") and not config.getoption("--run-slow"):
         return "slow test: pass --run-slow to run it"
     if item.get_closest_marker("bench") and not config.getoption("--run-bench"):
@@ -67,21 +65,17 @@ def _gate_reason(item: pytest.Item, config: pytest.Config) -> str | None:
     return None
 
 
-@functools.cache
-def _vllm_availability() -> tuple[bool, str]:
-    """Whether the vLLM adapter loads here (imports vLLM once per session, only when a vllm test
-    was collected)."""
-    from moe_verify.adapters.vllm import availability
-
-    return availability()
+# Engine markers -> the engine whose installed kernels their tests verify through
+# moe_verify.adapters.<marker> (each adapter's availability() says whether it loads here).
+ENGINE_TIERS = {"vllm": "vLLM", "sglang": "SGLang", "lmdeploy": "LMDeploy"}
 
 
 @functools.cache
-def _sglang_availability() -> tuple[bool, str]:
-    """Whether the SGLang adapter loads here (only when an sglang test was collected)."""
-    from moe_verify.adapters.sglang import availability
-
-    return availability()
+def _engine_availability(marker: str) -> tuple[bool, str]:
+    """Whether the adapter of `marker` loads here (imports the engine once per session, only when
+    one of its tests was collected)."""
+    adapter = importlib.import_module(f"moe_verify.adapters.{marker}")
+    return adapter.availability()
 
 
 def _describe(major: int | None) -> str:

@@ -20,6 +20,8 @@ Ip a multiple of 512 (the quantizer's unmasked branch under the interpreter), A 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from moe_verify.spec import MoEProblem, Routing, ScaleFmt, Topology
@@ -61,6 +63,9 @@ def expected(problem: MoEProblem) -> dict[str, str]:
         "act_quant": "pass" if f32 else "fail",
         "gemm2": "pass",
         "gather": "fail",
+        # the ranks' sum is compared with isolated gathers on both sides: bf16 vs fp32 sums of
+        # the same rows stay within reduce's bound
+        **({"reduce": "pass"} if problem.topology.size > 1 else {}),
     }
 
 
@@ -79,4 +84,5 @@ def test_lmdeploy_stage_verdicts(problem: MoEProblem, lmdeploy_backend, record_r
         got.setdefault(r.stage, set()).add(str(r.status))
     verdict = {s: ("fail" if "fail" in v else next(iter(v))) for s, v in got.items()}
     assert verdict == expected(problem), "\n".join(report.failure_messages())
-    assert "stage gather, check ulp" in "\n".join(report.failure_messages())  # bf16 accumulation
+    text = "\n".join(report.failure_messages())
+    assert re.search(r"stage gather(@r\d+)?, check ulp", text), text  # bf16 accumulation
