@@ -42,9 +42,7 @@ from moe_verify.device import default_device
 from moe_verify.inputs import make_inputs
 from moe_verify.production_report import DecodeBench, Environment, ProductionBench, VerificationRow
 from moe_verify.production_targets import (
-    BATCHED_STAGES,
     CALLS_PER_GRAPH,
-    CONTIGUOUS_STAGES,
     CPU_TIMING,
     DECODE_TOKENS,
     FLOORED_STAGES,
@@ -76,6 +74,7 @@ from optimized.production import (
     ForwardConfig,
     RankWeights,
     Taps,
+    forward_stages,
     prepare_rank_weights,
     rank_inputs,
     workspace_bytes,
@@ -249,7 +248,7 @@ def _measure(
     rows = []
     floor_total = 0.0
     gemms_alone: float | None = 0.0
-    for stage in BATCHED_STAGES if cfg.layout == BATCHED else CONTIGUOUS_STAGES:
+    for stage in forward_stages(problem):
 
         def call(stage: Stage = stage) -> None:
             with runner.production(cfg, weights, buffers):

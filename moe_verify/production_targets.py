@@ -107,13 +107,6 @@ TARGETS = (GEMM_VS_DEEPGEMM, MEMORY_BANDWIDTH, FORWARD_VS_FLOOR, DECODE_VS_GEMMS
 MEMORY_STAGES = (Stage.QUANT_INPUT, Stage.PERMUTE, Stage.ACT_QUANT, Stage.GATHER)
 FLOORED_STAGES = (*MEMORY_STAGES, Stage.DISPATCH)
 GEMM_STAGES = (Stage.GEMM1, Stage.GEMM2)
-CONTIGUOUS_STAGES = (
-    Stage.QUANT_INPUT, Stage.ALIGN, Stage.PERMUTE, Stage.GEMM1, Stage.ACT_QUANT, Stage.GEMM2,
-    Stage.GATHER,
-)  # fmt: skip
-BATCHED_STAGES = (
-    Stage.QUANT_INPUT, Stage.DISPATCH, Stage.GEMM1, Stage.ACT_QUANT, Stage.GEMM2, Stage.GATHER,
-)  # fmt: skip
 NO_TARGET = {
     Stage.ALIGN: "a count over T*k ids: latency-bound bookkeeping, no byte target",
     Stage.DISPATCH: "stands in for DeepEP's low-latency dispatch (communication, not under test)",

@@ -332,6 +332,12 @@ def _stage(stage: str) -> Iterator[None]:
         _running.pop()
 
 
+def forward_stages(problem: MoEProblem) -> tuple[Stage, ...]:
+    """The stages a production forward runs, in order: the problem's, after the route (the
+    op's caller routes)."""
+    return tuple(stage for stage in problem.stages if stage is not Stage.ROUTE)
+
+
 def forward(
     backend: StageBackend,
     cfg: ForwardConfig,
@@ -355,9 +361,7 @@ def forward(
     up = Trace(backend.name, rank)
     up.add(Stage.ROUTE, {"topk_ids": topk_ids, "topk_weights": topk_weights})
     with backend.production(cfg, weights, CarvedBuffers(layout, workspace)):
-        for stage in problem.stages:
-            if stage is Stage.ROUTE:
-                continue
+        for stage in forward_stages(problem):
             with _stage(stage.value):
                 up.add(stage, backend.run_stage(stage, problem, inputs, up, rank))
     if taps is not None:

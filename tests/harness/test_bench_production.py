@@ -14,8 +14,6 @@ from moe_verify.cli import main
 from moe_verify.inputs import make_inputs
 from moe_verify.production_report import Environment, ProductionBench
 from moe_verify.production_targets import (
-    BATCHED_STAGES,
-    CONTIGUOUS_STAGES,
     CPU_TIMING,
     DECODE_VS_GEMMS,
     FORWARD_VS_FLOOR,
@@ -32,6 +30,7 @@ from moe_verify.production_targets import (
 from moe_verify.runner import production_backend
 from moe_verify.spec import MoEInputs, MoEProblem, Stage, Trace
 from optimized import OptimizedBackend, deepgemm
+from optimized.production import forward_stages
 from reference.moe import ReferenceBackend
 from reference.topology import placement
 
@@ -55,7 +54,7 @@ def test_tiny_problem_end_to_end_on_the_cpu() -> None:
     """One run checked whole (each interpreted forward costs a second): every stage timed, the
     floors it recorded, DeepGEMM's absence explained, verification apart, the markdown."""
     bench = bench_production(TINY, repeats=1)
-    stages = [s.value for s in CONTIGUOUS_STAGES]
+    stages = [s.value for s in forward_stages(TINY)]
     assert [r.stage for r in bench.stages] == stages
     assert all(r.median_us > 0 for r in bench.stages)
     assert bench.forward_us > 0 and bench.timing == CPU_TIMING
@@ -86,7 +85,7 @@ def test_tiny_problem_end_to_end_on_the_cpu() -> None:
 def test_traffic_counts_only_this_ranks_slots(topology: str) -> None:
     problem = TINY.replace(topology=topology)
     bench = bench_production(problem, rank=1, repeats=1, verification=False)
-    stages = BATCHED_STAGES if topology.endswith("ll") else CONTIGUOUS_STAGES
+    stages = forward_stages(problem)
     assert [r.stage for r in bench.stages] == [s.value for s in stages]
     # The golden's routing, counted here: slots on rank 1's experts (the LL capacity of 128
     # rows drops none of 16 slots).
