@@ -124,7 +124,8 @@ def add_backend_args(p: argparse.ArgumentParser, modes: bool = True) -> None:
     p.add_argument(
         "--backend",
         default="optimized",
-        help="optimized | golden | vllm (docs/vllm.md) | module:Class (your own Backend)",
+        help="optimized | golden | vllm (docs/vllm.md) | sglang (docs/sglang.md) | lmdeploy "
+        "(docs/implementations.md) | module:Class (your own Backend)",
     )
     p.add_argument(
         "--engine",

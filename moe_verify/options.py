@@ -30,7 +30,7 @@ from moe_verify.spec import Backend, Engine, GemmRecipe, Mode, check_bool, check
 from tolerance.invariance import INVARIANCES
 
 # The backends `--backend` names; anything else is 'module:Class' (moe_verify/runner.py).
-BACKEND_NAMES = ("optimized", "golden", "vllm", "sglang")
+BACKEND_NAMES = ("optimized", "golden", "vllm", "sglang", "lmdeploy")
 # How a case is started: "none" runs it here (every rank emulated in this process), "isolated"
 # in a sweep's worker process (moe_verify/sweep_worker.py), "torchrun" one process per rank.
 LAUNCHERS = ("none", "isolated", "torchrun")
