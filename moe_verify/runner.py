@@ -13,6 +13,7 @@ breadcrumb (the case and stage in flight), so an illegal memory access still say
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import traceback
@@ -52,6 +53,15 @@ GOLDEN_SIDE = "golden"
 SHORT_REASON = 120
 
 
+# Engines adapted in moe_verify/adapters/: name -> (module, backend class, its "cannot load here"
+# exception), each built with the engine its GEMM stages fall back to.
+ADAPTERS = {
+    "vllm": ("vllm", "VllmBackend", "VllmUnavailable"),
+    "sglang": ("sglang", "SglangBackend", "SglangUnavailable"),
+    "lmdeploy": ("lmdeploy", "LmdeployBackend", "LmdeployUnavailable"),
+}
+
+
 def resolve_backend(
     spec: str | type | Backend,
     engine: Engine | str = Engine.AUTO,
@@ -86,30 +96,14 @@ def resolve_backend(
 
         refuse()
         return ReferenceBackend()
-    if spec == "vllm":
-        from moe_verify.adapters.vllm import VllmBackend, VllmUnavailable
-
+    if spec in ADAPTERS:
         refuse()
+        module_name, class_name, unavailable = ADAPTERS[spec]
+        module = importlib.import_module(f"moe_verify.adapters.{module_name}")
         try:
-            return VllmBackend(engine=engine)
-        except VllmUnavailable as exc:
-            raise ValueError(f"backend 'vllm': {exc}") from exc
-    if spec == "lmdeploy":
-        from moe_verify.adapters.lmdeploy import LmdeployBackend, LmdeployUnavailable
-
-        refuse()
-        try:
-            return LmdeployBackend(engine=engine)
-        except LmdeployUnavailable as exc:
-            raise ValueError(f"backend 'lmdeploy': {exc}") from exc
-    if spec == "sglang":
-        from moe_verify.adapters.sglang import SglangBackend, SglangUnavailable
-
-        refuse()
-        try:
-            return SglangBackend(engine=engine)
-        except SglangUnavailable as exc:
-            raise ValueError(f"backend 'sglang': {exc}") from exc
+            return getattr(module, class_name)(engine=engine)
+        except getattr(module, unavailable) as exc:
+            raise ValueError(f"backend {spec!r}: {exc}") from exc
     cls = load_class(check_backend(spec), "backend") if isinstance(spec, str) else spec
     from optimized import OptimizedBackend
 
