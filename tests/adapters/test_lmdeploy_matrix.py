@@ -70,7 +70,7 @@ MATRIX = [
     case(F32, "tp:1", Routing.INVALID_SLOTS, tokens=8, experts=4),  # -1 slots, tokens with none
     case(CEIL, "tp:1", Routing.DUPLICATES, tokens=8, experts=4),  # one expert hit twice a token
     case(F32, "tp:1", Routing.ONE_EXPERT),  # one live slot a token, one segment: M_sum = 128
-    case(CEIL, "tp:1", Routing.SOFTMAX, tokens=3),  # T*k = 6 < E = 8: some experts empty
+    case(CEIL, "tp:1", Routing.SOFTMAX, tokens=1, experts=4),  # T*k = 2 < E = 4: two empty
 ]
 
 
