@@ -53,19 +53,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
-import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from types import ModuleType
 from typing import Any
 from unittest import mock
 
 import torch
 
+from moe_verify.adapters import common
+from moe_verify.adapters.common import AdaptedBackend, Operand
 from moe_verify.spec import (
     Engine,
     GroupedLayout,
@@ -79,8 +77,8 @@ from moe_verify.spec import (
     TopologyKind,
     Trace,
 )
-from optimized.backend import OptimizedBackend, Outputs
-from optimized.deepgemm import choose_engine, choose_grouped_layout
+from optimized.backend import Outputs
+from optimized.deepgemm import choose_grouped_layout
 from optimized.topology import hosted_experts
 
 TESTED_VERSION = "0.18.0"
@@ -129,22 +127,19 @@ class LmdeployKernels:
 
 
 def installed_version() -> str:
-    try:
-        return metadata.version("lmdeploy")
-    except metadata.PackageNotFoundError:
-        raise LmdeployUnavailable(
-            "LMDeploy is not installed; it pins torch<=2.12.1 and triton<=3.7.1, so install it "
-            "without its dependencies: pip install --no-deps lmdeploy==0.18.0 psutil pydantic "
-            "transformers (docs/implementations.md)"
-        ) from None
+    return common.installed_version(
+        ("lmdeploy",),
+        LmdeployUnavailable,
+        "LMDeploy is not installed; it pins torch<=2.12.1 and triton<=3.7.1, so install it "
+        "without its dependencies: pip install --no-deps lmdeploy==0.18.0 psutil pydantic "
+        "transformers (docs/implementations.md)",
+    )
 
 
 def check_version(version: str) -> None:
     """Accept the tested release only: the kernels' signatures and conventions are its."""
-    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
-    if m is None:
-        raise LmdeployUnavailable(f"cannot read LMDeploy's version {version!r}")
-    if m[0] != TESTED_VERSION:
+    rel = common.release(version, 3, "LMDeploy", LmdeployUnavailable)
+    if ".".join(map(str, rel)) != TESTED_VERSION:
         raise LmdeployUnavailable(
             f"LMDeploy {version} is not {TESTED_VERSION}, the release this adapter was built and "
             "tested on; fused_moe_v3_fp8's kernels and conventions (DeepEP's aligned counts, "
@@ -152,45 +147,20 @@ def check_version(version: str) -> None:
         )
 
 
-def _stub_package() -> str | None:
-    """Make `lmdeploy` a bare package object so its submodules import without running
-    lmdeploy/__init__.py (the serving stack and TurboMind)."""
-    present = sys.modules.get("lmdeploy")
-    if present is not None:
-        return None  # already imported (stubbed, or the real package): its submodules work
-    spec = importlib.util.find_spec("lmdeploy")
-    if spec is None or not spec.submodule_search_locations:
-        raise LmdeployUnavailable("the lmdeploy package cannot be found on sys.path")
-    package = ModuleType("lmdeploy")
-    package.__path__ = list(spec.submodule_search_locations)
-    package.__spec__ = spec
-    sys.modules["lmdeploy"] = package
-    return "lmdeploy/__init__.py not run: a bare package object stands for it"
-
-
-def _import(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the reason LMDeploy is unusable
-        raise LmdeployUnavailable(f"importing {name} failed: {type(exc).__name__}: {exc}") from exc
-
-
 @functools.cache
 def load() -> LmdeployKernels:
     """Check the installed LMDeploy, import its kernel modules without its package root."""
     version = installed_version()
     check_version(version)
-    switches = [s for s in (_stub_package(),) if s]
-    modules: dict[str, ModuleType] = {}
-    for attr, (name, names) in _MODULES.items():
-        module = _import(name)
-        missing = [n for n in names if not hasattr(module, n)]
-        if missing:
-            raise LmdeployUnavailable(f"LMDeploy {version}: {name} lacks {', '.join(missing)}")
-        modules[attr] = module
+    # lmdeploy/__init__.py imports the serving stack and TurboMind
+    stub = "lmdeploy/__init__.py not run: a bare package object stands for it"
+    switches = [s for s in (common.stub_package("lmdeploy", LmdeployUnavailable, stub),) if s]
+    modules = common.import_kernels(_MODULES, f"LMDeploy {version}", LmdeployUnavailable)
     deep_gemm = None
     if importlib.util.find_spec("deep_gemm") is not None:
-        deep_gemm = _import("lmdeploy.pytorch.third_party.deep_gemm")
+        deep_gemm = common.import_module(
+            "lmdeploy.pytorch.third_party.deep_gemm", LmdeployUnavailable
+        )
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         switches.append("kernels.cuda.utils.get_device_props answers an H200's (no CUDA)")
@@ -201,11 +171,7 @@ def load() -> LmdeployKernels:
 
 def availability() -> tuple[bool, str]:
     """(usable, why): whether the adapter can load the installed LMDeploy here."""
-    try:
-        v = load()
-    except LmdeployUnavailable as exc:
-        return False, str(exc)
-    return True, f"LMDeploy {v.version}" + (f" ({'; '.join(v.switches)})" if v.switches else "")
+    return common.availability(load, LmdeployUnavailable, "LMDeploy")
 
 
 def aligned_counts(counts: torch.Tensor, alignment: int) -> torch.Tensor:
@@ -232,21 +198,23 @@ def _interpreted_exp(x: Any) -> Any:
     return tl.math.exp(x)
 
 
-class LmdeployBackend(OptimizedBackend):
+class LmdeployBackend(AdaptedBackend):
     """LMDeploy's fused_moe_v3_fp8 path (fp8_block, SM90 scales) as a Backend; see the module
     docstring."""
 
-    name = "lmdeploy"
+    name = label = "lmdeploy"
+    gemm_wrapper = "lmdeploy.pytorch.third_party.deep_gemm"
 
     def __init__(self, engine: Engine | str = Engine.AUTO) -> None:
         self.lmd = load()
-        self._engine_note: str | None = None
-        if Engine(engine) is Engine.AUTO and self.lmd.deep_gemm is None:
-            engine = Engine.TRITON
-            self._engine_note = "no DeepGEMM for lmdeploy.pytorch.third_party.deep_gemm: Triton"
-        # LMDeploy sizes the permuted buffer from DeepEP's host counts (ep_fp8.py:159)
-        super().__init__(engine=engine, exact_m_sum=True)
-        self.name = f"lmdeploy-{self.lmd.version}"
+        super().__init__(
+            self.lmd.version,
+            engine,
+            wrapper_runs=self.lmd.deep_gemm is not None,
+            fallback="no DeepGEMM for lmdeploy.pytorch.third_party.deep_gemm: Triton",
+            # LMDeploy sizes the permuted buffer from DeepEP's host counts (ep_fp8.py:159)
+            exact_m_sum=True,
+        )
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -301,17 +269,6 @@ class LmdeployBackend(OptimizedBackend):
             mock.patch.object(self.lmd.activation, "fast_expf", _interpreted_exp),
         ):
             yield
-
-    def _buffer(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """The workspace `name` (verification with workspaces, production mode), else torch.empty
-        as LMDeploy allocates it."""
-        buf = self.workspaces.get(name, shape, dtype, device)
-        return torch.empty(shape, dtype=dtype, device=device) if buf is None else buf
-
-    def _kernel(self, what: str) -> str:
-        return f"lmdeploy {self.lmd.version}: {what}"
 
     def _tma_aligned(self, scale: torch.Tensor) -> torch.Tensor:
         """DeepGEMM's MN-major TMA-aligned scales, as fused_moe_v3_fp8 hands them to the GEMM."""
@@ -447,63 +404,19 @@ class LmdeployBackend(OptimizedBackend):
         self.lmd.ep.ep_gather(mm2, ids, route["topk_weights"], upstream["permute"]["inv_perm"], out)
         return {"out": self.workspaces.own(out), "kernel": self._kernel("ep_gather")}
 
-    # -- GEMMs: LMDeploy's DeepGEMM wrapper, or the suite's Triton engine ------------------------
+    # -- GEMMs: LMDeploy's DeepGEMM wrapper where DeepGEMM runs (common.AdaptedBackend) -------
 
-    def gemm1(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        if "dispatch" in upstream or not self._through_lmdeploy(problem, upstream):
-            return self._noted(super().gemm1(problem, inputs, upstream, rank))
-        perm = upstream["permute"]
-        mm1 = self._lmd_gemm(
-            problem, inputs, upstream, rank, "w13", perm["a_perm"], perm["a_scale_perm"]
-        )
-        return {"mm1": mm1, **self._lmd_gemm_record(problem, upstream)}
+    def _check_gemm(self, problem: MoEProblem) -> None:
+        self._require_layout(problem)
 
-    def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        if "dispatch" in upstream or not self._through_lmdeploy(problem, upstream):
-            return self._noted(super().gemm2(problem, inputs, upstream, rank))
-        act = upstream["act_quant"]
-        mm2 = self._lmd_gemm(problem, inputs, upstream, rank, "w2", act["a2q"], act["a2q_scale"])
-        return {"mm2": mm2, **self._lmd_gemm_record(problem, upstream)}
-
-    def _noted(self, outputs: Outputs) -> Outputs:
-        if self._engine_note:
-            outputs["engine_reason"] = self._engine_note
-        return outputs
-
-    def _through_lmdeploy(self, problem: MoEProblem, upstream: Trace) -> bool:
-        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
-        return choice.engine is Engine.DEEPGEMM and self.lmd.deep_gemm is not None
-
-    def _lmd_gemm_record(self, problem: MoEProblem, upstream: Trace) -> Outputs:
-        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
-        return {
-            "engine": Engine.DEEPGEMM,
-            "engine_reason": f"{choice.reason}; through lmdeploy.pytorch.third_party.deep_gemm",
-            "layout": GroupedLayout.M_INDICES.value,
-        }
-
-    def _lmd_gemm(
-        self,
-        problem: MoEProblem,
-        inputs: MoEInputs,
-        upstream: Trace,
-        rank: int,
-        which: str,
-        a: torch.Tensor,
-        a_scale: torch.Tensor,
-    ) -> torch.Tensor:
+    def _call_gemm(
+        self, problem: MoEProblem, upstream: Trace, a: Operand, b: Operand, out: torch.Tensor
+    ) -> None:
         """m_grouped_fp8_gemm_nt_contiguous as _deepgemm_grouped_fp8_nt_contiguous calls it
         (ep_fp8.py:143): activation scales MN-major TMA-aligned, LMDeploy's m_indices."""
-        self._require_layout(problem)
-        sh = self.shard(problem, inputs, rank)
-        w = sh.w13 if which == "w13" else sh.w2
-        w_scale = self._deepgemm_weight_scales(problem, inputs, rank, which, w)
-        out = torch.empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16, device=a.device)
-        if a.shape[0] == 0:
-            return out
         dg = self.lmd.deep_gemm
         assert dg is not None
+        a_q, a_scale = a
         dg.m_grouped_fp8_gemm_nt_contiguous(
-            (a, self._tma_aligned(a_scale)), (w.q, w_scale), out, upstream["permute"]["m_indices"]
+            (a_q, self._tma_aligned(a_scale)), b, out, upstream["permute"]["m_indices"]
         )
-        return out

