@@ -314,10 +314,11 @@ def _permute(v: _View, out: _Outputs) -> None:
     else:
         g = p.recipe.act_group
         out.tensor("a_scale_perm", torch.float32, (r, (f"H/{g}", p.hidden // g)))
-    # DeepGEMM reads both grouped layouts as contiguous int32 (validate_contiguous_call).
-    out.tensor("m_indices", torch.int32, (r,), strides=_Strides.CONTIGUOUS)
-    out.tensor("inv_perm", torch.int32, (v.tokens, v.k))
+    # DeepGEMM reads both grouped layouts as contiguous int32 (validate_contiguous_call). A
+    # kernel returns the layout it built: m_indices, or expert_ends alone for psum.
     psum = p.grouped_layout is GroupedLayout.PSUM or out.get("layout") == GroupedLayout.PSUM
+    out.tensor("m_indices", torch.int32, (r,), required=not psum, strides=_Strides.CONTIGUOUS)
+    out.tensor("inv_perm", torch.int32, (v.tokens, v.k))
     out.tensor(
         "expert_ends",
         torch.int32,

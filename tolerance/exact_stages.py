@@ -5,7 +5,7 @@ and bytes, and the padding contract). Each takes a comparison context and return
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, partial
 
 import torch
@@ -36,6 +36,7 @@ from tolerance.layouts import (
     layout_check,
     psum_row_experts,
     tested_layout,
+    tested_m_indices,
     unpack_ue8m0,
 )
 from tolerance.metrics import (
@@ -338,7 +339,8 @@ class PermuteRows:
 def permute_rows(ctx: Ctx) -> PermuteRows:
     """The tested permute's m_indices and the row each live slot maps to, read once for all the
     permute checks."""
-    g_m, o_m = (m.to(torch.int64) for m in ctx.pair(Stage.PERMUTE, "m_indices"))
+    g_m = tensor_of(ctx.golden, Stage.PERMUTE, "m_indices", ctx.device).to(torch.int64)
+    o_m, _ = tested_m_indices(ctx)
     s = live_slots(ctx.golden, ctx.other, ctx.device)
     rows, m_sum = s.other_rows, o_m.numel()
     in_range = (rows >= 0) & (rows < m_sum)
@@ -381,18 +383,49 @@ def _segment_ends(ctx: Ctx) -> torch.Tensor | None:
     return starts + (counts + align - 1) // align * align
 
 
+def _row_segments(ctx: Ctx, rows: int) -> tuple[torch.Tensor, int] | None:
+    """int64 [rows]: the golden segment each row lies in (local expert e for rows
+    [start_e, start_e + round_up(count_e, A)), E_l for the tail past the last segment), and E_l;
+    None for a layout without segments (the batched one, seen as contiguous)."""
+    ends = _segment_ends(ctx)
+    if ends is None:
+        return None
+    return torch.bucketize(torch.arange(rows, device=ctx.device), ends, right=True), ends.numel()
+
+
+def _segment_owned(
+    golden: torch.Tensor, other: torch.Tensor, segment: tuple[torch.Tensor, int] | None
+) -> torch.Tensor:
+    """bool [rows]: padding rows of a segment (golden -1) that the tested side marks with that
+    segment's expert. DeepGEMM reads a tile's expert from its first row and computes every row of
+    the tile (SM100; SM90 skips a 64-row slice only when its first row is -1), so a padding row
+    marked with its own segment's expert is computed and left unread, like a -1 row: a legitimate
+    convention (LMDeploy's `ep_scatter_fp8`; docs/stage-contract.md#permute-and-padding). The tail
+    past the last segment must still hold -1."""
+    if segment is None:
+        return torch.zeros_like(golden, dtype=torch.bool)
+    seg, experts = segment
+    return (golden == -1) & (seg < experts) & (other == seg)
+
+
+SEGMENT_OWNED_PADDING = "segment_owned_padding"
+
+
 def m_indices_check(ctx: Ctx) -> CheckResult:
-    """Per expert segment: its live rows hold the expert and its padding -1, and every row past
-    the last segment holds -1. Segments sit where the counts and A put them, so a tested M_sum
-    longer or shorter than the golden's compares only the rows it has beyond the segments."""
-    g_m, o_m = (m.to(torch.int64) for m in ctx.pair(Stage.PERMUTE, "m_indices"))
+    """Per expert segment: its live rows hold the expert and its padding -1 or the segment's own
+    expert, and every row past the last segment holds -1. Segments sit where the counts and A put
+    them, so a tested M_sum longer or shorter than the golden's compares only the rows it has
+    beyond the segments. A psum-only permute is read through its expert_ends."""
+    g_m = tensor_of(ctx.golden, Stage.PERMUTE, "m_indices", ctx.device).to(torch.int64)
+    o_m, source = tested_m_indices(ctx)
     rows = max(g_m.numel(), o_m.numel())
     g_full = torch.nn.functional.pad(g_m, (0, rows - g_m.numel()), value=-1)
     o_full = torch.nn.functional.pad(o_m, (0, rows - o_m.numel()), value=-1)
-    bad = g_full != o_full
-    sizes = f"{ctx.name} M_sum {o_m.numel()}, golden {g_m.numel()}"
-    ends = _segment_ends(ctx)
-    if ends is None:
+    segment = _row_segments(ctx, rows)
+    owned = _segment_owned(g_full, o_full, segment)
+    bad = (g_full != o_full) & ~owned
+    sizes = f"{ctx.name} M_sum {o_m.numel()}, golden {g_m.numel()}{source}"
+    if segment is None:
         mm = mismatch_of(bad)
         worst, note = None, ""
         if mm.first is not None:
@@ -402,23 +435,29 @@ def m_indices_check(ctx: Ctx) -> CheckResult:
         return exact_check(
             "m_indices", mm, f"rows' local experts differ ({sizes})", ctx.check.reason, worst, note
         )
-    # Segment of each row: expert e for rows [end_{e-1}, end_e) (empty ones hold no row), E_l
-    # for the tail past the last segment.
-    segment = torch.bucketize(torch.arange(rows, device=ctx.device), ends, right=True)
-    bad_segments = torch.unique(segment[bad])
+    seg, experts = segment
+    bad_segments = torch.unique(seg[bad])
     worst, note = None, ""
     if bad_segments.numel():
         r = int(torch.nonzero(bad)[0, 0])
-        e = int(segment[r])
-        where = f"local expert {e}'s segment" if e < ends.numel() else "the tail past the segments"
+        e = int(seg[r])
+        where = f"local expert {e}'s segment" if e < experts else "the tail past the segments"
         worst = Worst(rank=ctx.rank, golden=int(g_full[r]), other=int(o_full[r]), row=r)
         note = (
-            f"; first: {where}, {int((segment[bad] == e).sum())} rows differ, row {r}: golden "
+            f"; first: {where}, {int((seg[bad] == e).sum())} rows differ, row {r}: golden "
             f"{int(g_full[r])}, {ctx.name} {int(o_full[r])}"
         )
-    mm = Mismatch(bad_segments.numel(), ends.numel() + 1, None)
+    mm = Mismatch(bad_segments.numel(), experts + 1, None)
     what = f"expert segments (and the tail) hold other experts or padding ({sizes})"
-    return exact_check("m_indices", mm, what, ctx.check.reason, worst, note)
+    result = exact_check("m_indices", mm, what, ctx.check.reason, worst, note)
+    n_owned = int(owned.sum())
+    if not n_owned:
+        return result
+    return replace(
+        result,
+        detail=f"{result.detail}; {n_owned} padding rows hold their segment's expert",
+        recipe=SEGMENT_OWNED_PADDING,
+    )
 
 
 def expert_ends_check(ctx: Ctx) -> CheckResult:
@@ -433,14 +472,21 @@ def expert_ends_check(ctx: Ctx) -> CheckResult:
     )
 
 
-def layouts_agree_check(ctx: Ctx) -> CheckResult:
+def layouts_agree_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
     """The tested side's two grouped layouts are one plan: the rows its expert_ends give each
-    expert (DeepGEMM's psum reading) are exactly the rows its m_indices name."""
+    expert (DeepGEMM's psum reading) are exactly the rows its m_indices name, except padding rows
+    (claimed by no live slot) that m_indices marks with their segment's expert."""
     o_m = tensor_of(ctx.other, Stage.PERMUTE, "m_indices", ctx.device).to(torch.int64)
     ends = tensor_of(ctx.other, Stage.PERMUTE, "expert_ends", ctx.device)
     align = int_of(consumed(ctx), Stage.ALIGN, "alignment")
     from_ends = psum_row_experts(ends, o_m.numel(), align)
-    mm = mismatch_of(from_ends != o_m)
+    # A gap row marked with its own segment's expert is the index layout's padding convention
+    # (`_segment_owned`); the segments here are the tested side's own.
+    aligned = (ends.to(torch.int64) + align - 1) // align * align
+    rows = torch.arange(o_m.numel(), device=ctx.device)
+    segment = (torch.bucketize(rows, aligned.to(ctx.device), right=True), ends.numel())
+    owned = _segment_owned(from_ends, o_m, segment) & layout.padding
+    mm = mismatch_of((from_ends != o_m) & ~owned)
     worst, note = None, ""
     if mm.first is not None:
         (r,) = mm.first
@@ -531,35 +577,48 @@ def expert_rows_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
 
 
 def padding_m_indices_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
-    """Rows claimed by no live slot hold m_indices -1 (DeepGEMM skips those blocks)."""
-    o_m, pad = layout.m_indices[1], layout.padding
-    bad_pad = pad & (o_m != -1)
+    """Rows claimed by no live slot hold m_indices -1 (DeepGEMM skips a slice whose first row is
+    -1) or, inside an expert's segment, that segment's expert (`_segment_owned`)."""
+    (g_m, o_m), pad = layout.m_indices, layout.padding
+    rows = o_m.numel()
+    g_full = torch.nn.functional.pad(g_m[:rows], (0, rows - min(rows, g_m.numel())), value=-1)
+    owned = _segment_owned(g_full, o_m, _row_segments(ctx, rows))
+    bad_pad = pad & (o_m != -1) & ~owned
     worst, note = None, ""
     if bool(bad_pad.any()):
         r = int(torch.nonzero(bad_pad)[0, 0])
         worst = Worst(rank=ctx.rank, golden=-1, other=int(o_m[r]), row=r)
         note = f"; first: row {r} holds {int(o_m[r])}"
     mism = Mismatch(int(bad_pad.sum()), int(pad.sum()), None)
-    what = "padding rows (claimed by no live slot) do not hold -1"
+    what = "padding rows (claimed by no live slot) hold neither -1 nor their segment's expert"
     return exact_check("padding m_indices", mism, what, ctx.check.reason, worst, note)
 
 
-def padding_scales_check(ctx: Ctx, layout: PermuteRows, scales: PermutedScales) -> CheckResult:
-    """fp32 padding rows must be +0.0 (bitwise); packed padding bytes must not be 0xFF (NaN)."""
+def padding_scales_check(
+    ctx: Ctx, layout: PermuteRows, scales: PermutedScales
+) -> CheckResult | None:
+    """What DeepGEMM requires of the scales of rows claimed by no live slot, by format: packed
+    bytes must not be 0xFF (NaN to the kernel); fp32 scales rounded to UE8M0 must pass DeepGEMM's
+    packer assert, `(bits & 0x807FFFFF) == 0` (a power of two or +0.0), since its SM100 packer
+    reads every row and a violation traps the kernel (vLLM issue #49783). Plain fp32 scales reach
+    only SM90's 1D2D kernel, which scales each row by its own scale: None, nothing to check."""
     stored, pad, group = scales.stored, layout.padding, scales.group
     if stored.dtype == torch.int32:
         codes = unpack_ue8m0(stored, scales.groups)
         bad = pad[:, None] & (codes == _E8M0_NAN)
-        want, what = None, "padding-row packed bytes are 0xFF (NaN to the kernel)"
+        what = "padding-row packed bytes are 0xFF (NaN to the kernel)"
+    elif ctx.problem.scale_fmt.is_ue8m0:
+        codes = bits(stored.to(torch.float32)).to(torch.int64) & 0xFFFFFFFF
+        bad = pad[:, None] & ((codes & 0x807FFFFF) != 0)
+        what = "padding-row fp32 scales are not a power of two or +0.0 (DeepGEMM's packer traps)"
     else:
-        codes = bits(stored.to(torch.float32)).to(torch.int64)
-        bad = pad[:, None] & (codes != 0)
-        want, what = 0.0, "padding-row fp32 scales are not +0.0"
+        return None
     mism = mismatch_of(bad)
     worst, note = None, ""
     if mism.first is not None:
         r, c = mism.first
         other = int(codes[r, c]) if stored.dtype == torch.int32 else float(stored[r, c])
+        want = None if stored.dtype == torch.int32 else 0.0
         worst = Worst(rank=ctx.rank, column=c * group, golden=want, other=other, row=r)
         note = f"; first: row {r}, group {c} holds {other}"
     return exact_check("padding scales", mism, what, ctx.check.reason, worst, note)
@@ -569,17 +628,20 @@ def permute_checks(ctx: Ctx) -> list[CheckResult]:
     """permute (and dispatch, seen as a contiguous layout): m_indices per segment, segment
     starts and psum ends exactly, both layouts one plan, each live slot's row, bytes, scales and
     segment, and the padding contract of the layout the backend's GEMMs read: with m_indices
-    every padding scale is checked (DeepGEMM's SM100 packer reads every row); with psum the gap
+    the padding scales DeepGEMM's SM100 packer reads (`padding_scales_check`); with psum the gap
     and tail rows are skipped by every consumer, so their scales are unspecified."""
     out = [m_indices_check(ctx)]
     # optional on the tested side (docs/stage-contract.md: checked when present)
     if "expert_start" in ctx.golden[Stage.PERMUTE] and "expert_start" in ctx.other[Stage.PERMUTE]:
         out.append(expert_start_check(ctx))
-    if "expert_ends" in ctx.golden[Stage.PERMUTE]:
-        out += [expert_ends_check(ctx), layouts_agree_check(ctx)]
+    layout = permute_rows(ctx)
+    tested = ctx.other[Stage.PERMUTE]
+    if "expert_ends" in ctx.golden[Stage.PERMUTE] and "expert_ends" in tested:
+        out.append(expert_ends_check(ctx))
+        if "m_indices" in tested:
+            out.append(layouts_agree_check(ctx, layout))
     forced = layout_check(ctx, Stage.PERMUTE)
     out += [] if forced is None else [forced]
-    layout = permute_rows(ctx)
     out += [inv_perm_check(ctx, layout), a_perm_check(ctx, layout)]
     scales = permuted_scales(ctx, layout)  # or the failed shape check, reported in its place
     if isinstance(scales, CheckResult):
@@ -589,9 +651,10 @@ def permute_checks(ctx: Ctx) -> list[CheckResult]:
         expert_rows_check(ctx, layout),
         padding_m_indices_check(ctx, layout),
     ]
-    if tested_layout(ctx, Stage.PERMUTE) is GroupedLayout.PSUM:
+    padding = padding_scales_check(ctx, layout, scales)
+    if tested_layout(ctx, Stage.PERMUTE) is GroupedLayout.PSUM or padding is None:
         return out
-    return [*out, padding_scales_check(ctx, layout, scales)]
+    return [*out, padding]
 
 
 def _slot_rows_check(

@@ -104,6 +104,22 @@ def psum_row_experts(expert_ends: torch.Tensor, rows: int, alignment: int) -> to
     return out
 
 
+def tested_m_indices(ctx: Ctx) -> tuple[torch.Tensor, str]:
+    """int64 [M_sum]: the tested permute's rows read per row, and where that came from. A kernel
+    returns the grouped layout it built: its `m_indices`, or, for the psum layout alone, its
+    `expert_ends`, read here as DeepGEMM reads them (gap and tail rows -1). The reading is the
+    comparison's, never the adapter's: a backend does not derive the layout it did not build."""
+    perm = ctx.other[Stage.PERMUTE]
+    if "m_indices" in perm:
+        return entry(ctx.other, Stage.PERMUTE, "m_indices").to(ctx.device, torch.int64), ""
+    ends = perm.get("expert_ends")
+    if not isinstance(ends, torch.Tensor):
+        raise ContractError(f"{ctx.name} permute returns neither m_indices nor expert_ends")
+    rows = entry(ctx.other, Stage.PERMUTE, "a_perm").shape[0]
+    align = int_of(consumed(ctx), Stage.ALIGN, "alignment")
+    return psum_row_experts(ends.to(ctx.device), rows, align), " (read from its psum expert_ends)"
+
+
 def consumed(ctx: Ctx) -> Trace:
     """The trace whose upstream stages the tested stage read: its own when chained, the
     golden's in isolated mode."""

@@ -211,16 +211,19 @@ def test_forced_layout_must_be_the_one_reported(golden: Trace, other: Trace) -> 
 
 
 def _garbage_padding_scales(trace: Trace) -> int:
-    """Write a value no padding contract allows (fp32 1.0, or a 0xFF byte) into a padding row."""
+    """Write a value no padding contract allows (fp32 0.3, not a power of two, or a 0xFF byte)
+    into a padding row."""
     row = int(torch.nonzero(trace["permute"]["m_indices"] == -1)[0, 0])
     scale = trace["permute"]["a_scale_perm"]
-    scale[row, 0] = 0xFF if scale.dtype == torch.int32 else 1.0
+    scale[row, 0] = 0xFF if scale.dtype == torch.int32 else 0.3
     return row
 
 
-def test_padding_scales_are_checked_under_m_indices(
-    golden: Trace, other: Trace, problem: MoEProblem
-) -> None:
+def test_padding_scales_are_checked_under_m_indices(problem: MoEProblem) -> None:
+    if problem.scale_fmt == "float32":  # plain fp32 padding scales are unspecified
+        problem = problem.replace(scale_fmt="float32_ceil_ue8m0")  # the packer's powers of two
+    golden = build_golden(problem)
+    other = clone_trace(golden)
     row = _garbage_padding_scales(other)
     other["permute"]["layout"] = "m_indices"
     check = _failed(_stage(golden, other, problem, "permute"))["padding scales"]
@@ -313,3 +316,64 @@ def test_act_quant_scales_that_are_not_rows_fail_their_shape_check(
     other["act_quant"]["a2q_scale"] = scale.reshape(-1).contiguous()
     check = _failed(_stage(golden, other, problem, "act_quant"))["a2q_scale shape"]
     assert f"{tuple(other['act_quant']['a2q_scale'].shape)}" in check.detail
+
+
+# -- how padding rows are marked ------------------------------------------------------------------
+
+
+def _segment_experts(trace: Trace) -> torch.Tensor:
+    """int64 [M_sum]: the local expert whose aligned segment holds each row, -1 past the last."""
+    counts = trace["align"]["counts"].to(torch.int64)
+    padded = (counts + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    out = torch.full((trace["permute"]["m_indices"].numel(),), -1, dtype=torch.int64)
+    out[: int(padded.sum())] = torch.repeat_interleave(torch.arange(counts.numel()), padded)
+    return out
+
+
+def test_padding_rows_may_hold_their_segments_expert(
+    golden: Trace, other: Trace, problem: MoEProblem
+) -> None:
+    # LMDeploy's ep_scatter_fp8 marks a whole aligned segment with its expert; DeepGEMM reads a
+    # tile's expert from its first row and computes every row of it, so the padding is unread.
+    segment = _segment_experts(golden)
+    m = other["permute"]["m_indices"]
+    owned = (m == -1) & (segment >= 0)
+    assert bool(owned.any())
+    m[owned] = segment[owned].to(m.dtype)
+    result = _stage(golden, other, problem, "permute")
+    assert result.status == Status.PASS, result.failed_checks
+    assert result.recipe == "segment_owned_padding"
+
+
+def test_padding_rows_holding_another_expert_fail(
+    golden: Trace, other: Trace, problem: MoEProblem
+) -> None:
+    segment = _segment_experts(golden)
+    m = other["permute"]["m_indices"]
+    owned = (m == -1) & (segment >= 0)
+    m[owned] = ((segment[owned] + 1) % problem.num_experts).to(m.dtype)  # the neighbour's
+    failed = _failed(_stage(golden, other, problem, "permute"))
+    assert {"m_indices", "padding m_indices"} <= set(failed)
+
+
+def test_tail_rows_must_hold_minus_one(golden: Trace, other: Trace, problem: MoEProblem) -> None:
+    _resize_permute(other, BOUND)  # a tail of BOUND - EXACT rows past the last segment
+    other["permute"]["m_indices"][EXACT:] = 2  # the last live expert's id, past its segment
+    failed = _failed(_stage(golden, other, problem, "permute"))
+    assert {"m_indices", "padding m_indices"} <= set(failed)
+    assert "tail" in failed["m_indices"].detail
+
+
+def test_psum_only_permute_is_read_through_its_expert_ends(
+    golden: Trace, other: Trace, problem: MoEProblem
+) -> None:
+    # A psum kernel (vLLM's deepgemm_moe_permute(use_psum_layout=True)) builds no m_indices.
+    del other["permute"]["m_indices"]
+    other["permute"]["layout"] = "psum"
+    result = _stage(golden, other, problem, "permute")
+    assert result.status == Status.PASS, result.failed_checks
+    checks = {c.name: c for c in result.checks}
+    assert "read from its psum expert_ends" in checks["m_indices"].detail
+    other["permute"]["expert_ends"][1] -= 1  # expert 1's last live row falls into its gap
+    failed = _failed(_stage(golden, other, problem, "permute"))
+    assert set(failed) == {"m_indices", "expert_ends", "expert rows"}, failed
