@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_verify.cli import main
+from moe_verify.examples import accumulators
 from moe_verify.inputs import make_inputs
 from moe_verify.poison import (
     FP8_MAX_CODE,
@@ -224,7 +225,7 @@ class BatchedPaddingBleeds(OptimizedBackend):
             if 0 < live < mm1.shape[1]:
                 rows = slice(live, mm1.shape[1])
                 a, s = d["a_batched"][e, rows], d["a_scale_batched"][e, rows]
-                bleed = (fb.accumulators(a, s, weights[e], p.recipe.act_group) * 0.0).sum(dim=0)
+                bleed = (accumulators(a, s, weights[e], p.recipe.act_group) * 0.0).sum(dim=0)
                 mm1[e, :live] = (mm1[e, :live].float() + bleed).to(torch.bfloat16)
         out["mm1"] = mm1
         return out

@@ -7,7 +7,8 @@ inside the op. Eager, host-validated verification (`moe-verify run`) calls a bac
 on fresh tensors and cannot see these: `moe-verify graph` must, and the docstring of each names
 the stage or guard of moe_verify/graph.py that catches it.
 
-State a wrong backend keeps across calls lives per rank, keyed by the rank's w13 tensor (as a
+StaleCounts lives in moe_verify/examples/stale_counts.py (the README's demo of `graph`). State a
+wrong backend keeps across calls lives per rank, keyed by the rank's w13 tensor (as a
 layer's persistent buffer lives on the layer), never by address: a later test's tensors may
 reuse an address.
 """
@@ -19,80 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from moe_verify.examples import StaleCounts, scatter_with
 from moe_verify.spec import MoEInputs, MoEProblem, Trace
 from optimized import OptimizedBackend
 from optimized.backend import Outputs
-from optimized.deepgemm import choose_grouped_layout
-from optimized.kernels import scatter, slot_counts
-from optimized.topology import Shard
-
-
-def _scatter(
-    backend: OptimizedBackend,
-    problem: MoEProblem,
-    upstream: Trace,
-    sh: Shard,
-    ids: torch.Tensor,
-    counts: torch.Tensor,
-    expert_map: torch.Tensor | None,
-) -> Outputs:
-    """The permute stage's outputs under the contract's names (as OptimizedBackend.permute),
-    scattered with the given ids, counts and map."""
-    q, align = upstream["quant_input"], upstream["align"]
-    a1q, m_sum = q["a1q"], align["M_sum"]
-    out = scatter.ep_scatter(
-        a1q,
-        q["a1q_scale"],
-        ids,
-        counts,
-        sh.num_local_experts,
-        align["alignment"],
-        m_sum,
-        expert_map,
-        validate=backend.validate,
-        a_perm_out=backend.workspaces.get("a_perm", (m_sum, a1q.shape[1]), a1q.dtype, a1q.device),
-    )
-    return {
-        "a_perm": backend.workspaces.own(out.a_perm),
-        "a_scale_perm": out.a_scale_perm,
-        "m_indices": out.m_indices,
-        "expert_ends": out.expert_ends,
-        "inv_perm": out.inv_perm,
-        "expert_start": out.expert_start,
-        "layout": choose_grouped_layout(problem).layout.value,
-    }
-
-
-class StaleCounts(OptimizedBackend):
-    """permute: lays the expert segments out with the per-expert counts of the PREVIOUS call.
-
-    A stale-metadata bug: a kernel keeps the counts in a persistent buffer and refreshes it after
-    the scatter instead of before (or a graph captured the buffer of an earlier call), so each
-    call reads the last call's counts. The first call uses its own counts; a replay with the
-    counts of the call before it (the capture replays the warm-up's inputs) is right, any replay
-    whose counts changed is not. Caught at `permute` (expert_start / expert_ends / m_indices and
-    inv_perm disagree with the golden's plan). Stays in bounds: the stale counts sum to at most
-    T*k, so their segments fit the M_sum bound, and the scatter drops claims past a segment.
-    """
-
-    name = "stale_counts"
-
-    def __init__(self, **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
-        self._previous: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-    def permute(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
-        sh = self.shard(problem, inputs, rank)
-        counts = upstream["align"]["counts"]
-        if sh.w13.q not in self._previous:
-            self._previous[sh.w13.q] = counts.clone()  # the first call has no earlier counts
-        stale = self._previous[sh.w13.q]
-        ids = upstream["route"]["topk_ids"]
-        out = _scatter(self, problem, upstream, sh, ids, stale, sh.expert_map)
-        stale.copy_(counts)  # the bug: refreshed after the scatter read it
-        return out
+from optimized.kernels import slot_counts
 
 
 class ClampedStaleIds(OptimizedBackend):
@@ -120,7 +52,7 @@ class ClampedStaleIds(OptimizedBackend):
         mapped = table.long()[ids.clamp(0, table.numel() - 1)]  # the bug: clamp, not skip
         local = torch.where(ids >= 0, mapped, -1).to(torch.int32)
         counts = slot_counts.count_expert_tokens(local, sh.num_local_experts, validate=False)
-        return _scatter(self, problem, upstream, sh, local, counts, None)
+        return scatter_with(self, problem, upstream, sh, local, counts, None)
 
 
 class CachedOutput(OptimizedBackend):

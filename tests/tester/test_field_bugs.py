@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from moe_verify.examples import accumulators
 from moe_verify.graph import default_replays, verify_graph
 from moe_verify.inputs import TINY_AMAX, make_inputs
 from moe_verify.poison import FP8_MAX_CODE, FP32_MAX, poison_padding
@@ -129,10 +130,10 @@ def test_poisoned_padding_drives_the_padding_accumulator_to_inf() -> None:
     assert bool((perm["a_scale_perm"][pad] == FP32_MAX).all())
     assert torch.equal(perm["a_perm"][~pad], golden["permute"]["a_perm"][~pad])
     weight = fb.dequantize_fp8_blocks(x.w13_q.q[0], x.w13_q.scale[0], x.w13_q.block)
-    acc = fb.accumulators(perm["a_perm"][pad], perm["a_scale_perm"][pad], weight, 128)
+    acc = accumulators(perm["a_perm"][pad], perm["a_scale_perm"][pad], weight, 128)
     assert bool(torch.isinf(acc).any()) and not bool(torch.isnan(acc).any())
     clean = golden["permute"]
-    acc = fb.accumulators(clean["a_perm"][pad], clean["a_scale_perm"][pad], weight, 128)
+    acc = accumulators(clean["a_perm"][pad], clean["a_scale_perm"][pad], weight, 128)
     assert bool(torch.isfinite(acc).all()), "without the poison nothing overflows"
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_verify.examples import SwappedExpertRows, row_view
 from moe_verify.inputs import make_inputs
 from moe_verify.spec import FP8_MAX, STAGES, MoEInputs, MoEProblem, Trace
 from optimized.backend import OptimizedBackend
@@ -39,11 +40,6 @@ def _with(up: Trace, stage: str, **entries: object) -> Trace:
     for name, outputs in up.items():
         out.add(name, {**outputs, **entries} if name == stage else outputs)
     return out
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """A row-indexable view: fp8 as its bytes (index_put has no fp8 kernel), anything else as is."""
-    return x.view(torch.uint8) if x.dtype == FP8 else x
 
 
 def _reverse_bytes_(packed: torch.Tensor) -> None:
@@ -193,29 +189,8 @@ class ExpertMapIgnoredOnRank1(OptimizedBackend):
 
 # -- permute --------------------------------------------------------------------------------------
 
-
-class SwappedExpertRows(OptimizedBackend):
-    """permute: the rows (data and scales) of two slots of different tokens and experts trade
-    places, while m_indices and inv_perm still say where each slot belongs.
-
-    Cross-row corruption in the permuted buffer: huggingface/kernels-community issue #1153 (a
-    store spills into the next token's row) and vLLM PR #34991 / rtp-llm PR #1098 (a racy
-    segment start sends a row to the wrong place), class (a).
-    Two slots of one token hold the same bytes, so swapping those would change nothing.
-    """
-
-    name = "swapped_expert_rows"
-
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
-        inv, m = out["inv_perm"], out["m_indices"]
-        (t0, k0), *others = ((int(t), int(k)) for t, k in (inv >= 0).nonzero())
-        first = int(inv[t0, k0])
-        other = next(int(inv[t, k]) for t, k in others if t != t0 and m[inv[t, k]] != m[first])
-        for name in ("a_perm", "a_scale_perm"):
-            rows = _rows(out[name])
-            rows[[first, other]] = rows[[other, first]]
-        return out
+# SwappedExpertRows (class (a): two slots' rows trade places in the permuted buffer) lives in
+# moe_verify/examples/permute.py, where the README's examples load it from; its case is below.
 
 
 class SlotInWrongSegment(OptimizedBackend):
@@ -239,7 +214,7 @@ class SlotInWrongSegment(OptimizedBackend):
         other = next(e for e, c in enumerate(counts) if e != int(m[old]) and c % align)
         new = int(start[other]) + counts[other]
         for name in ("a_perm", "a_scale_perm"):
-            rows = _rows(out[name])
+            rows = row_view(out[name])
             rows[new] = rows[old]
             rows[old] = 0
         inv[t, k] = new

@@ -2,8 +2,8 @@
 act_quant declares the H200's Triton gate, the chained run is compared against the golden's SM90
 chain (reference/moe.py `sm90_chain`) with every stage bit for bit (docs/tolerance.md "Zero
 tolerance on SM90"). The CPU has no SM90: `sm90_device` is forced, and the tested chains
-(tests/tester/sm90_chain_backends.py) compute what the hardware computes with the golden's own
-hardware recipes.
+(tests/tester/sm90_chain_backends.py; NoFmaPromotion in moe_verify/examples) compute what the
+hardware computes with the golden's own hardware recipes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from moe_verify import sm90_chain
+from moe_verify.examples import NoFmaPromotion
 from moe_verify.spec import MoEProblem, Stage
 from moe_verify.verification import verify
 from reference.moe import ReferenceBackend
@@ -78,7 +79,7 @@ def test_the_sm90_chain_passes_every_stage_bit_for_bit(case: Case, sm90: None, r
 
 @pytest.mark.parametrize(
     ("backend", "problem"),
-    [(cb.NoFmaPromotion, WIDE), (cb.OneUlpChain, BASE)],
+    [(NoFmaPromotion, WIDE), (cb.OneUlpChain, BASE)],
     ids=["promotion-without-fma", "one-ulp"],
 )
 def test_a_planted_fault_fails_bitwise_and_passes_the_bounds(
