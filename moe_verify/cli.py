@@ -83,7 +83,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         from moe_verify.distributed.launch import launch
 
         return launch(
-            problem, options, json_path=args.json, markdown_path=args.markdown, nproc=args.nproc
+            problem,
+            options,
+            json_path=args.json,
+            markdown_path=args.markdown,
+            nproc=args.nproc,
+            verbose=args.verbose,
         )
     if args.nproc is not None:
         raise ValueError("--nproc needs --launcher torchrun")
@@ -169,7 +174,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         engine=args.engine,
         case_timeout_s=args.case_timeout or None,
     )
-    print(result.to_markdown())
+    print(result.summary() if args.out else result.to_markdown())
     return EXIT_PASS
 
 
@@ -198,10 +203,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         timings = bench(problem, engines=engines, repeats=args.repeats)
         costs = compare_cost(problem) if args.compare_cost else None
         text = to_markdown(problem, timings, costs)
-    print(text)
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")
+        print(f"appended the bench of {problem.id} ({len(text.splitlines())} lines) to {args.out}")
+    else:
+        print(text)
     return EXIT_PASS
 
 

@@ -1,8 +1,10 @@
 """The verification Report: per-stage results of one case, its verdict, and its renderings.
 
-A Report holds the results of one mode or of both (`isolated`, `chained`). The culprit of a
-failing case is the first failing stage in isolated mode (a divergence there belongs to that stage
-alone); without isolated results, the first failing stage in chained mode.
+A Report holds the results of one mode or of both (`isolated`, `chained`); its `mode` says which:
+"isolated", "chained" or "both", and so do its header, verdict line and JSON, which count each
+mode's passes and failures apart. The culprit of a failing case is the first failing stage in
+isolated mode (a divergence there belongs to that stage alone); without an isolated failure, the
+first failing stage in chained mode.
 
 The verdict is ERROR when a stage errored (a side raised, crashed or timed out), else FAIL when a
 check failed, else SKIP when no stage was compared at all, else PASS; `EXIT_CODES` maps it to the
@@ -29,18 +31,22 @@ EXIT_CODES = {Status.PASS: 0, Status.FAIL: 1, Status.ERROR: 2, Status.SKIP: 2}
 # Longest failure line of the default view; the full text is under -v (to_table).
 LINE_WIDTH = 200
 _DOC_REF = re.compile(r"docs/[\w./-]+\.md(?:#[\w-]+)?")
+# A report of both modes (`--mode both`, moe_verify.spec.Mode.select's name for the pair).
+BOTH = "both"
 
 
 @dataclass
 class Report:
     """One case's verification: the problem, the backend, and per-stage results per mode.
 
-    mode names the primary mode (the one `results` returns); the other list may be given too.
+    mode: "isolated", "chained" or "both" (BOTH), what was run; a report given both lists is a
+    report of both modes, whatever `mode` says. `results` returns the primary mode's: isolated
+    where it ran (it names the culprit), else chained.
     """
 
     problem: MoEProblem
     backend: str
-    mode: Mode = Mode.ISOLATED
+    mode: Mode | str = Mode.ISOLATED
     isolated: list[StageResult] | None = None
     chained: list[StageResult] | None = None
     golden: str = "reference"
@@ -50,6 +56,11 @@ class Report:
     files: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.mode == BOTH or (self.isolated is not None and self.chained is not None):
+            self.mode = BOTH
+            self.isolated = [] if self.isolated is None else self.isolated
+            self.chained = [] if self.chained is None else self.chained
+            return
         self.mode = comparison_mode(self.mode)
         if getattr(self, self.mode) is None:
             setattr(self, self.mode, [])
@@ -59,9 +70,14 @@ class Report:
         return self.problem.id
 
     @property
+    def primary(self) -> Mode:
+        """The mode `results` returns: isolated, where it ran."""
+        return Mode.ISOLATED if self.isolated is not None else Mode.CHAINED
+
+    @property
     def results(self) -> list[StageResult]:
         """The stage results of the primary mode."""
-        return getattr(self, self.mode)
+        return getattr(self, self.primary)
 
     def modes(self) -> list[tuple[str, list[StageResult]]]:
         """(mode, results) for each mode present, isolated first."""
@@ -132,6 +148,14 @@ class Report:
         return None
 
     @property
+    def first_failing_mode(self) -> Mode | None:
+        """The mode the culprit failed in: isolated where a stage failed there."""
+        for mode, results in self.modes():
+            if any(r.status.failing for r in results):
+                return mode
+        return None
+
+    @property
     def failed_ranks(self) -> list[int]:
         """Ranks with a failing stage in any mode (rank-dependent misrouting shows up here)."""
         ranks = {
@@ -144,7 +168,7 @@ class Report:
 
     def engine(self, stage: str, mode: str | None = None) -> str | None:
         """The engine the tested side reported for `stage` (first rank that ran it)."""
-        for r in getattr(self, mode or self.mode) or []:
+        for r in getattr(self, mode or self.primary) or []:
             if r.stage == stage and r.engine is not None:
                 return r.engine
         return None
@@ -154,17 +178,34 @@ class Report:
         (docs/tolerance.md#legitimate-recipes), ranks folded ("a / b" where ranks differ), for
         stages that name one."""
         out: dict[str, list[str]] = {}
-        for r in getattr(self, mode or self.mode) or []:
+        for r in getattr(self, mode or self.primary) or []:
             if r.recipe is not None and r.recipe not in out.setdefault(r.stage, []):
                 out[r.stage].append(r.recipe)
         return {stage: " / ".join(names) for stage, names in out.items() if names}
 
     def counts(self, mode: str | None = None) -> dict[str, int]:
-        results = getattr(self, mode or self.mode) or []
+        """status -> how many stage results have it in `mode`, or in every mode run (None)."""
+        runs = self.modes() if mode is None else [(mode, getattr(self, mode) or [])]
         out = {s.value: 0 for s in Status}
-        for r in results:
-            out[r.status] += 1
+        for _, results in runs:
+            for r in results:
+                out[r.status] += 1
         return out
+
+    def mode_counts(self) -> dict[str, dict[str, int]]:
+        """mode -> its `counts`, for each mode run (isolated first)."""
+        return {str(mode): self.counts(mode) for mode, _ in self.modes()}
+
+    def tally(self) -> str:
+        """'7 pass, 1 fail'; of both modes each apart: 'isolated: 7 pass, 1 fail; chained: 5
+        pass, 3 fail'."""
+
+        def one(counts: dict[str, int]) -> str:
+            return ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no stages"
+
+        if self.mode != BOTH:
+            return one(self.counts())
+        return "; ".join(f"{mode}: {one(c)}" for mode, c in self.mode_counts().items())
 
     # Failure text ----------------------------------------------------------------------------
 
@@ -207,17 +248,18 @@ class Report:
         skipped = self.skip_note()
         if verdict is Status.SKIP:
             return f"{head} every tested stage was skipped: {skipped or 'no stages'}"
-        c = self.counts()
-        tally = ", ".join(f"{n} {s}" for s, n in c.items() if n)
+        tally = self.tally()
         if skipped:
             tally += f" ({skipped})"
         recipes = self.recipes()
         named = "; recipes: " + ", ".join(f"{s} {r}" for s, r in recipes.items()) if recipes else ""
         if verdict is Status.PASS:
-            return f"{head} {tally or 'no stages'}{named}"
+            return f"{head} {tally}{named}"
         result = self.first_failing_result
         assert result is not None
         stage = stage_label(result)
+        if self.mode == BOTH:
+            stage = f"{stage} [{self.first_failing_mode}]"
         first = result.failed_checks[0] if result.failed_checks else None
         what = (
             f"{first.name}: {_fmt(first.value)} > {_fmt(first.limit)}"
@@ -235,10 +277,12 @@ class Report:
             "case": self.case_id,
             "backend": self.backend,
             "golden": self.golden,
-            "mode": self.mode,
+            "mode": str(self.mode),
             "verdict": str(self.verdict),
             "passed": self.passed,
             "first_failure": self.first_failure,
+            "first_failure_mode": self.first_failing_mode,
+            "counts": self.mode_counts(),
             "failed_ranks": self.failed_ranks,
             "rank_experts": self.rank_experts,
             "files": self.files,
@@ -251,8 +295,8 @@ class Report:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Report:
-        """Inverse of to_dict (the derived fields 'case', 'verdict', 'passed', 'first_failure' are
-        ignored)."""
+        """Inverse of to_dict (the derived fields 'case', 'verdict', 'passed', 'first_failure',
+        'first_failure_mode' and 'counts' are ignored)."""
         return Report(
             problem=MoEProblem.from_dict(d["problem"]),
             backend=d["backend"],
@@ -306,13 +350,18 @@ class Report:
             ch = by_mode.get(Mode.CHAINED, {}).get(key)
             shown = [r for r in (iso, ch) if r is not None]
             label = next((stage_label(r) for r in shown if r.engine), stage_label(shown[0]))
-            check = _tightest(shown[0])
+            # A failed check first: a stage that passes isolated and fails chained shows why.
+            tight = next((r for r in shown if r.failed_checks), shown[0])
+            check = _tightest(tight)
+            side = "[chained] " if tight is ch and iso is not None and check else ""
             rows.append(
                 (
                     label,
                     iso.status if iso else "-",
                     ch.status if ch else "-",
-                    f"{check.name}: {_fmt(check.value)} / {_fmt(check.limit)}" if check else "",
+                    f"{side}{check.name}: {_fmt(check.value)} / {_fmt(check.limit)}"
+                    if check
+                    else "",
                     check.worst.coords() if check and check.worst else "",
                 )
             )
@@ -336,8 +385,10 @@ class Report:
         lines = [
             f"## {self.case_id}: {self.verdict.upper()}",
             "",
-            f"- backend: `{self.backend}` vs golden `{self.golden}`, primary mode: {self.mode}",
-            f"- first failure: {self.first_failure or 'none'}",
+            f"- backend: `{self.backend}` vs golden `{self.golden}`, mode: {self.mode}",
+            f"- first failure: {self.first_failure or 'none'}"
+            + (f" ({self.first_failing_mode})" if self.mode == BOTH and self.first_failure else ""),
+            f"- stages: {self.tally()}",
         ]
         if self.skipped():
             lines.append(f"- skipped: {_md_cell(self.skip_note())}")
@@ -362,6 +413,8 @@ class Report:
             stages = dict.fromkeys(s for stages in self.skipped().values() for s in stages)
             note = f" ({', '.join(stages)} skipped)"
         first = self.first_failure or "none"
+        if self.mode == BOTH and self.first_failure:
+            first += f" ({self.first_failing_mode})"
         head = (
             f"case {self.case_id}  backend {self.backend} vs {self.golden}  mode {self.mode}  "
             f"verdict {verdict.upper()}{note}  first failure: {first}"

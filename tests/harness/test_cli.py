@@ -164,6 +164,31 @@ def test_summary_puts_modes_side_by_side_one_line_per_stage() -> None:
     assert gemm1.split()[2:4] == ["pass", "fail"]  # isolated clean, chained inherits the swap
 
 
+def test_mode_both_says_both_and_counts_each_mode_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wrong permute fails there alone in isolated mode, and in chained mode every stage after
+    it inherits the swap: the header, the verdict line, the JSON and the exit code say both
+    modes ran, and count each mode's failures apart (isolated's permute is the culprit)."""
+    out = tmp_path / "r.json"
+    backend = "moe_verify.examples:SwappedExpertRows"
+    argv = ["run", *TINY, "-T", "16", "--mode", "both", "--backend", backend, "--json", str(out)]
+    assert main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("  mode both  verdict FAIL  first failure: permute (isolated)")
+    verdict = lines[-1]
+    assert verdict.startswith("FAIL fp8_block-tp1-T16-H128-I128-E4-k2-softmax-A32 ")
+    assert "[swapped_expert_rows, both] first failure: permute [isolated] (a_perm rows" in verdict
+    assert "; isolated: 7 pass, 1 fail; chained: 3 pass, 5 fail;" in verdict
+    report = json.loads(out.read_text())
+    assert report["mode"] == "both" and report["verdict"] == "fail"
+    assert (report["first_failure"], report["first_failure_mode"]) == ("permute", "isolated")
+    counts = report["counts"]
+    assert (counts["isolated"]["fail"], counts["chained"]["fail"]) == (1, 5)
+    chained_failing = [r["stage"] for r in report["chained"] if r["status"] == "fail"]
+    assert chained_failing == ["permute", "gemm1", "act_quant", "gemm2", "gather"]
+
+
 def test_python_api_runs_on_a_cpu_without_setup() -> None:
     """README's Python example: no TRITON_INTERPRET set by hand, `verify` is the function."""
     code = (

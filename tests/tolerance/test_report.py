@@ -52,13 +52,57 @@ def test_passing_report(problem: MoEProblem, golden: Trace) -> None:
     report = _report(problem, golden, clone_trace(golden), clone_trace(golden))
     assert report.passed
     assert report.first_failure is None
-    assert report.summary_line().startswith(f"PASS {problem.id} [candidate, isolated]")
+    assert report.summary_line().startswith(
+        f"PASS {problem.id} [candidate, both] isolated: 9 pass; chained: 9 pass"
+    )
 
 
 def test_first_failure_prefers_isolated_mode(problem: MoEProblem, golden: Trace) -> None:
     report = _report(problem, golden, _gemm2_nan(golden), _permute_broken(golden))
     assert not report.passed
     assert report.first_failure == "gemm2"
+
+
+def test_a_report_of_both_modes_says_so_and_counts_each_mode_apart(
+    problem: MoEProblem, golden: Trace
+) -> None:
+    """Isolated: gemm2 alone fails; chained: permute fails too. The header, verdict line, JSON
+    and the object name both modes, and each mode's failures are counted in its own tally."""
+    chained = _permute_broken(_gemm2_nan(golden))
+    report = _report(problem, golden, _gemm2_nan(golden), chained)
+    assert report.mode == "both" and report.results is report.isolated
+    assert report.counts(Mode.ISOLATED)["fail"] == 1 and report.counts(Mode.CHAINED)["fail"] == 2
+    assert report.counts()["fail"] == 3  # every mode run
+    line = report.summary_line()
+    assert line.startswith(f"FAIL {problem.id} [candidate, both] first failure: gemm2 [isolated]")
+    assert "; isolated: 8 pass, 1 fail; chained: 7 pass, 2 fail" in line
+    assert (
+        report.to_summary()
+        .splitlines()[0]
+        .endswith("mode both  verdict FAIL  first failure: gemm2 (isolated)")
+    )
+    data = json.loads(report.to_json())
+    assert (data["mode"], data["first_failure"], data["first_failure_mode"]) == (
+        "both",
+        "gemm2",
+        "isolated",
+    )
+    assert data["counts"] == {
+        "isolated": {"pass": 8, "fail": 1, "skip": 0, "error": 0},
+        "chained": {"pass": 7, "fail": 2, "skip": 0, "error": 0},
+    }
+    assert Report.from_dict(data).mode == "both"
+    assert "mode: both" in report.to_markdown()
+
+
+def test_a_single_mode_report_keeps_its_mode(problem: MoEProblem, golden: Trace) -> None:
+    report = _report(problem, golden, _gemm2_nan(golden))
+    assert report.mode == Mode.ISOLATED and report.chained is None
+    assert "[candidate, isolated] first failure: gemm2 (nan_inf" in report.summary_line()
+    assert json.loads(report.to_json())["counts"] == {
+        "isolated": {"pass": 8, "fail": 1, "skip": 0, "error": 0}
+    }
+    assert Report(problem, "candidate", "both").chained == []
 
 
 def test_first_failure_falls_back_to_chained(problem: MoEProblem, golden: Trace) -> None:
