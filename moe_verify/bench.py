@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_verify import progress
 from moe_verify.inputs import make_inputs
 from moe_verify.spec import Engine, Mode, MoEProblem, Stage, Trace
 from moe_verify.timing import median_seconds
@@ -90,7 +91,7 @@ def bench(
     golden = ReferenceBackend().run(problem, inputs, 0)
     bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
     timings: list[StageTiming] = []
-    for stage in problem.stages:
+    for stage in progress.steps(problem.stages, f"bench {problem.id}", "stage", label=str):
         if stage in (Stage.ROUTE, Stage.ALIGN, Stage.DISPATCH):
             continue  # host bookkeeping or communication stand-ins, not kernels under test
         up = golden.upto(stage)

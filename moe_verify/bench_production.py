@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from moe_verify import progress
 from moe_verify.bench import copy_bandwidth
 from moe_verify.device import default_device
 from moe_verify.inputs import make_inputs
@@ -248,7 +249,8 @@ def _measure(
     rows = []
     floor_total = 0.0
     gemms_alone: float | None = 0.0
-    for stage in forward_stages(problem):
+    stages = forward_stages(problem)
+    for stage in progress.steps(stages, f"bench --production {problem.id}", "stage", label=str):
 
         def call(stage: Stage = stage) -> None:
             with runner.production(cfg, weights, buffers):

@@ -200,6 +200,33 @@ class CalibrationResult:
     def to_markdown(self) -> str:
         return "\n".join(_markdown(self)) + "\n"
 
+    def summary(self) -> str:
+        """What the terminal gets when the tables went to a file: what ran, per source the
+        bounded check closest to its limit, the checks over theirs, what was not measured, and
+        where the files are."""
+        cases = len(self.seconds) - ("total" in self.seconds)
+        lines = [
+            f"calibrated {cases} case(s) x {self.seeds} seed(s) in "
+            f"{self.seconds.get('total', 0):g} s (backend {self.backend}, engine {self.engine})"
+        ]
+        worst = self.worst()
+        for source in self.sources():
+            ms = [m for m in worst if m.source == source]
+            if ms:
+                m = max(ms, key=lambda m: m.headroom)
+                lines.append(
+                    f"  {source}: closest to its limit {m.stage} {m.check} {_num(m.value)} / "
+                    f"{_num(m.limit)} ({_pct(m).strip('*')}, {m.case})"
+                )
+        over = [m for m in self.measurements if m.limit > 0 and m.headroom > 1]
+        if over:
+            lines.append(f"  {len(over)} check(s) over their limits (bold in the table)")
+        if self.notes:
+            lines.append(f"  {len(self.notes)} not measured (listed under 'Not measured')")
+        if self.out is not None:
+            lines.append(f"wrote {self.out} and {Path(self.out).with_suffix('.json')}")
+        return "\n".join(lines)
+
 
 # Running -----------------------------------------------------------------------------------------
 
@@ -228,13 +255,18 @@ def calibrate(
     notes: list[str] = []
     seconds: dict[str, float] = {}
     engines: dict[str, list[str]] = {}
-    for case in cases:
+    for case in progress.steps(cases, "calibrate", "case", label=lambda c: c.id):
         t0 = time.perf_counter()
         seen: set[str] = set()
+        # Per rank and seed: the golden, then golden64 and the tested backend in both modes.
+        stage_runs = case.topology.size * len(case.stages) * (1 + 2 * len(Mode))
         for i in range(seeds):
             problem = case.replace(seed=case.seed + i)
             try:
-                with deadline(case_timeout_s, progress.where):
+                with (
+                    deadline(case_timeout_s, progress.where),
+                    progress.case_bar(f"seed {i + 1}/{seeds}", stage_runs),
+                ):
                     for source, stage, check, value, limit in _measure(
                         problem, tested, notes, seen
                     ):

@@ -2,10 +2,12 @@
 
 `case_bar` wraps one case: the runner calls `stage_started` as each stage of each side begins,
 and the bar shows where the case is, once the case has run `DELAY_S` (a short case prints
-nothing). `SweepBar` counts a sweep's cases and keeps one log line per finished case. On a
-terminal the bars redraw in place; in a CI log (stderr not a TTY) each redraw is a line of its
-own, at most every `LOG_INTERVAL_S`, so a log gets a line now and then rather than carriage
-returns glued to the report. `MOE_VERIFY_PROGRESS=0` turns them off.
+nothing). `SweepBar` counts a sweep's cases and keeps one log line per finished case. `steps`
+counts the items of any other long command (calibrate's cases and seeds, audit-e8m0's layers,
+bench's stages), shown once it has run `DELAY_S`. On a terminal the bars redraw in place; in a
+CI log (stderr not a TTY) each redraw is a line of its own, at most every `LOG_INTERVAL_S`, so a
+log gets a line now and then rather than carriage returns glued to the report. Nothing goes to
+stdout. `MOE_VERIFY_PROGRESS=0` turns them off.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import TypeVar
 
 from tqdm import tqdm
 
@@ -22,6 +25,7 @@ DELAY_S = 3.0
 
 _case: tqdm | None = None
 _where = "before the first stage"
+_T = TypeVar("_T")
 
 
 def _enabled() -> bool:
@@ -88,6 +92,38 @@ def stage_started(rank: int, side: str, stage: str) -> None:
 def where() -> str:
     """The stage that began last ('rank 0 isolated gemm1'): what a timeout reports."""
     return _where
+
+
+def steps(
+    items: Iterable[_T],
+    desc: str,
+    unit: str,
+    total: int | None = None,
+    label: Callable[[_T], str] | None = None,
+) -> Iterator[_T]:
+    """`items`, one at a time, with a bar over them named `desc` counting `unit`s; `label(item)`
+    says which item is in flight (the bar's postfix). Shown once the loop has run `DELAY_S`."""
+    if total is None and isinstance(items, Sized):
+        total = len(items)
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=_stream(),
+        leave=False,
+        delay=DELAY_S,
+        mininterval=_interval(),
+        disable=not _enabled(),
+        dynamic_ncols=True,
+    )
+    try:
+        for item in items:
+            if label is not None:
+                bar.set_postfix_str(label(item), refresh=False)
+            yield item
+            bar.update(1)
+    finally:
+        bar.close()
 
 
 class SweepBar:

@@ -17,7 +17,12 @@ does so decode to fp32, compute, and round back RNE once, the GPU's `mul.rn.bf16
 `unpatched_bf16_arithmetic` runs a block on the interpreter's own code, so a test can show it is
 wrong.
 
-`prepare_interpreter` is the one setup: without a GPU it selects the interpreter and installs both
+A GPU computes IEEE results silently: exp overflows to inf, a max over NaN is NaN. The
+interpreter computes them with numpy, which says so on stderr ("overflow encountered in exp",
+"All-NaN slice encountered") in the middle of a report whose NaN/Inf check already counts them.
+`install_interpreter_quiet` runs each interpreted launch with those warnings off, and nothing else.
+
+`prepare_interpreter` is the one setup: without a GPU it selects the interpreter and installs the
 fixes. `optimized/__init__` calls it before any kernel module is imported, so every way into the
 optimized kernels (the CLI, `verify`, a user's `OptimizedBackend` subclass) gets it.
 
@@ -35,6 +40,7 @@ import contextlib
 import functools
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -93,7 +99,49 @@ def prepare_interpreter() -> bool:
         return False
     install_interpreter_fp8_fix()
     install_interpreter_bf16_fix()
+    install_interpreter_quiet()
     return True
+
+
+_QUIET_ORIGINAL = "_moe_verify_quiet_original"
+
+
+@contextlib.contextmanager
+def ieee_quiet() -> Iterator[None]:
+    """Within the block, numpy computes inf and NaN without saying so (floating-point errors and
+    its All-NaN reductions), as a GPU kernel does."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"All-NaN (slice|axis) encountered", RuntimeWarning)
+        yield
+
+
+def install_interpreter_quiet() -> None:
+    """Run every interpreted kernel launch under `ieee_quiet` (idempotent)."""
+    import triton.runtime.interpreter as interp
+
+    launch = interp.GridExecutor.__dict__["__call__"]
+    if hasattr(launch, _QUIET_ORIGINAL):
+        return
+
+    def quiet_launch(self: object, *args: object, **kwargs: object) -> object:
+        with ieee_quiet():
+            return launch(self, *args, **kwargs)
+
+    setattr(quiet_launch, _QUIET_ORIGINAL, launch)
+    interp.GridExecutor.__call__ = quiet_launch
+
+
+@contextlib.contextmanager
+def unquiet_interpreter() -> Iterator[None]:
+    """Within the block, interpreted launches warn as numpy does (a test shows what is hidden)."""
+    import triton.runtime.interpreter as interp
+
+    quiet = interp.GridExecutor.__dict__["__call__"]
+    interp.GridExecutor.__call__ = getattr(quiet, _QUIET_ORIGINAL, quiet)
+    try:
+        yield
+    finally:
+        interp.GridExecutor.__call__ = quiet
 
 
 class _TorchConvertFloat:

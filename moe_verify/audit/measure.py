@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from moe_verify import progress
 from moe_verify.audit.activations import ActivationDumps, Dump
 from moe_verify.audit.checkpoint import (
     AuditError,
@@ -440,6 +441,11 @@ def _sample(weights: list[FP8Weight], experts: int, seed: int) -> list[tuple[FP8
     return picked + [entry for e in chosen for entry in ids[e]]
 
 
+def _layer_name(layer: int | None) -> str:
+    """A layer as the progress bar names it (None: the weights outside numbered layers)."""
+    return "unnumbered weights" if layer is None else f"layer {layer}"
+
+
 def audit(
     checkpoint: Path | str,
     *,
@@ -473,7 +479,8 @@ def audit(
         by_layer[w.layer].append(w)
     probes = _Probes(tokens, seed, dev, dumps)
     layers, every_block = [], []
-    for layer in sorted(by_layer, key=lambda n: (n is None, n or 0)):
+    ordered = sorted(by_layer, key=lambda n: (n is None, n or 0))
+    for layer in progress.steps(ordered, "audit-e8m0", "layer", label=_layer_name):
         result = _audit_layer(
             layer, by_layer[layer], block, experts_per_layer, seed, served, probes, dev
         )

@@ -72,10 +72,12 @@ def launch(
     json_path: str | None = None,
     markdown_path: str | None = None,
     nproc: int | None = None,
+    verbose: bool = False,
 ) -> int:
     """Run `problem` with one torchrun process per rank, each under `options` (what a rank
     cannot honour is refused first: RunOptions.check_launcher); the exit code of `moe-verify
-    run`. The case timeout bounds each rank's work (None: no limit), and the whole launch with
+    run`. Rank 0 prints the report's summary, or with `verbose` every check (`run -v`). The
+    case timeout bounds each rank's work (None: no limit), and the whole launch with
     STARTUP_GRACE_S more."""
     options.check_launcher("torchrun")
     size = problem.topology.size
@@ -94,6 +96,8 @@ def launch(
             worker += ["--json", str(Path(json_path).resolve())]
         if markdown_path:
             worker += ["--markdown", str(Path(markdown_path).resolve())]
+        if verbose:
+            worker.append("--verbose")
         torchrun = [
             "--standalone",
             f"--nproc-per-node={size}",

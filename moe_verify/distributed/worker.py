@@ -325,9 +325,11 @@ def verify_on_rank(
     *,
     json_path: str | None = None,
     markdown_path: str | None = None,
+    verbose: bool = False,
 ) -> int:
-    """Local work, exchange, and on rank 0 the report (and its --json / --markdown files); the
-    verdict is every rank's exit code."""
+    """Local work, exchange, and on rank 0 the report (its summary, or every check when
+    `verbose`, as `moe-verify run` prints it; and its --json / --markdown files); the verdict is
+    every rank's exit code."""
     modes = options.modes
     try:
         check_gemm_recipe(problem, options.gemm_recipe)
@@ -355,7 +357,7 @@ def verify_on_rank(
             chained=results.get(Mode.CHAINED),
             golden="golden",
         )
-        print(report.to_table(), flush=True)
+        print(report.to_table() if verbose else report.to_summary(), flush=True)
         if json_path:
             Path(json_path).write_text(report.to_json())
         if markdown_path:
@@ -433,7 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_rank(rank, world, local_rank)
     try:
         return verify_on_rank(
-            problem, tested, options, ctx, json_path=args.json, markdown_path=args.markdown
+            problem,
+            tested,
+            options,
+            ctx,
+            json_path=args.json,
+            markdown_path=args.markdown,
+            verbose=args.verbose,
         )
     finally:
         dist.destroy_process_group()

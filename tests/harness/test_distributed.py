@@ -145,6 +145,20 @@ def test_two_gloo_ranks_match_the_golden(tmp_path: Path, topology: str) -> None:
     assert "verdict PASS" in proc.stdout
 
 
+@pytest.mark.parametrize("verbose", [False, True], ids=["summary", "verbose"])
+def test_torchrun_prints_what_the_in_process_run_prints(tmp_path: Path, verbose: bool) -> None:
+    """Rank 0 prints the report's summary, as `moe-verify run` does in process; -v the full
+    table (every check of every rank, with the limits' reasons), and nothing else."""
+    from tolerance.report import Report
+
+    proc, report = _launch(tmp_path, "tp:2", extra=("-v",) if verbose else ())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None
+    rendered = Report.from_dict(report)
+    expected = rendered.to_table() if verbose else rendered.to_summary()
+    assert proc.stdout.strip() == expected.strip()
+
+
 # Shared experts take the runner's two finishes: tp:2 adds each rank's shared partial before the
 # all-reduce; ep:2+ht all-reduces the shared partials apart from the combined routed output.
 @pytest.mark.parametrize("topology", ["tp:2", "ep:2+ht"])

@@ -10,6 +10,8 @@ check that kernels' casts go through the fix; on a GPU they check the hardware c
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -287,3 +289,32 @@ def test_cast_inside_a_kernel(src_name: str, dst: torch.dtype, clamp: bool) -> N
         f"{int(wrong.sum())} of {x.numel()} wrong; first inputs {x[wrong][:4].tolist()} gave "
         f"{got_bits[wrong][:4].tolist()}, expected {expected[wrong][:4].tolist()}"
     )
+
+
+# ------------------------------------------------------------------------- IEEE results, quiet
+
+
+def _overflow_and_all_nan() -> torch.Tensor:
+    """act_quant on mm1 rows whose gates overflow exp (silu(-1e4)) and a row of NaN, whose group
+    max over |x| is a max over NaN only: the two numpy warnings the interpreter gave."""
+    from moe_verify.spec import Activation
+    from optimized.kernels import act_quant
+
+    mm1 = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    mm1[0, :128] = -1e4
+    mm1[1] = float("nan")
+    _, scale = act_quant.silu_mul_quant(mm1, Activation(), 128, "float32")
+    return scale
+
+
+@pytest.mark.skipif(not triton_compat.interpreter_mode(), reason="the interpreter's warnings")
+def test_interpreted_kernels_compute_inf_and_nan_without_warnings() -> None:
+    triton_compat.install_interpreter_quiet()
+    with triton_compat.unquiet_interpreter(), pytest.warns(RuntimeWarning) as seen:
+        _overflow_and_all_nan()
+    messages = {str(w.message) for w in seen}
+    assert {"overflow encountered in exp", "All-NaN slice encountered"} <= messages, messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the call
+        scale = _overflow_and_all_nan()
+    assert torch.isfinite(scale[2:]).all()  # the finite rows are computed as before
