@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S
@@ -288,6 +289,24 @@ def problem_from_args(args: argparse.Namespace) -> MoEProblem:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
     recipe = Recipe(args.recipe)
+    try:
+        return _problem(args, recipe)
+    except (TypeError, ValueError) as exc:  # the flag's name, not the field's
+        raise ValueError(_FIELD.sub(lambda m: _flag(m.group(1)), str(exc))) from exc
+
+
+# 'MoEProblem.tokens' in a problem's message; the short flags of add_problem_args.
+_FIELD = re.compile(r"MoEProblem\.(\w+)")
+_SHORT = {"tokens": "-T", "hidden": "-H", "intermediate": "-I", "num_experts": "-E", "topk": "-k"}
+
+
+def _flag(field: str) -> str:
+    """'-T/--tokens': the flag of `run` that sets the problem's `field`."""
+    long = "--no-renormalize" if field == "renormalize" else f"--{field.replace('_', '-')}"
+    return f"{_SHORT[field]}/{long}" if field in _SHORT else long
+
+
+def _problem(args: argparse.Namespace, recipe: Recipe) -> MoEProblem:
     return MoEProblem(
         tokens=args.tokens,
         hidden=args.hidden,

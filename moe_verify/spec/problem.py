@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,16 @@ from moe_verify.spec.topology import Placement, Topology, TopologyKind, explicit
 
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
+
+
+def _size(arg: str, value: object, high: int) -> int:
+    """A size of the layer: an int in [1, high]. Zero is refused by name: a layer without tokens,
+    experts or columns runs every stage on empty tensors and passes, having verified nothing."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value == 0:
+        raise ValueError(
+            f"{arg}: expected an int in [1, {high}], got 0 (an empty problem: nothing to verify)"
+        )
+    return check_int(arg, value, 1, high)
 
 
 @dataclass(frozen=True)
@@ -102,14 +113,11 @@ class MoEProblem:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
-        put("tokens", check_int("MoEProblem.tokens", self.tokens, 0, MAX_TOKENS))
-        put("hidden", check_int("MoEProblem.hidden", self.hidden, 1, MAX_HIDDEN))
-        put(
-            "intermediate",
-            check_int("MoEProblem.intermediate", self.intermediate, 1, MAX_INTERMEDIATE),
-        )
-        put("num_experts", check_int("MoEProblem.num_experts", self.num_experts, 1, MAX_EXPERTS))
-        put("topk", check_int("MoEProblem.topk", self.topk, 1, MAX_EXPERTS))
+        put("tokens", _size("MoEProblem.tokens", self.tokens, MAX_TOKENS))
+        put("hidden", _size("MoEProblem.hidden", self.hidden, MAX_HIDDEN))
+        put("intermediate", _size("MoEProblem.intermediate", self.intermediate, MAX_INTERMEDIATE))
+        put("num_experts", _size("MoEProblem.num_experts", self.num_experts, MAX_EXPERTS))
+        put("topk", _size("MoEProblem.topk", self.topk, MAX_EXPERTS))
         if self.topk > self.num_experts:
             raise ValueError(
                 f"MoEProblem.topk must be in [1, num_experts={self.num_experts}], got {self.topk}"

@@ -67,7 +67,7 @@ def _problem_field_rows() -> list[Bad]:
     rows = []
     wrong_types = {"float": 64.5, "bool": True, "none": None, "str": "4", "tensor": torch.tensor(4)}
     out_of_range = {
-        "tokens": (-1, 2_000_000),
+        "tokens": (0, -1, 2_000_000),  # 0: an empty problem would pass, verifying nothing
         "hidden": (0, -128, 1 << 17),
         "intermediate": (0, -128, 1 << 17),
         "num_experts": (0, -4, 5000),

@@ -49,6 +49,31 @@ def test_bad_argument_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("-T", "-T/--tokens"),  # used to run every stage on empty tensors and PASS
+        ("-E", "-E/--num-experts"),
+        ("-k", "-k/--topk"),
+        ("-H", "-H/--hidden"),
+        ("-I", "-I/--intermediate"),
+    ],
+)
+@pytest.mark.parametrize("command", ["run", "graph"])
+def test_an_empty_problem_is_refused_naming_the_flag(
+    command: str, flag: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, *TINY, flag, "0"]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"moe-verify: error: {named}: expected an int in [1, " + err.split("[1, ")[1]
+    assert "got 0 (an empty problem: nothing to verify)" in err and not out
+
+
+def test_an_empty_problem_is_refused_from_python() -> None:
+    with pytest.raises(ValueError, match=r"MoEProblem\.tokens: .* got 0 \(an empty problem"):
+        MoEProblem(tokens=0)
+
+
+@pytest.mark.parametrize(
     "module", ["tolerance", "tolerance.metrics", "reference", "optimized", "moe_verify.cli"]
 )
 def test_each_package_imports_first_in_a_fresh_interpreter(module: str) -> None:
