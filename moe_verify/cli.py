@@ -307,32 +307,11 @@ def cmd_audit_e8m0(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """What this machine can run: torch, triton mode, GPU arch, DeepGEMM and its first call."""
-    import torch
+    """What this machine can run (moe_verify/doctor.py): torch, triton, GPU arch, DeepGEMM and
+    its first call, and each engine adapter."""
+    from moe_verify.doctor import doctor
 
-    from optimized import deepgemm
-
-    info: dict[str, object] = {
-        "torch": torch.__version__,
-        "cuda": torch.cuda.is_available(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    status = deepgemm.probe()
-    info["deep_gemm"] = {
-        "usable": status.usable,
-        "version": status.version,
-        "reason": status.reason,
-    }
-    if status.usable and args.first_call:
-        ok, why = deepgemm.probe_first_call()
-        info["deep_gemm_first_call"] = {"ok": ok, "detail": why}
-    print(json.dumps(info, indent=2))
+    print(json.dumps(doctor(first_call=args.first_call), indent=2))
     return EXIT_PASS
 
 
@@ -543,7 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     au.set_defaults(func=cmd_audit_e8m0)
 
-    doc = sub.add_parser("doctor", help="what this machine can run (torch, GPU, DeepGEMM)")
+    doc = sub.add_parser(
+        "doctor", help="what this machine can run (torch, GPU, DeepGEMM, the engine adapters)"
+    )
     doc.add_argument(
         "--first-call", action="store_true", help="also run one DeepGEMM GEMM in a subprocess"
     )
