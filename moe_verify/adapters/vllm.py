@@ -16,9 +16,9 @@ adapted), and so are the GEMMs where vLLM cannot reach DeepGEMM (the Triton engi
 
 Fixed parameters are declared: the alignment is DeepGEMM's contiguous-layout BLOCK_M (a problem
 asking another is skipped with the reason), and on the tested release each stage with several
-legitimate recipes names the one vLLM runs ("recipe"). Outputs vLLM does not return are derived
-and declared ("derived"): expert_start from the counts, and the layout vLLM did not build (per-row
-m_indices decoded from its psum expert_ends, or expert_ends from the counts).
+legitimate recipes names the one vLLM runs ("recipe"). Every output is what vLLM returned: the
+permute hands back the one grouped layout vLLM built (m_indices, or psum expert_ends, which the
+comparison reads per row itself) and no segment starts (its cursor is not returned).
 
 The permute recounts tokens when it gets no ExpertTokensMetadata; here it always gets align's
 counts as ExpertTokensMetadata (vLLM's own count_expert_num_tokens in chained mode, the golden's
@@ -250,20 +250,6 @@ def availability() -> tuple[bool, str]:
     return common.availability(load, VllmUnavailable, "vLLM")
 
 
-def m_indices_from_expert_ends(
-    expert_ends: torch.Tensor, m_sum: int, alignment: int
-) -> torch.Tensor:
-    """int32 [m_sum]: the psum layout read per row, as DeepGEMM's scheduler reads it. Expert e
-    owns [round_up(end_{e-1}, A), end_e) (end_{-1} = 0); gap and tail rows are -1."""
-    ends = expert_ends.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), (ends[:-1] + alignment - 1) // alignment * alignment])
-    rows = torch.arange(m_sum, device=ends.device)
-    # the last expert starting at or before the row: empty experts share their successor's start
-    owner = torch.searchsorted(starts, rows, right=True) - 1
-    live = (owner >= 0) & (rows < ends[owner.clamp(min=0)])
-    return torch.where(live, owner, -1).to(torch.int32)
-
-
 def _require_layout(
     what: str, t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]
 ) -> None:
@@ -418,28 +404,12 @@ class VllmBackend(AdaptedBackend):
                 **kwargs,
             )
         a_perm, a_scale_perm, grouped, inv_perm = result[:4]
-        used = int(result[4]) if len(result) > 4 else int(align["alignment"])
-        counts = align["counts"].to(torch.int64)
-        padded = (counts + used - 1) // used * used
-        start = torch.cumsum(padded, 0) - padded
-        if psum:
-            m_indices = m_indices_from_expert_ends(grouped, a_perm.shape[0], used)
-            expert_ends = grouped
-            derived = "m_indices decoded from vLLM's psum expert_ends"
-        else:
-            m_indices = grouped
-            expert_ends = (start + counts).to(torch.int32)
-            derived = "expert_ends = expert_start + counts"
         return {
             "a_perm": a_perm,
             "a_scale_perm": a_scale_perm,
-            "m_indices": m_indices,
-            "expert_ends": expert_ends,
+            "expert_ends" if psum else "m_indices": grouped,
             "inv_perm": inv_perm,
-            "expert_start": start.to(torch.int32),
             "layout": layout.value,
-            "derived": f"{derived}; expert_start = exclusive prefix sum of round_up(counts, A) "
-            "over align's counts (vLLM's cursor ends at segment ends and is not returned)",
             "kernel": self._kernel(f"deepgemm_moe_permute(use_psum_layout={psum})"),
         }
 

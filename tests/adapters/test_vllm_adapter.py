@@ -1,10 +1,9 @@
-"""The adapter's own logic, without vLLM: the version gate, the psum decoding it derives m_indices
-with, and how `--backend vllm` reports a vLLM it cannot load."""
+"""The adapter's own logic, without vLLM: the version gate and how `--backend vllm` reports a vLLM
+it cannot load."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moe_verify.adapters import vllm as adapter
 from moe_verify.runner import resolve_backend
@@ -51,27 +50,3 @@ def test_backend_vllm_says_why_it_cannot_load(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(adapter, "load", missing)
     with pytest.raises(ValueError, match=r"backend 'vllm': vLLM is not installed \(test\)"):
         resolve_backend("vllm")
-
-
-def _rows_by_hand(ends: list[int], m_sum: int, a: int) -> list[int]:
-    rows, start = [-1] * m_sum, 0
-    for e, end in enumerate(ends):
-        rows[start:end] = [e] * (end - start)
-        start = -(-end // a) * a
-    return rows
-
-
-@pytest.mark.parametrize(
-    "counts",
-    [[3, 0, 5, 130], [0, 0, 7], [128, 1], [0], [2, 0, 0, 0]],
-    ids=["empty-middle-and-a-full-block", "empty-first", "exact-block", "all-empty", "empty-last"],
-)
-def test_m_indices_decoded_from_psum_ends(counts: list[int]) -> None:
-    a = 128
-    padded = [-(-c // a) * a for c in counts]
-    starts = [sum(padded[:e]) for e in range(len(counts))]
-    ends = [s + c for s, c in zip(starts, counts, strict=True)]
-    m_sum = sum(padded) + a  # one block of tail padding
-    got = adapter.m_indices_from_expert_ends(torch.tensor(ends, dtype=torch.int32), m_sum, a)
-    assert got.dtype == torch.int32
-    assert got.tolist() == _rows_by_hand(ends, m_sum, a)

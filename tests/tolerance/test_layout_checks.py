@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moe_verify.spec import Mode, MoEProblem, Status, Trace
 from tests.tolerance.synthetic import ALIGNMENT, build_golden, clone_trace, slot_row, tiny_problem
 from tolerance import StageResult, compare, compare_stage
+from tolerance.layouts import psum_row_experts
 
 pytestmark = pytest.mark.cpu
 
@@ -377,3 +378,26 @@ def test_psum_only_permute_is_read_through_its_expert_ends(
     other["permute"]["expert_ends"][1] -= 1  # expert 1's last live row falls into its gap
     failed = _failed(_stage(golden, other, problem, "permute"))
     assert set(failed) == {"m_indices", "expert_ends", "expert rows"}, failed
+
+
+def _rows_by_hand(ends: list[int], m_sum: int, a: int) -> list[int]:
+    rows, start = [-1] * m_sum, 0
+    for e, end in enumerate(ends):
+        rows[start:end] = [e] * (end - start)
+        start = -(-end // a) * a
+    return rows
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [[3, 0, 5, 130], [0, 0, 7], [128, 1], [0], [2, 0, 0, 0]],
+    ids=["empty-middle-and-a-full-block", "empty-first", "exact-block", "all-empty", "empty-last"],
+)
+def test_psum_ends_read_per_row(counts: list[int]) -> None:
+    a = 128
+    padded = [-(-c // a) * a for c in counts]
+    starts = [sum(padded[:e]) for e in range(len(counts))]
+    ends = [s + c for s, c in zip(starts, counts, strict=True)]
+    m_sum = sum(padded) + a  # one block of tail padding
+    got = psum_row_experts(torch.tensor(ends, dtype=torch.int32), m_sum, a)
+    assert got.tolist() == _rows_by_hand(ends, m_sum, a)
