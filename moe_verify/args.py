@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 from pathlib import Path
 
@@ -25,6 +24,8 @@ from moe_verify.spec import (
     ScaleFmt,
     Status,
 )
+from moe_verify.spec import check_output_dir as check_output_dir  # the CLI's, one implementation
+from moe_verify.spec import check_output_file as check_output_file
 from tolerance.invariance import INVARIANCES
 from tolerance.report import EXIT_CODES
 
@@ -243,37 +244,6 @@ def add_plot_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", metavar="DIR", help="write a heatmap of each failing stage's error here"
     )
-
-
-def check_output_file(flag: str, value: str | os.PathLike[str] | None) -> None:
-    """Before any work: `value` can be written as a file (its directory exists and is writable,
-    and it is not a directory); ValueError naming the flag and the path otherwise."""
-    if value is None:
-        return
-    path = Path(value)
-    if path.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory; expected a file path")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path}: not writable")
-
-
-def check_output_dir(flag: str, value: str | os.PathLike[str] | None) -> None:
-    """Before any work: `value` can be used as a directory (it is one, or it can be made under
-    its nearest existing ancestor); ValueError naming the flag and the path otherwise."""
-    if value is None:
-        return
-    path = Path(value)
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "is a file" if existing == path else f"{existing} is a file"
-        raise ValueError(f"{flag} {path}: {what}; expected a directory")
-    if not os.access(existing, os.W_OK):
-        raise ValueError(f"{flag} {path}: {existing} is not writable")
 
 
 def problem_from_args(args: argparse.Namespace) -> MoEProblem:

@@ -11,7 +11,15 @@ import math
 import torch
 
 from moe_verify.device import default_device
-from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Recipe, Routing
+from moe_verify.spec import (
+    MoEInputs,
+    MoEProblem,
+    QuantizedWeight,
+    Recipe,
+    Routing,
+    check_device,
+    check_type,
+)
 from reference import formats
 from tolerance.provenance import tag_hidden_states
 
@@ -31,11 +39,11 @@ def make_inputs(problem: MoEProblem, device: torch.device | str | None = None) -
     gate/up swap or a wrong activation is visible (small-magnitude inputs hide both: with GEMM1
     outputs near 0, silu(a) * b ~ a * b / 2 ~ silu(b) * a).
     """
-    if not isinstance(problem, MoEProblem):
-        raise TypeError(
-            f"make_inputs: problem: expected a MoEProblem, got {type(problem).__name__}"
-        )
-    device = _device(device) if device is not None else default_device()
+    check_type("make_inputs: problem", problem, MoEProblem)
+    if device is not None:
+        device = check_device("make_inputs: device", device, present=True)
+    else:
+        device = default_device()
     gen = torch.Generator(device=device).manual_seed(problem.seed)
     p = problem
     e, h, i, t = p.num_experts, p.hidden, p.intermediate, p.tokens
@@ -99,21 +107,8 @@ def shrink_tokens(hidden: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def _device(device: object) -> torch.device:
-    """torch.device(device), with torch's RuntimeError for a bad string made a clear ValueError."""
-    if not isinstance(device, (torch.device, str)):
-        raise TypeError(
-            f"make_inputs: device: expected a torch.device or a string such as 'cpu' or "
-            f"'cuda:0', got {device!r} ({type(device).__name__})"
-        )
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise ValueError(
-            f"make_inputs: device: expected a device such as 'cpu' or 'cuda:0', got {device!r}"
-        ) from None
-
-
+# check_inputs reads a tensor's values in slices of about this many elements.
+_FINITE_CHUNK = 1 << 24
 # Experts are quantized in chunks of about this many elements, so the fp32 temporaries stay near
 # 1 GiB whatever E is.
 _CHUNK_ELEMENTS = 1 << 28
@@ -213,15 +208,13 @@ def check_inputs(problem: MoEProblem, inputs: MoEInputs) -> None:
 
     Inputs built for another problem (E=4 weights for an E=8 problem, T=16 tokens for T=32) would
     otherwise run, compare golden against tested on the same wrong data and pass under the
-    problem's case id. Shapes, dtypes and devices only, plus the range of given topk_ids (a
-    tensor read, once per case).
+    problem's case id. Shapes, dtypes and devices, the range of given topk_ids, and finite values
+    (NaN or Inf in an input is refused here, naming the tensor and the count: the golden models
+    finite data only, and a NaN weight code or a NaN activation would otherwise surface as the
+    golden failing at the first stage that reads it). One pass over each tensor, once per case.
     """
-    if not isinstance(problem, MoEProblem):
-        raise TypeError(
-            f"check_inputs: problem: expected a MoEProblem, got {type(problem).__name__}"
-        )
-    if not isinstance(inputs, MoEInputs):
-        raise TypeError(f"check_inputs: inputs: expected a MoEInputs, got {type(inputs).__name__}")
+    check_type("check_inputs: problem", problem, MoEProblem)
+    check_type("check_inputs: inputs", inputs, MoEInputs)
     p = problem
     t, h, i, e, k = p.tokens, p.hidden, p.intermediate, p.num_experts, p.topk
     check = _InputChecker(p, inputs.hidden_states)
@@ -313,6 +306,22 @@ class _InputChecker:
             self._fail(name, want, f"{list(t.shape)} {t.dtype}")
         if self.device is not None and t.device != self.device:
             self._fail(name, f"a tensor on {self.device} (hidden_states' device)", t.device)
+        self.finite(name, t)
+
+    def finite(self, name: str, t: torch.Tensor) -> None:
+        """No NaN or Inf in a float tensor (fp8: no NaN code), read in slices of the first
+        dimension of about _FINITE_CHUNK elements, so a model's weights need no second copy."""
+        if not t.dtype.is_floating_point:
+            return
+        rows = t.flatten(1) if t.dim() > 1 else t.reshape(1, -1)
+        nan = inf = 0
+        for part in rows.split(max(1, _FINITE_CHUNK // max(1, rows.shape[1]))):
+            x = part.float()
+            nan += int(x.isnan().sum())
+            inf += int(x.isinf().sum())
+        if nan or inf:
+            self._fail(name, "finite values (the golden models finite data only)",
+                       f"{nan} NaN and {inf} Inf")  # fmt: skip
 
     def absent(self, name: str, value: object, why: str) -> None:
         if value is not None:
@@ -337,3 +346,7 @@ class _InputChecker:
             self._fail(f"{name}.block", f"{block} ({recipe})", w.block)
         self.tensor(f"{name}.q", w.q, q[0], (q[1],))
         self.tensor(f"{name}.scale", w.scale, scale[0], (scale[1],))
+        if w.scale.dtype == torch.uint8:  # E8M0 bytes: 0xFF is their NaN
+            nan = int((w.scale == 0xFF).sum())
+            if nan:
+                self._fail(f"{name}.scale", "E8M0 bytes other than 0xFF (NaN)", f"{nan} NaN")

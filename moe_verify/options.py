@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from moe_verify.loader import class_spec
-from moe_verify.spec import Backend, Engine, GemmRecipe, Mode, check_bool, check_enum
+from moe_verify.spec import Backend, Engine, GemmRecipe, Mode, check_bool, check_device, check_enum
 from tolerance.invariance import INVARIANCES
 
 # The backends `--backend` names; anything else is 'module:Class' (moe_verify/runner.py).
@@ -120,7 +118,11 @@ class RunOptions:
             "gemm_recipe": None
             if recipe is None
             else check_enum("gemm_recipe", recipe, GemmRecipe),
-            "compare_device": check_device("compare_device", self.compare_device),
+            # A device torch parses, as a string; whether this machine has it is `verify`'s
+            # check (a dump's options may name another machine's).
+            "compare_device": None
+            if self.compare_device is None
+            else str(check_device("compare_device", self.compare_device)),
             "case_timeout_s": check_timeout(self.case_timeout_s),
             "dump_dir": None if self.dump_dir is None else check_dir("dump_dir", self.dump_dir),
             "plot_dir": None if self.plot_dir is None else check_dir("plot_dir", self.plot_dir),
@@ -291,20 +293,6 @@ def check_poison(poison: object) -> tuple[int, ...]:
     if len(values) == 2 and values[0] == values[1]:
         raise ValueError(f"poison: a two-poison run needs two different bytes, got {values}")
     return values
-
-
-def check_device(name: str, device: object) -> str | None:
-    """None, or a device torch parses ('cpu', 'cuda', 'cuda:1', a torch.device), as a string."""
-    if device is None:
-        return None
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"{name}: expected a device such as 'cpu' or 'cuda:0', got {device!r}")
-    try:
-        return str(torch.device(device))
-    except (RuntimeError, ValueError):
-        raise ValueError(
-            f"{name}: expected a device such as 'cpu' or 'cuda:0', got {device!r}"
-        ) from None
 
 
 def check_timeout(seconds: object) -> float | None:

@@ -48,6 +48,11 @@ from moe_verify.spec import (
     StageSkipped,
     TopologyKind,
     Trace,
+    check_device,
+    check_enum,
+    check_int,
+    check_output_dir,
+    check_type,
 )
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
@@ -83,6 +88,16 @@ def verify_rank(
     golden's SM90 chain where `with_sm90_chain` builds one; a tested act_quant whose gate is the
     recorded table's is declared as that recipe first (`declare_hardware_gate`; all four in
     moe_verify/sm90_chain.py)."""
+    check_type("verify_rank: problem", problem, MoEProblem)
+    check_int(
+        f"verify_rank: rank (topology {problem.topology})", rank, 0, problem.topology.size - 1
+    )
+    if isinstance(modes, str) or not isinstance(modes, (tuple, list)):
+        raise TypeError(
+            f"verify_rank: modes: expected a tuple of modes such as ('isolated', 'chained'), got "
+            f"{modes!r} ({type(modes).__name__})"
+        )
+    modes = tuple(check_enum("verify_rank: modes", m, Mode) for m in modes)
     run = run_rank(problem, inputs, tested, golden, rank, modes, golden_trace)
     for trace in run.tested.values():
         declare_hardware_gate(problem, trace)
@@ -192,6 +207,13 @@ def verify(
     given = {k: v for k, v in (("backend", backend), ("mode", mode)) if v is not None}
     opts = options_of("verify", options, {**given, **run})
     modes = opts.modes
+    check_type("verify: problem", problem, MoEProblem)
+    check_output_dir("dump_dir", opts.dump_dir)  # before any work, as the CLI's flags are
+    check_output_dir("plot_dir", opts.plot_dir)
+    if opts.compare_device is not None:
+        check_device("compare_device", opts.compare_device, present=True)
+    if device is not None and inputs is None:
+        check_device("device", device, present=True)
     check_gemm_recipe(problem, opts.gemm_recipe)
     tested, twin = tested_sides(problem, opts)
     golden = resolve_backend("golden")

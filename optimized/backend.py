@@ -34,6 +34,7 @@ from moe_verify.spec import (
     StageViolation,
     TopologyKind,
     Trace,
+    check_bool,
     is_sm90,
     run_stages,
 )
@@ -119,7 +120,8 @@ class OptimizedBackend:
             raise ValueError(f"expected_m: an int >= 1 or None, got {expected_m!r}")
         if num_sms is not None and (isinstance(num_sms, bool) or num_sms < 1):
             raise ValueError(f"num_sms: an int >= 1 or None, got {num_sms!r}")
-        self.exact_m_sum = bool(exact_m_sum)
+        check_bool("workspace", workspace)
+        self.exact_m_sum = check_bool("exact_m_sum", exact_m_sum)
         self.expected_m = expected_m
         self.num_sms = num_sms
         self.engine = as_engine(engine)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from reference.layout import local_expert_ids
-from reference.validate import require
+from reference.validate import require, require_tensor
 
 
 def gather(
@@ -20,6 +20,7 @@ def gather(
 
     A slot is live when its (mapped) expert id is >= 0. Tokens with no live slot are exact zeros.
     """
+    require_tensor("topk_weights", topk_weights, (torch.float32,), 2)
     require(
         topk_weights.shape == topk_ids.shape == inv_perm.shape,
         "topk_weights/topk_ids/inv_perm",

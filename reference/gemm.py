@@ -11,12 +11,14 @@ import torch
 
 from moe_verify.spec import QuantizedWeight
 from reference import formats
-from reference.validate import require, require_tensor
+from reference.validate import require, require_multiple, require_positive_int, require_tensor
 
 
 def dequantize_activations(a: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """fp8 [M, K] with fp32 [M, K/group] scales, or int32 packed UE8M0 scales -> fp32 [M, K]."""
     require_tensor("a", a, (torch.float8_e4m3fn,), 2)
+    group = require_positive_int("group", group)
+    require_multiple("a", a, group)
     num_groups = a.shape[1] // group
     if scale.dtype == torch.int32:
         scale = formats.e8m0_to_fp32(formats.unpack_ue8m0(scale, num_groups))
@@ -56,6 +58,7 @@ def grouped_gemm(
     m_indices  int32 [M_sum]: expert of each row, -1 for padding rows (left zero)
     precision  accumulation dtype of the dequantized product (float64 for calibration)
     """
+    a_group = require_positive_int("a_group", a_group)
     num_experts, n, k = w.shape
     require(a.shape[1] == k, "a", f"K = {k} columns (the weight's K)", f"{a.shape[1]}")
     out = torch.zeros(a.shape[0], n, dtype=torch.bfloat16, device=a.device)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_verify.spec import MSumRecipe
-from reference.validate import require, require_int
+from reference.validate import require, require_expert_map, require_int
 
 
 def round_up(x: int, a: int) -> int:
@@ -24,6 +24,24 @@ def validate_topk_ids(
     topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None
 ) -> None:
     """Ids must be signed, 2-D, and in range; -1 is the only negative id ever allowed."""
+    require_int("num_local_experts", num_local_experts, 0)
+    require_expert_map(expert_map, num_local_experts)
+    require_ids(topk_ids)
+    if topk_ids.numel() == 0:
+        return
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    bound = num_local_experts if expert_map is None else expert_map.numel()
+    what = "local experts" if expert_map is None else "global experts (expert_map length)"
+    require(lo >= -1, "topk_ids", "ids >= -1 (-1 = no expert)", f"min id {lo}")
+    require(hi < bound, "topk_ids", f"ids < {bound} {what}", f"max id {hi}")
+
+
+def require_ids(topk_ids: object) -> None:
+    """A signed integer [M, k] tensor of expert ids (-1: no expert)."""
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(
+            f"topk_ids: expected a 2-D [M, k] int32/int64 tensor, got {type(topk_ids).__name__}"
+        )
     require(
         topk_ids.dim() == 2, "topk_ids", "a 2-D [M, k] tensor", f"shape {tuple(topk_ids.shape)}"
     )
@@ -33,51 +51,57 @@ def validate_topk_ids(
         "signed int32/int64 (the scatter asserts is_signed; -1 means no expert)",
         f"dtype {topk_ids.dtype}",
     )
-    if topk_ids.numel() == 0:
-        return
-    lo, hi = int(topk_ids.min()), int(topk_ids.max())
-    bound = num_local_experts if expert_map is None else expert_map.numel()
-    what = "local experts" if expert_map is None else "global experts (expert_map length)"
-    require(lo >= -1, "topk_ids", "ids >= -1 (-1 = no expert)", f"min id {lo}")
-    require(hi < bound, "topk_ids", f"ids < {bound} {what}", f"max id {hi}")
-    if expert_map is not None:
-        require(expert_map.dim() == 1, "expert_map", "1-D [E_global]", f"{tuple(expert_map.shape)}")
-        mlo, mhi = int(expert_map.min()), int(expert_map.max())
-        require(
-            mlo >= -1 and mhi < num_local_experts,
-            "expert_map",
-            f"values in [-1, {num_local_experts})",
-            f"range [{mlo}, {mhi}]",
-        )
 
 
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
-    """int64 [M, k]: each slot's local expert, -1 when the slot is empty or the expert is remote."""
+    """int64 [M, k]: each slot's local expert, -1 when the slot is empty or the expert is remote.
+
+    Ids past the end of `expert_map` (stale ones in a padding row) are refused: map only ids that
+    index it (`validate_topk_ids` checks both)."""
+    require_ids(topk_ids)
+    require_expert_map(expert_map)
     ids = topk_ids.long()
     if expert_map is None:
         return ids.clamp(min=-1)
+    if ids.numel():
+        hi = int(ids.max())
+        require(
+            hi < expert_map.numel(),
+            "topk_ids",
+            f"ids < {expert_map.numel()} global experts (expert_map length)",
+            f"max id {hi}",
+        )
     mapped = expert_map.long().to(ids.device)[ids.clamp(min=0)]
     return torch.where(ids >= 0, mapped, torch.full_like(ids, -1))
 
 
 def expert_counts(local_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     """int32 [E_l]: live (token, k) slots per local expert."""
+    require_int("num_local_experts", num_local_experts, 0)
+    require(
+        isinstance(local_ids, torch.Tensor)
+        and not local_ids.dtype.is_floating_point
+        and local_ids.dtype != torch.bool,
+        "local_ids",
+        "an integer tensor of local expert ids (-1: none)",
+        f"{getattr(local_ids, 'dtype', type(local_ids).__name__)}",
+    )
     live = local_ids[local_ids >= 0]
     return torch.bincount(live, minlength=num_local_experts).to(torch.int32)
 
 
-def _require_counts(counts: object) -> torch.Tensor:
-    """Per-expert counts: a 1-D integer tensor of values >= 0."""
+def _require_counts(counts: object, name: str = "counts") -> torch.Tensor:
+    """Per-expert counts (or row ends): a 1-D integer tensor of values >= 0."""
     if not isinstance(counts, torch.Tensor):
-        raise TypeError(f"counts: expected a 1-D integer tensor, got {type(counts).__name__}")
+        raise TypeError(f"{name}: expected a 1-D integer tensor, got {type(counts).__name__}")
     require(
         counts.dim() == 1 and not counts.dtype.is_floating_point and counts.dtype != torch.bool,
-        "counts",
-        "a 1-D integer tensor (slots per local expert)",
+        name,
+        "a 1-D integer tensor (one value per local expert)",
         f"{counts.dtype} of shape {list(counts.shape)}",
     )
     if counts.numel() and int(counts.min()) < 0:
-        raise ValueError(f"counts: expected values >= 0, got {counts.tolist()}")
+        raise ValueError(f"{name}: expected values >= 0, got {counts.tolist()}")
     return counts
 
 
@@ -238,6 +262,9 @@ def m_indices_from_expert_ends(
     This is how DeepGEMM's scheduler walks `use_psum_layout=True` (DeepGEMM 2.6.1
     `m_grouped_fp8_gemm_nt_contiguous`, csrc/apis/gemm.hpp; docs/stage-contract.md#grouped-layouts).
     """
+    require_int("m_sum", m_sum, 0)
+    require_int("alignment", alignment, 1)
+    _require_counts(expert_ends, "expert_ends")
     m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=expert_ends.device)
     start = 0
     for e, end in enumerate(expert_ends.tolist()):

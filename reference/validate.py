@@ -51,6 +51,34 @@ def require_positive_int(name: str, value: object) -> int:
     return value
 
 
+def require_expert_map(expert_map: object, num_local_experts: int | None = None) -> None:
+    """None, or a 1-D integer tensor [E_global]: each global expert's local id on this rank, -1
+    where another rank hosts it; values in [-1, num_local_experts) when that is given. A float
+    or bool map would index as garbage, a list not at all."""
+    if expert_map is None:
+        return
+    if not isinstance(expert_map, Tensor):
+        raise TypeError(
+            f"expert_map: expected None or a 1-D integer tensor [E_global], got "
+            f"{expert_map!r:.60} ({type(expert_map).__name__})"
+        )
+    integer = not (expert_map.dtype.is_floating_point or expert_map.dtype.is_complex)
+    require(
+        expert_map.dim() == 1 and integer and expert_map.dtype != torch.bool,
+        "expert_map",
+        "a 1-D integer tensor [E_global] (global -> local expert id, -1: another rank's)",
+        f"{expert_map.dtype} of shape {tuple(expert_map.shape)}",
+    )
+    if num_local_experts is not None and expert_map.numel():
+        lo, hi = int(expert_map.min()), int(expert_map.max())
+        require(
+            lo >= -1 and hi < num_local_experts,
+            "expert_map",
+            f"values in [-1, {num_local_experts})",
+            f"range [{lo}, {hi}]",
+        )
+
+
 def require_multiple(name: str, t: Tensor, group: int) -> None:
     k = t.shape[-1]
     if k % group:

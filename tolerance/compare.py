@@ -20,7 +20,16 @@ from functools import partial
 
 import torch
 
-from moe_verify.spec import Mode, MoEProblem, Stage, Status, Trace
+from moe_verify.spec import (
+    Mode,
+    MoEProblem,
+    Stage,
+    Status,
+    Trace,
+    check_device,
+    check_enum,
+    check_type,
+)
 from tolerance.bounded_stages import (
     GEMM_OUTPUTS,
     act_quant_checks,
@@ -66,6 +75,20 @@ _COMPARERS: dict[str, Callable[[Ctx], list[CheckResult]]] = {
 # Entry points ------------------------------------------------------------------------------------
 
 
+def _checked(
+    stage: object, golden: object, other: object, problem: object, mode: object, device: object
+) -> tuple[Stage, Mode, torch.device | None]:
+    """The entry points' arguments, each refused by name when it is not what they compare."""
+    check_type("golden", golden, Trace)
+    check_type("other", other, Trace)
+    check_type("problem", problem, MoEProblem)
+    return (
+        check_enum("stage", stage, Stage),
+        check_enum("mode", mode, Mode),
+        None if device is None else check_device("device", device),
+    )
+
+
 def default_stages(problem: MoEProblem, golden: Trace, other: Trace) -> list[str]:
     """The topology's stages, plus `reduce` when either trace has it."""
     names = list(problem.stages)
@@ -107,6 +130,7 @@ def compare_stage(
 
     device: where to compare (both sides are moved there); the golden's device by default.
     """
+    stage, mode, device = _checked(stage, golden, other, problem, mode, device)
     early = not_compared(stage, golden, other)
     if early is not None:
         return early
@@ -151,6 +175,7 @@ def keyed_values(
     keyed: not run on a side, a shape off the contract, or a live slot whose row lies outside the
     tested tensor (compare reports those as skip/error or a failed check).
     """
+    stage, mode, device = _checked(stage, golden, other, problem, mode, device)
     early = not_compared(stage, golden, other)
     if early is not None:
         raise ContractError(f"{stage} cannot be keyed: {early.reason}")
@@ -178,6 +203,7 @@ def compare(
     ran end to end on its own; it picks the policy rows and which inv_perm keys permuted rows.
     device: where to compare, the golden's device by default (`comparison_device`).
     """
+    _checked(Stage.ROUTE, golden, other, problem, mode, device)
     mode = Mode(mode)
     names = list(stages) if stages is not None else default_stages(problem, golden, other)
     if mode is Mode.CHAINED:  # the tested side's own route: its slots in the golden's order

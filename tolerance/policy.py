@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from moe_verify.spec import Mode, MoEProblem, Stage
+from moe_verify.spec import Mode, MoEProblem, Stage, check_enum, check_type
 
 Kind = Literal["exact", "gemm", "act_quant", "act_quant_values", "gather", "reduce"]
 ANY = "*"
@@ -565,15 +565,13 @@ POLICY: tuple[Rule, ...] = (
 
 
 def comparison_mode(mode: Mode | str) -> Mode:
-    """`mode` as a Mode; a ValueError naming the modes for anything else."""
-    try:
-        return Mode(mode)
-    except ValueError:
-        raise ValueError(f"mode must be one of {[m.value for m in Mode]}, got {mode!r}") from None
+    """`mode` as a Mode; an error naming the argument and the modes for anything else."""
+    return check_enum("mode", mode, Mode)
 
 
 def policy_for(stage: str, problem: MoEProblem, mode: Mode | str = Mode.ISOLATED) -> Check:
     """The Check for one stage of `problem` under comparison `mode` (isolated or chained)."""
+    check_type("problem", problem, MoEProblem)
     mode = comparison_mode(mode)
     recipe, fmt = problem.recipe.value, problem.scale_fmt.value
     best: Rule | None = None

@@ -2,7 +2,9 @@
 
 A wrong type or an absurd size is refused where it enters (a CLI flag, a JSON file, a constructor
 call), with the argument's name, what was expected and what came: never later, as a crash inside a
-kernel or a silent truncation.
+kernel or a silent truncation. Besides values: a type (`check_type`), a device (`check_device`),
+and an output path that must be writable before any work (`check_output_file`,
+`check_output_dir`).
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
+
+import torch
 
 # Bounds of a problem (documented maxima, deliberately above every model vLLM serves: DeepSeek-V3
 # has H=7168, E=256; Llama-405B H=16384; Kimi-K2 E=384). They keep a typo (an extra zero, a size in
@@ -32,6 +38,7 @@ MAX_ALIGNMENT = 1024
 MAX_SEED = (1 << 63) - 1
 
 _E = TypeVar("_E", bound=enum.StrEnum)
+_T = TypeVar("_T")
 
 
 def _got(value: object) -> str:
@@ -92,3 +99,67 @@ def exact_keys(arg: str, d: object, keys: Sequence[str]) -> Mapping[str, Any]:
     if missing:
         raise ValueError(f"{arg}: missing keys {missing} (expected {list(keys)})")
     return d
+
+
+def check_type(arg: str, value: object, typ: type[_T]) -> _T:
+    """`value` is a `typ`: a TypeError naming the argument and what came otherwise (a dict for a
+    MoEProblem would fail later as an AttributeError that names neither)."""
+    if not isinstance(value, typ):
+        raise TypeError(f"{arg}: expected a {typ.__name__}, got {_got(value)}")
+    return value
+
+
+def check_device(arg: str, value: object, *, present: bool = False) -> torch.device:
+    """A device torch parses ('cpu', 'cuda:1', a torch.device) as a torch.device; with `present`,
+    also one this machine has (a tensor can be made there), so a case is not run to the end only
+    for every comparison on 'cuda:7' to fail."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(
+            f"{arg}: expected a device (a torch.device, or a string such as 'cpu' or 'cuda:0'), "
+            f"got {_got(value)}"
+        )
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"{arg}: expected a device such as 'cpu' or 'cuda:0', got {value!r}"
+        ) from None
+    if present and device.type != "meta":
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as exc:  # torch's "not compiled with CUDA" asserts
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"{arg}: device {str(device)!r} is not usable here ({why})") from None
+    return device
+
+
+def check_output_file(arg: str, value: str | os.PathLike[str] | None) -> None:
+    """Before any work: `value` can be written as a file (its directory exists and is writable,
+    and it is not a directory); ValueError naming the argument (a flag such as --json, or a
+    keyword) and the path otherwise."""
+    if value is None:
+        return
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"{arg} {path}: is a directory; expected a file path")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{arg} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{arg} {path}: not writable")
+
+
+def check_output_dir(arg: str, value: str | os.PathLike[str] | None) -> None:
+    """Before any work: `value` can be used as a directory (it is one, or it can be made under
+    its nearest existing ancestor); ValueError naming the argument and the path otherwise."""
+    if value is None:
+        return
+    path = Path(value)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"{existing} is a file"
+        raise ValueError(f"{arg} {path}: {what}; expected a directory")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"{arg} {path}: {existing} is not writable")
