@@ -20,6 +20,7 @@ from moe_verify.spec import GemmRecipe, Mode, Stage
 from tolerance.checks import (
     bound_check,
     bounded_checks,
+    counted,
     fp8_value,
     nonfinite_check,
     shape_fail,
@@ -104,6 +105,7 @@ def rows_in_layout(ctx: Ctx, stage: str, s: Slots, n_rows: int) -> tuple[Slots, 
         f"{count} of {len(s)} live slots sit on rows the {layout} layout {stage} read gives "
         f"no output of theirs; first: {slot_name(ctx, s, i)} -> row {int(s.other_rows[i])}, "
         f"local expert {int(got[i])} there (-1: none), golden local expert {int(want[i])}",
+        beyond={"slots": count},
     )
     return s.select(~bad), result
 
@@ -326,6 +328,7 @@ def tensor_core_checks(
         worst,
         detail,
         recipe=GemmRecipe.TENSOR_CORE.value,
+        beyond=counted(differ, keyed.rows),
     )
     return [bounded[0], verdict]
 
@@ -345,6 +348,7 @@ def act_quant_finite(ctx: Ctx, rows: QuantRows) -> CheckResult:
         passed=False,
         value=finite.value + bad_scales,
         detail=finite.detail + f"; {bad_scales} non-finite scales",
+        beyond={**finite.beyond, "scales": bad_scales},
     )
 
 
@@ -366,6 +370,7 @@ def scale_flips(ctx: Ctx, rows: QuantRows) -> CheckResult:
         ctx.check.limit("scale_flip_frac"),
         worst,
         f"{flips} of {n_groups} live scale groups differ",
+        counted(differ, _LIVE_ROWS, "scale groups"),
     )
 
 
@@ -382,12 +387,14 @@ def scale_step(ctx: Ctx, rows: QuantRows) -> CheckResult:
         worst = dataclasses.replace(
             rows.locate(at[0]), column=at[1] * rows.group, golden=float(sb[at]), other=float(sa[at])
         )
+    limit = ctx.check.limit("scale_step")
     return bound_check(
         "scale step",
         value,
-        ctx.check.limit("scale_step"),
+        limit,
         worst,
         f"largest |s_a - s_b| / min(s_a, s_b) over differing groups: {value:.4g}",
+        counted(~(step <= limit.value), _LIVE_ROWS, "scale groups"),
     )
 
 
@@ -410,19 +417,22 @@ def code_distance(ctx: Ctx, rows: QuantRows) -> CheckResult:
             f"; worst: code 0x{int(qa[at]):02x} vs golden 0x{int(qb[at]):02x} "
             "(dequantized values shown)"
         )
+    limit = ctx.check.limit("code_dist")
     return bound_check(
         "code distance",
         value,
-        ctx.check.limit("code_dist"),
+        limit,
         worst,
         f"max {value:.3g} e4m3 steps (ulps at the coarser scale where a scale flipped){note}",
+        counted(~(dist <= limit.value), _LIVE_ROWS, "codes"),
     )
 
 
 def code_fraction(ctx: Ctx, rows: QuantRows) -> CheckResult:
     """The share of live codes that moved at all."""
     dist = rows.distances
-    moved = int((~(dist == 0)).sum())
+    differ = ~(dist == 0)
+    moved = int(differ.sum())
     total = dist.numel()
     return bound_check(
         "code fraction",
@@ -430,6 +440,7 @@ def code_fraction(ctx: Ctx, rows: QuantRows) -> CheckResult:
         ctx.check.limit("code_frac"),
         None,
         f"{moved} of {total} live codes differ",
+        counted(differ, _LIVE_ROWS, "codes"),
     )
 
 

@@ -50,6 +50,23 @@ def decode_scale(code: int | torch.Tensor, kind: str) -> float | int:
     return code
 
 
+def row_unit(rows: str) -> str:
+    """What one row of a compared [rows, N] tensor counts as in a check's `beyond`: 'slots' for
+    live (token, k) rows, 'tokens' for per-token outputs, else 'rows'."""
+    if "token, k" in rows:
+        return "slots"
+    return "tokens" if "token" in rows else "rows"
+
+
+def counted(mask: torch.Tensor, rows: str, unit: str = "elements") -> dict[str, int]:
+    """A check's `beyond` from a bool [rows, N] mask of what is beyond its bound: the elements,
+    and the rows (slots, tokens) holding one."""
+    out = {unit: int(mask.sum())}
+    if mask.dim() >= 2:
+        out[row_unit(rows)] = int(mask.flatten(1).any(dim=1).sum())
+    return out
+
+
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x[rows] with out-of-range rows clamped (callers mask them): [len(rows), *x.shape[1:]]."""
     if x.shape[0] == 0:
@@ -61,22 +78,54 @@ def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def bound_check(
-    name: str, value: float, limit: Limit, worst: Worst | None, detail: str
+    name: str,
+    value: float,
+    limit: Limit,
+    worst: Worst | None,
+    detail: str,
+    beyond: dict[str, int] | None = None,
 ) -> CheckResult:
-    """value <= limit; the worst coordinates are dropped when nothing differs at all."""
+    """value <= limit; the worst coordinates are dropped when nothing differs at all. `beyond`:
+    how many units exceed the bound, by unit (CheckResult.beyond)."""
     worst = None if value == 0 else worst
     return CheckResult(
-        name, bool(value <= limit.value), value, limit.value, limit.reason, worst, detail
+        name,
+        bool(value <= limit.value),
+        value,
+        limit.value,
+        limit.reason,
+        worst,
+        detail,
+        beyond=beyond or {},
     )
 
 
 def exact_check(
-    name: str, mism: Mismatch, what: str, reason: str, worst: Worst | None, note: str = ""
+    name: str,
+    mism: Mismatch,
+    what: str,
+    reason: str,
+    worst: Worst | None,
+    note: str = "",
+    unit: str = "elements",
+    row_unit: str | None = None,
 ) -> CheckResult:
-    """value = mismatch count, limit 0; detail '<count> of <total> <what><note>'."""
+    """value = mismatch count, limit 0; detail '<count> of <total> <what><note>'. `unit` names
+    what the mismatch counts (codes, slots, rows) and `row_unit` what a row of a 2-D mismatch
+    is (tokens), for the check's `beyond`."""
     detail = f"{mism.count} of {mism.total} {what}{note if mism.count else ''}"
+    beyond = {unit: mism.count}
+    if row_unit is not None and mism.rows is not None:
+        beyond[row_unit] = mism.rows
     return CheckResult(
-        name, mism.count == 0, mism.count, 0, reason, worst if mism.count else None, detail
+        name,
+        mism.count == 0,
+        mism.count,
+        0,
+        reason,
+        worst if mism.count else None,
+        detail,
+        beyond=beyond,
     )
 
 
@@ -117,6 +166,7 @@ def nonfinite_check(
         NONFINITE_REASON,
         worst,
         f"{ctx.name}: {na} NaN, {ia} Inf; golden: {nb} NaN, {ib} Inf (in {a.shape[0]} {rows})",
+        beyond=counted(bad, rows),
     )
 
 
@@ -137,7 +187,7 @@ def per_row_check(
         f"{over} of {a.shape[0]} {rows} beyond max|a-b| <= {limit.value:g} x rowmax|golden|; "
         f"worst row error {float(values[r]):.4g}"
     )
-    return bound_check("per-token", float(values[r]), limit, worst, detail)
+    return bound_check("per-token", float(values[r]), limit, worst, detail, {row_unit(rows): over})
 
 
 def bounded_checks(
@@ -170,6 +220,7 @@ def bounded_checks(
             f"{rtol.reason}; atol: {atol.reason}; outliers: {outliers.reason}",
             worst,
             f"{n_beyond} of {total} elements beyond the bound{note}",
+            beyond=counted(beyond, rows),
         )
     )
     out.append(per_row_check(ctx, a, b, locate, rows))
@@ -196,11 +247,12 @@ def ulp_checks(
             locate(at[0]), column=at[1], golden=py_scalar(b[at]), other=py_scalar(a[at])
         )
         note = ctx.token_note(at[0]) if value > limit.value and worst.rank is not None else ""
-    over = int((ulp > limit.value).sum())
+    over_mask = ulp > limit.value
+    over = int(over_mask.sum())
     detail = (
         f"{over} of {ulp.numel()} elements beyond {limit.value:g} bf16 ulp; max {value} ulp{note}"
     )
-    out.append(bound_check("ulp", value, limit, worst, detail))
+    out.append(bound_check("ulp", value, limit, worst, detail, counted(over_mask, rows)))
     out.append(per_row_check(ctx, a, b, locate, rows))
     return out
 
@@ -225,4 +277,5 @@ def exact_int_vector(
         )
         if index_name is not None:
             note = f"; first: {index_name} {i}: golden {int(g[i])}, {ctx.name} {int(o[i])}"
-    return exact_check(name, mm, what, reason, worst, note)
+    unit = f"{index_name}s" if index_name is not None else "rows"
+    return exact_check(name, mm, what, reason, worst, note, unit=unit)

@@ -175,5 +175,6 @@ def rows_in_range(ctx: Ctx, s: Slots, n_rows: int, what: str) -> tuple[Slots, Ch
         slot_worst(ctx, s, i),
         f"{bad} of {len(s)} live slots map outside {ctx.name} {what} ({n_rows} rows); first: "
         f"{slot_name(ctx, s, i)} -> row {int(s.other_rows[i])}",
+        beyond={"slots": bad},
     )
     return s.select(ok), result

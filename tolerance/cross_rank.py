@@ -22,6 +22,7 @@ def with_ranks_agree(result: StageResult, digests: list[str]) -> StageResult:
         RANKS_AGREE_REASON,
         Worst(rank=differ[0]) if differ else None,
         f"rank(s) {differ} hold other bits than rank 0" if differ else "every rank holds rank 0's",
+        beyond={"ranks": len(differ)},
     )
     status = result.status
     if differ and status is Status.PASS:

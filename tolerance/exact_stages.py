@@ -103,6 +103,7 @@ def route_checks(ctx: Ctx) -> list[CheckResult]:
             ctx.check.reason,
             worst,
             f"{bad_tokens} of {gi.shape[0]} tokens route to a different expert set{note}",
+            beyond={"tokens": bad_tokens},
         )
     )
 
@@ -176,7 +177,7 @@ def _quant_input_bits(ctx: Ctx) -> list[CheckResult]:
             note = f"; first: code 0x{int(oc[t, c]):02x} vs golden 0x{int(gc[t, c]):02x}"
         nan = nan_inf_counts(oc)[0]
         what = f"fp8 codes differ ({nan} NaN codes on {ctx.name})"
-        out.append(exact_check("a1q codes", mm, what, reason, worst, note))
+        out.append(exact_check("a1q codes", mm, what, reason, worst, note, "codes", "tokens"))
 
     hidden = g_q.shape[1]
     group = ctx.problem.recipe.act_group
@@ -197,7 +198,7 @@ def _quant_input_bits(ctx: Ctx) -> list[CheckResult]:
         apart = f", {abs(int(co[t, gi]) - int(cg[t, gi]))} fp32 ulp apart" if kind == "fp32" else ""
         note = f"; first: {other!r} vs golden {golden!r}{apart}"
     what = f"scale groups differ ({group} columns each; compared as {kind} bits)"
-    out.append(exact_check("a1q_scale", mm, what, reason, worst, note))
+    out.append(exact_check("a1q_scale", mm, what, reason, worst, note, "scale groups", "tokens"))
     return out
 
 
@@ -432,9 +433,8 @@ def m_indices_check(ctx: Ctx) -> CheckResult:
             (r,) = mm.first
             worst = Worst(rank=ctx.rank, golden=int(g_full[r]), other=int(o_full[r]), row=r)
             note = f"; first: row {r}: golden {int(g_full[r])}, {ctx.name} {int(o_full[r])}"
-        return exact_check(
-            "m_indices", mm, f"rows' local experts differ ({sizes})", ctx.check.reason, worst, note
-        )
+        what = f"rows' local experts differ ({sizes})"
+        return exact_check("m_indices", mm, what, ctx.check.reason, worst, note, "rows")
     seg, experts = segment
     bad_segments = torch.unique(seg[bad])
     worst, note = None, ""
@@ -449,7 +449,8 @@ def m_indices_check(ctx: Ctx) -> CheckResult:
         )
     mm = Mismatch(bad_segments.numel(), experts + 1, None)
     what = f"expert segments (and the tail) hold other experts or padding ({sizes})"
-    result = exact_check("m_indices", mm, what, ctx.check.reason, worst, note)
+    result = exact_check("m_indices", mm, what, ctx.check.reason, worst, note, "segments")
+    result = replace(result, beyond={"rows": int(bad.sum()), "segments": mm.count})
     n_owned = int(owned.sum())
     if not n_owned:
         return result
@@ -493,7 +494,7 @@ def layouts_agree_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
         worst = Worst(rank=ctx.rank, golden=int(from_ends[r]), other=int(o_m[r]), row=r)
         note = f"; first: row {r}: m_indices {int(o_m[r])}, expert_ends give {int(from_ends[r])}"
     what = f"rows where {ctx.name}'s m_indices and expert_ends disagree"
-    return exact_check("layouts agree", mm, what, ctx.check.reason, worst, note)
+    return exact_check("layouts agree", mm, what, ctx.check.reason, worst, note, "rows")
 
 
 def expert_start_check(ctx: Ctx) -> CheckResult:
@@ -522,7 +523,7 @@ def inv_perm_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
         )
         note = f"; first: {slot_name(ctx, s, i)} -> row {int(rows[i])}, which {why}"
     what = "live slots map to an invalid row"
-    return exact_check("inv_perm", mismatch_of(bad), what, ctx.check.reason, worst, note)
+    return exact_check("inv_perm", mismatch_of(bad), what, ctx.check.reason, worst, note, "slots")
 
 
 def a_perm_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
@@ -573,7 +574,9 @@ def expert_rows_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
             f"{int(got[i])}'s segment, golden local expert {int(expected[i])}"
         )
     what = "live slots sit in another expert's segment"
-    return exact_check("expert rows", mismatch_of(wrong), what, ctx.check.reason, worst, note)
+    return exact_check(
+        "expert rows", mismatch_of(wrong), what, ctx.check.reason, worst, note, "slots"
+    )
 
 
 def padding_m_indices_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
@@ -591,7 +594,9 @@ def padding_m_indices_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
         note = f"; first: row {r} holds {int(o_m[r])}"
     mism = Mismatch(int(bad_pad.sum()), int(pad.sum()), None)
     what = "padding rows (claimed by no live slot) hold neither -1 nor their segment's expert"
-    return exact_check("padding m_indices", mism, what, ctx.check.reason, worst, note)
+    return exact_check(
+        "padding m_indices", mism, what, ctx.check.reason, worst, note, "padding rows"
+    )
 
 
 def padding_scales_check(
@@ -621,7 +626,9 @@ def padding_scales_check(
         want = None if stored.dtype == torch.int32 else 0.0
         worst = Worst(rank=ctx.rank, column=c * group, golden=want, other=other, row=r)
         note = f"; first: row {r}, group {c} holds {other}"
-    return exact_check("padding scales", mism, what, ctx.check.reason, worst, note)
+    return exact_check(
+        "padding scales", mism, what, ctx.check.reason, worst, note, "scales", "padding rows"
+    )
 
 
 def permute_checks(ctx: Ctx) -> list[CheckResult]:
@@ -688,4 +695,5 @@ def _slot_rows_check(
             f"; first: {slot_name(ctx, s, i)} -> {ctx.name} row {int(s.other_rows[i])} vs golden "
             f"row {int(s.gold_rows[i])}: {int(diff[i].sum())} of {diff.shape[1]} {unit} differ"
         )
-    return exact_check(name, mism, "live slots' rows differ", reason, worst, note)
+    result = exact_check(name, mism, "live slots' rows differ", reason, worst, note, "slots")
+    return replace(result, beyond={unit: int(diff.sum()), "slots": mism.count})

@@ -158,4 +158,4 @@ def agreement(
     if total == 0:
         return None
     detail = f"{bad} of {total} {what} differ between {invariance.kind} {label}"
-    return CheckResult(name, bad == 0, bad, 0, invariance.reason, worst, detail)
+    return CheckResult(name, bad == 0, bad, 0, invariance.reason, worst, detail, beyond={what: bad})

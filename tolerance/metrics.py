@@ -8,7 +8,7 @@ thresholds: the policy table holds every tolerance, `compare` decides what to me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,11 +32,13 @@ _FP8_DTYPES = tuple(
 
 @dataclass(frozen=True)
 class Mismatch:
-    """How many elements differ, out of how many, and where the first one is."""
+    """How many elements differ, out of how many, and where the first one is; `rows`: how many
+    rows (first index) hold one, for a mask of two or more dimensions (None otherwise)."""
 
     count: int
     total: int
     first: tuple[int, ...] | None
+    rows: int | None = field(default=None, compare=False)
 
     @property
     def equal(self) -> bool:
@@ -87,8 +89,9 @@ def argmax_coords(x: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def mismatch_of(mask: torch.Tensor) -> Mismatch:
-    """Summarize a bool 'differs' mask: count, total, first coordinates."""
-    return Mismatch(int(mask.sum()), mask.numel(), first_true(mask))
+    """Summarize a bool 'differs' mask: count, total, first coordinates, rows holding one."""
+    rows = int(mask.flatten(1).any(dim=1).sum()) if mask.dim() >= 2 else None
+    return Mismatch(int(mask.sum()), mask.numel(), first_true(mask), rows)
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,7 @@ def with_provenance(result: StageResult, trace: Trace, rank: int) -> StageResult
         PROVENANCE_REASON,
         worst,
         f"{len(wrong)} live slots hold another token's row" + (f": {listed}" if wrong else ""),
+        beyond={"slots": len(wrong)},
     )
     status = result.status if not wrong or result.status is Status.ERROR else Status.FAIL
     return dataclasses.replace(result, checks=[*result.checks, check], status=status)

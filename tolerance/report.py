@@ -262,7 +262,7 @@ class Report:
             stage = f"{stage} [{self.first_failing_mode}]"
         first = result.failed_checks[0] if result.failed_checks else None
         what = (
-            f"{first.name}: {_fmt(first.value)} > {_fmt(first.limit)}"
+            f"{first.name}: {_fmt(first.value)} > {_fmt(first.limit)}{_beyond(first)}"
             if first
             else f"error: {_clip(result.reason, LINE_WIDTH // 2)}"
         )
@@ -456,6 +456,8 @@ def failure_message(
         f"{case_id} [{mode}] stage {stage_label(stage)}, check {check.name}: "
         f"{_fmt(check.value)} > limit {_fmt(check.limit)} ({reason})"
     ]
+    if check.beyond:
+        parts.append(check.beyond_text())
     if check.worst is not None:
         w = check.worst
         row = f", row {w.row}" if w.row is not None else ""
@@ -483,7 +485,7 @@ def concise_failure(mode: str, failing: list[StageResult]) -> str:
     if first.status is Status.ERROR or not checks:
         return _clip(f"{head}: ERROR {first.reason}", LINE_WIDTH)
     check = checks[0]
-    text = f"{head}: {check.name} {_fmt(check.value)} > {_fmt(check.limit)}"
+    text = f"{head}: {check.name} {_fmt(check.value)} > {_fmt(check.limit)}{_beyond(check)}"
     if check.worst is not None:
         w = check.worst
         text += f" at {w.coords()}: golden {_fmt(w.golden)}, other {_fmt(w.other)}"
@@ -501,8 +503,14 @@ def concise_failure(mode: str, failing: list[StageResult]) -> str:
         text += detail
         room -= len(detail)
     named = f"; also {', '.join(others)}" if others else ""
-    text += named if len(named) <= room else also
-    return _clip(text + where, LINE_WIDTH)
+    text += named if len(named) <= room else also if len(also) <= room else ""
+    return _clip(text, LINE_WIDTH - len(where)) + where
+
+
+def _beyond(check: CheckResult) -> str:
+    """', 17 elements in 3 slots beyond' after a failed check's value and limit; '' where the
+    check counts no units."""
+    return f", {check.beyond_text()}" if check.beyond else ""
 
 
 def _once(parts: list[str]) -> list[str]:
@@ -573,6 +581,7 @@ def _results_from_list(items: list[dict[str, Any]] | None) -> list[StageResult] 
                     else Worst(**{k: _from_json_number(v) for k, v in worst.items()}),
                     detail=c["detail"],
                     recipe=c.get("recipe"),
+                    beyond=dict(c.get("beyond") or {}),
                 )
             )
         out.append(

@@ -62,6 +62,21 @@ class CheckResult:
     # The legitimate recipe this check found the tested side implements (or declared); the
     # stage's StageResult.recipe is the first one its checks name.
     recipe: str | None = None
+    # How many units are beyond the check's bound, by unit, finest first: {"elements": 17,
+    # "slots": 3} (for an exact check: how many differ). Empty where the check measures one
+    # number for the whole stage (calc_diff, M_sum, a shape).
+    beyond: dict[str, int] = field(default_factory=dict)
+
+    def beyond_text(self) -> str:
+        """'17 elements in 3 slots beyond', '2 slots beyond' (an exact check: 2 differ); ''
+        where nothing is counted."""
+        if not self.beyond:
+            return ""
+        units = (
+            f"{n} {unit[:-1] if n == 1 and unit.endswith('s') else unit}"
+            for unit, n in self.beyond.items()
+        )
+        return " in ".join(units) + " beyond"
 
 
 @dataclass(frozen=True)

@@ -346,7 +346,10 @@ def test_default_failure_lines_are_one_per_mode_and_stage_and_short(
     assert [line.split(":")[0] for line in lines] == ["[isolated] gemm2", "[chained] gemm2"]
     assert all(len(line) <= LINE_WIDTH for line in lines), [len(line) for line in lines]
     first = lines[0]
-    assert first.startswith("[isolated] gemm2: nan_inf 1 > 0 at (token 2, k 1, expert 2, rank 0")
+    assert first.startswith(
+        "[isolated] gemm2: nan_inf 1 > 0, 1 element in 1 slot beyond at (token 2, k 1, expert 2, "
+        "rank 0"
+    )
     assert "other nan" in first and first.endswith("(docs/tolerance.md#nan-and-inf)")
     assert "always fails" not in "\n".join(lines)  # the reason's text is under -v
 

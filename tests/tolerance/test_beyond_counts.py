@@ -1,0 +1,108 @@
+"""Each failed check counts what lies beyond its bound, beside its worst coordinate: the elements
+(codes, bytes) and the slots (token, k) or tokens holding them. A known number of bad elements is
+planted in a copy of the golden, and the count must be found exactly: in the check, in its
+one-line messages and in the JSON report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_verify.spec import Mode, MoEProblem, Trace
+from tests.tolerance.synthetic import build_golden, clone_trace, slot_row, tiny_problem
+from tolerance import CheckResult, Report, compare
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture
+def problem() -> MoEProblem:
+    return tiny_problem()
+
+
+@pytest.fixture
+def golden(problem: MoEProblem) -> Trace:
+    return build_golden(problem)
+
+
+def _failed(report: Report, stage: str, name: str) -> CheckResult:
+    result = next(r for r in report.isolated or [] if r.stage == stage)
+    return next(c for c in result.failed_checks if c.name == name)
+
+
+def _report(problem: MoEProblem, golden: Trace, other: Trace) -> Report:
+    results = compare(golden, other, problem, mode=Mode.ISOLATED)
+    return Report(problem, "candidate", Mode.ISOLATED, isolated=results)
+
+
+def _in_every_rendering(report: Report, text: str) -> None:
+    assert any(text in line for line in report.failure_messages()), report.failure_messages()
+    assert any(text in line for line in report.failure_lines()), report.failure_lines()
+
+
+def test_a_gemm_counts_the_elements_and_slots_beyond_its_bound(
+    problem: MoEProblem, golden: Trace
+) -> None:
+    other = clone_trace(golden)
+    mm2 = other["gemm2"]["mm2"]
+    planted = {(0, 0): [3, 9], (1, 0): [5], (2, 1): [0, 1, 2]}  # 6 elements in 3 slots
+    for (t, k), cols in planted.items():
+        mm2[slot_row(golden, t, k), cols] += 100.0
+    report = _report(problem, golden, other)
+    assert _failed(report, "gemm2", "elementwise").beyond == {"elements": 6, "slots": 3}
+    assert _failed(report, "gemm2", "per-token").beyond == {"slots": 3}
+    _in_every_rendering(report, "6 elements in 3 slots beyond")
+    line = report.failure_lines()[0]  # beside the worst coordinate
+    assert "elementwise" in line and ", 6 elements in 3 slots beyond at (token " in line
+
+
+def test_nan_counts_the_elements_and_tokens_holding_them(
+    problem: MoEProblem, golden: Trace
+) -> None:
+    other = clone_trace(golden)
+    out = other["gather"]["out"]
+    out[0, [4, 40]] = float("nan")
+    out[2, 7] = float("inf")  # 3 elements in tokens 0 and 2
+    report = _report(problem, golden, other)
+    assert _failed(report, "gather", "nan_inf").beyond == {"elements": 3, "tokens": 2}
+    _in_every_rendering(report, "3 elements in 2 tokens beyond")
+    assert "gather: nan_inf 3 > 0, 3 elements in 2 tokens beyond at (token 0, " in "\n".join(
+        report.failure_lines()
+    )
+
+
+def test_an_exact_check_counts_what_differs(problem: MoEProblem, golden: Trace) -> None:
+    other = clone_trace(golden)
+    a = other["permute"]["a_perm"].view(torch.uint8)
+    a[slot_row(golden, 0, 0), [1, 2, 3]] ^= 1
+    a[slot_row(golden, 2, 1), [10, 20]] ^= 1  # 5 bytes in 2 slots
+    report = _report(problem, golden, other)
+    check = _failed(report, "permute", "a_perm rows")
+    assert (check.value, check.beyond) == (2, {"bytes": 5, "slots": 2})
+    _in_every_rendering(report, "5 bytes in 2 slots beyond")
+    assert report.summary_line().startswith(
+        f"FAIL {problem.id} [candidate, isolated] first failure: permute (a_perm rows: 2 > 0, "
+        "5 bytes in 2 slots beyond) at (token 0, k 0, "
+    )
+
+
+def test_one_of_a_unit_is_singular(problem: MoEProblem, golden: Trace) -> None:
+    other = clone_trace(golden)
+    other["gemm2"]["mm2"][slot_row(golden, 1, 1), 2] += 100.0
+    report = _report(problem, golden, other)
+    assert _failed(report, "gemm2", "elementwise").beyond_text() == "1 element in 1 slot beyond"
+
+
+def test_the_counts_are_in_the_json_and_come_back(problem: MoEProblem, golden: Trace) -> None:
+    other = clone_trace(golden)
+    other["gather"]["out"][1, :3] = float("nan")
+    report = _report(problem, golden, other)
+    data = json.loads(report.to_json())
+    gather = next(r for r in data["isolated"] if r["stage"] == "gather")
+    nan_inf = next(c for c in gather["checks"] if c["name"] == "nan_inf")
+    assert nan_inf["beyond"] == {"elements": 3, "tokens": 1}
+    back = Report.from_dict(data)
+    assert _failed(back, "gather", "nan_inf").beyond == {"elements": 3, "tokens": 1}
+    assert back.to_dict() == report.to_dict()
