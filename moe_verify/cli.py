@@ -113,9 +113,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return list_cases(args)
     check_output_dir("--out", args.out)
     check_output_dir("--plot", args.plot)
-    require_engine(args.engine)
+    from moe_verify.jit_cache import shared_jit_caches
     from moe_verify.sweep import sweep
+    from moe_verify.sweep_pool import default_jobs
 
+    jobs = args.jobs or (1 if args.in_process else default_jobs())
+    if args.in_process and jobs > 1:
+        raise ValueError(
+            f"--jobs {jobs} needs workers: --in-process runs the cases one at a time in this "
+            "process"
+        )
+    shared_jit_caches()  # before require_engine imports DeepGEMM
+    require_engine(args.engine)
     summary = sweep(
         args.preset,
         options=run_options(args),
@@ -123,6 +132,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         isolate=not args.in_process,
         filter_text=args.filter,
         shard=args.shard,
+        jobs=jobs,
     )
     return summary.exit_code
 
@@ -349,14 +359,27 @@ def build_parser() -> argparse.ArgumentParser:
     containment.add_argument(
         "--isolate",
         action="store_true",
-        help="each case in its own subprocess, so a crash or hang ends that case only "
-        "(the default)",
+        help="cases in contained worker processes (--jobs of them), so a crash, an exit or a "
+        "hang ends that case only (the default)",
     )
     containment.add_argument(
         "--in-process",
         action="store_true",
         help="every case in this process: faster to start, but a segfault or an illegal memory "
         "access ends the whole sweep",
+    )
+    from moe_verify.sweep_pool import CPU_JOBS, GPU_JOBS, jobs_arg
+
+    sw.add_argument(
+        "--jobs",
+        type=jobs_arg,
+        default=None,
+        metavar="N",
+        help="N contained workers run cases at once, sharing the GPUs (pinned round robin when "
+        "there are several) and the JIT caches; a case waits while its memory estimate does not "
+        f"fit beside those running. Default: {GPU_JOBS} with a GPU (at least one per GPU; while "
+        "one worker compiles or runs the golden, the others keep the GPU busy), else one per core "
+        f"up to {CPU_JOBS} (the Triton interpreter is CPU-bound); 1 with --in-process",
     )
     sw.add_argument("--filter", default=None, help="only cases whose id contains this text")
     sw.add_argument(

@@ -1,25 +1,26 @@
 """`moe-verify sweep`: a preset (or a given list of cases) with progress, junit XML, JSON and a
 markdown matrix, every case bounded and every crash contained.
 
-By default the cases run in a worker process (moe_verify/sweep_worker.py, in a process group of
-its own) that imports torch, Triton and the backends once and then runs one case after another:
-an illegal memory access, an abort, an exit or a hang ends that case only (the breadcrumb file
-names the stage that was in flight, the worker's log of the case keeps faulthandler's report),
-and a fresh worker takes the next case. A worker also goes after any case that errored, since a
-CUDA error leaves its context unusable and a backend that raised may have left state behind; a
-case that passed or failed a check keeps it. `isolate=False` runs the cases in this process under
-the per-case deadline; that survives a backend that raises, exits or hangs in Python, but not a
-SIGSEGV or an abort, which end the sweep (the summaries of the cases finished before it are on
-disk).
+By default the cases run in contained worker processes, `jobs` of them at once
+(moe_verify/sweep_pool.py): an illegal memory access, an abort, an exit or a hang ends that case
+only (the breadcrumb file names the stage that was in flight, the worker's log of the case keeps
+faulthandler's report), a fresh worker takes that slot's next case, and the other workers go on.
+`isolate=False` runs the cases one at a time in this process under the per-case deadline; that
+survives a backend that raises, exits or hangs in Python, but not a SIGSEGV or an abort, which end
+the sweep (the summaries of the cases finished before it are on disk).
 
-progress.json (the case in flight, the counts), junit.xml and summary.md are rewritten before and
-after every case; summary.json, which holds every case's full report (the nightly's grow to tens
-of MB), at most every SUMMARY_JSON_EVERY_S seconds and when the sweep ends, also by SIGINT or
-SIGTERM (rewriting it after every case made a 354-case sweep quadratic: half its wall time on
-the H200); in process (`isolate=False`, where a kernel's SIGSEGV ends the sweep at once) after
-every case still. Every file is written atomically, so a sweep that is killed leaves valid
-files; one whose worker-mode parent is killed by SIGKILL leaves a summary.json at most that many
-seconds old.
+Whatever the order the cases finish in, every file lists them in case order. progress.json (the
+cases in flight, the counts), junit.xml and summary.md are rewritten whenever a case starts or
+ends; summary.json, which holds every case's full report (the nightly's grow to tens of MB), at
+most every SUMMARY_JSON_EVERY_S seconds and when the sweep ends, also by SIGINT or SIGTERM
+(rewriting it after every case made a 354-case sweep quadratic: half its wall time on the H200);
+in process (`isolate=False`, where a kernel's SIGSEGV ends the sweep at once) after every case
+still. Every file is written atomically, so a sweep that is killed leaves valid files; one whose
+parent is killed by SIGKILL leaves a summary.json at most that many seconds old.
+
+The JIT caches (DeepGEMM's, Triton's, inductor's) that are not set are pointed at one stable
+per-user directory (moe_verify/jit_cache.py) in this process's environment, so every worker, the
+in-process cases and the next sweep share them.
 
 A case is PASS, FAIL (a check failed) or ERROR (it crashed, timed out, a backend raised, or the
 harness failed); the exit code is 0 when every case passed, 2 when any errored, else 1.
@@ -27,18 +28,15 @@ harness failed); the exit code is 0 when every case passed, 2 when any errored, 
 
 from __future__ import annotations
 
-import contextlib
+import bisect
 import dataclasses
 import gc
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,63 +45,43 @@ from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 from moe_verify.cases import preset
 from moe_verify.contain import (
     DEFAULT_CASE_TIMEOUT_S,
-    KILL_GRACE_S,
     CaseTimeout,
-    Completed,
-    kill_group,
-    read_until,
     terminate_as_exit,
     terminated,
     user_interrupted,
     watch_interrupts,
 )
+from moe_verify.jit_cache import shared_jit_caches
 from moe_verify.options import RunOptions, options_of
 from moe_verify.progress import SweepBar
 from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Status
+from moe_verify.sweep_pool import CaseOutcome, check_jobs, run_pool
 
-# The worker protocol's files (moe_verify/sweep_worker.py): the runner's per-stage breadcrumb
-# (the parent points MOE_VERIFY_BREADCRUMB here and clears it after each case), what a worker
-# writes before its first case (a failing import), and each case's outcome and log.
-BREADCRUMB = "breadcrumb.json"
-STARTUP_LOG = "startup.log"
-
-
-def outcome_path(folder: Path, name: str) -> Path:
-    return folder / f"{name}.json"
-
-
-def log_path(folder: Path, name: str) -> Path:
-    return folder / f"{name}.log"
-
-
-# A case in a worker gets this much beyond the case timeout to start a worker (import torch,
-# Triton, CUDA context) and to end a case stuck outside Python (contain.HARD_GRACE_S).
-STARTUP_GRACE_S = 120.0
-# Lines of a crashed case's stderr kept in its junit error: the last ones, or from faulthandler's
-# "Fatal Python error" on (the Python stack of every thread at the crash).
-STDERR_LINES = 60
 SUMMARY_JSON_EVERY_S = 30.0
 # What a sweep runs with when built from keyword arguments: both modes, the CLI's case timeout.
 SWEEP_DEFAULTS = {"mode": "both", "case_timeout_s": DEFAULT_CASE_TIMEOUT_S}
-CRASH_REPORT = "Fatal Python error"
-
-
-@dataclass
-class CaseOutcome:
-    problem: MoEProblem
-    status: Status  # PASS, FAIL or ERROR
-    seconds: float
-    summary: str
-    report: dict | None = None  # Report.to_dict() when the case produced one
-    messages: list[str] = field(default_factory=list)
-    worker: int | None = None  # the pid of the worker process that ran it (None: in process)
 
 
 @dataclass
 class SweepSummary:
-    outcomes: list[CaseOutcome]
+    outcomes: list[CaseOutcome]  # in case order, whatever the order the cases finished in
     total: int = 0  # cases the sweep set out to run (outcomes holds those finished so far)
-    running: str | None = None  # the case in flight when the files were written
+    # The cases in flight when the files were written: index in the sweep -> case id.
+    in_flight: dict[int, str] = field(default_factory=dict)
+    # The index in the sweep of each outcome (parallel to outcomes; empty when built directly).
+    indices: list[int] = field(default_factory=list)
+
+    @property
+    def running(self) -> str | None:
+        """The first case in flight (in case order), or None."""
+        return self.in_flight[min(self.in_flight)] if self.in_flight else None
+
+    def add(self, index: int, outcome: CaseOutcome) -> None:
+        """Record case `index`'s outcome in its place in case order; it is no longer in flight."""
+        at = bisect.bisect(self.indices, index)
+        self.indices.insert(at, index)
+        self.outcomes.insert(at, outcome)
+        self.in_flight.pop(index, None)
 
     def count(self, status: Status) -> int:
         return sum(o.status is status for o in self.outcomes)
@@ -204,185 +182,6 @@ def _error(problem: MoEProblem, start: float, what: str) -> CaseOutcome:
     return CaseOutcome(problem, Status.ERROR, time.perf_counter() - start, line, messages=[line])
 
 
-class _Worker:
-    """One worker child (moe_verify/sweep_worker.py) in a session of its own, its log before the
-    first case in `folder`/STARTUP_LOG."""
-
-    def __init__(self, folder: Path) -> None:
-        # The sweep's bar is the progress; a case's own bar would only bury its log's tail, where
-        # faulthandler leaves the Python stack of a crash.
-        env = dict(
-            os.environ,
-            MOE_VERIFY_BREADCRUMB=str(folder / BREADCRUMB),
-            MOE_VERIFY_PROGRESS="0",
-            PYTHONFAULTHANDLER="1",
-        )
-        cmd = [sys.executable, "-m", "moe_verify.sweep_worker", str(folder)]
-        with open(folder / STARTUP_LOG, "w") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                start_new_session=True,
-            )
-        self.pending = b""  # what it wrote of its next reply
-        self.busy = False  # a case was sent and its reply has not come
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def run(self, request: dict, limit: float | None) -> Completed | None:
-        """Send one case and wait up to `limit` seconds (None: no limit) for it to be done: None
-        when it is; else how the worker ended (it died, or ran out of time and was killed)."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.busy = True
-        try:
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:  # it died between cases; its exit says how
-            return self.end(timed_out=False)
-        end = time.monotonic() + limit if limit else None
-
-        def take(chunk: bytes) -> bool:
-            self.pending += chunk
-            return b"\n" in self.pending
-
-        if b"\n" not in self.pending:
-            ended = read_until(self.proc.stdout.fileno(), end, take)
-            if ended != "done":
-                return self.end(timed_out=ended == "deadline")
-        line, _, self.pending = self.pending.partition(b"\n")
-        self.busy = False
-        if json.loads(line) != {"done": request["name"]}:
-            raise RuntimeError(
-                f"sweep worker {self.pid}: expected the reply {{'done': {request['name']!r}}}, "
-                f"got {line[:200]!r}"
-            )
-        return None
-
-    def end(self, timed_out: bool) -> Completed:
-        """Kill the worker's process group (after it exits by itself, unless it timed out) and
-        say how it ended."""
-        if not timed_out:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(KILL_GRACE_S)
-        kill_group(self.proc)
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-        rc = self.proc.returncode
-        name = signal.Signals(-rc).name if rc < 0 and -rc in signal.valid_signals() else None
-        return Completed(rc, "", "", timed_out, name)
-
-    def close(self) -> None:
-        """EOF ends a worker between cases (its group is killed if it does not go in time); one
-        busy with a case (the sweep was interrupted) is killed at once."""
-        if not self.busy and self.proc.returncode is None and self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        self.end(timed_out=self.busy)
-
-
-class _Isolated:
-    """Runs cases in a worker, started when needed and replaced after any case that errored; the
-    cases' files go to `folder`."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.worker: _Worker | None = None
-        self.cases = 0
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None
-
-    def __call__(self, problem: MoEProblem, options: RunOptions) -> CaseOutcome:
-        start = time.perf_counter()
-        self.cases += 1
-        name = str(self.cases)
-        request = {"name": name, "problem": problem.to_dict(), "options": options.to_dict()}
-        if self.worker is None:
-            self.worker = _Worker(self.folder)
-        worker = self.worker
-        timeout = options.case_timeout_s
-        limit = timeout + STARTUP_GRACE_S if timeout else None
-        done = worker.run(request, limit)
-        seconds = time.perf_counter() - start
-        crumb = self.folder / BREADCRUMB
-        where = crumb.read_text().strip() if crumb.exists() else "before the first stage"
-        crumb.unlink(missing_ok=True)  # the next case's stages write their own
-        if done is None:
-            result = json.loads(outcome_path(self.folder, name).read_text())
-            for path in (outcome_path(self.folder, name), log_path(self.folder, name)):
-                path.unlink(missing_ok=True)  # kept only for a case that crashed its worker
-            outcome = CaseOutcome(
-                problem,
-                Status(result["status"]),
-                seconds,
-                result["summary"],
-                result["report"],
-                result["messages"],
-                worker.pid,
-            )
-            if outcome.status is Status.ERROR:
-                self.close()
-            return outcome
-        self.worker = None  # `run` killed it
-        log = log_path(self.folder, name)
-        if not log.exists():  # it died before it took the case
-            log = self.folder / STARTUP_LOG
-        text = log.read_text(errors="replace")
-        return _crashed(problem, seconds, done, limit, where, text, worker.pid)
-
-
-def _crashed(
-    problem: MoEProblem,
-    seconds: float,
-    done: Completed,
-    limit: float | None,
-    where: str,
-    log: str,
-    worker: int,
-) -> CaseOutcome:
-    """The ERROR of a case whose worker (`worker`, its pid) died or ran out of time: how it
-    ended, the stage in flight, and its log from faulthandler's crash report on (else the log's
-    last lines)."""
-    exit_text = done.exit_text
-    if done.timed_out:
-        exit_text += f" after {limit:g} s (the case timeout plus {STARTUP_GRACE_S:g} s)"
-    lines = log.strip().splitlines()
-    crash = next((i for i, line in enumerate(lines) if line.startswith(CRASH_REPORT)), None)
-    excerpt = lines[crash : crash + STDERR_LINES] if crash is not None else lines[-STDERR_LINES:]
-    summary = f"ERROR {problem.id}: worker {exit_text} while in {where}"
-    if excerpt:
-        summary += f": {excerpt[0] if crash is not None else excerpt[-1]}"
-    detail = [f"{problem.id}: worker {exit_text}", f"in flight: {where}"]
-    if excerpt:
-        detail += ["stderr (crash report):" if crash is not None else "stderr (last lines):"]
-        detail += excerpt
-    return CaseOutcome(problem, Status.ERROR, seconds, summary, messages=detail, worker=worker)
-
-
-@contextlib.contextmanager
-def _runner(isolate: bool) -> Iterator[Callable[..., CaseOutcome]]:
-    """The function that runs one case: in a worker (which never outlives the sweep), or here."""
-    if not isolate:
-        yield run_in_process
-        return
-    with tempfile.TemporaryDirectory(prefix="moe-verify-sweep-") as tmp:
-        isolated = _Isolated(Path(tmp))
-        try:
-            yield isolated
-        finally:
-            isolated.close()
-
-
 def _writable(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -445,16 +244,23 @@ def sweep(
     isolate: bool = True,
     filter_text: str | None = None,
     shard: str | None = None,
+    jobs: int = 1,
     **run: Any,
 ) -> SweepSummary:
     """Run a preset (by name) or the given cases, each as `options` say (moe_verify/options.py
     RunOptions: its case timeout bounds each case, its plot directory gets a heatmap of each
     failing stage); see the module docstring. RunOptions' fields as keyword arguments (the form
     of the call before RunOptions) build the options over SWEEP_DEFAULTS instead. `shard` 'i/n'
-    runs the i-th of n interleaved shards of the chosen cases (`select_cases`). The summaries go
-    to `out_dir`, which must be writable. SIGINT or SIGTERM kill the case in flight and end the
-    sweep (KeyboardInterrupt or SystemExit propagates), the finished cases' summaries already
-    written."""
+    runs the i-th of n interleaved shards of the chosen cases (`select_cases`). `jobs` contained
+    workers run the cases concurrently (moe_verify/sweep_pool.py; `isolate=False` runs one at a
+    time: jobs must then be 1). The summaries go to `out_dir`, which must be writable. SIGINT or
+    SIGTERM kill the cases in flight and end the sweep (KeyboardInterrupt or SystemExit
+    propagates), the finished cases' summaries already written."""
+    check_jobs(jobs)
+    if jobs > 1 and not isolate:
+        raise ValueError(
+            f"jobs: {jobs} workers need isolate=True (in process the cases run one at a time)"
+        )
     options = options_of("sweep", options, run, SWEEP_DEFAULTS)
     options.check_launcher("isolated" if isolate else "none")
     if isolate:  # absolute: the worker writes where asked whatever its directory
@@ -469,6 +275,7 @@ def sweep(
         name = f"{name} shard {shard}"
     out_dir = Path(out_dir)
     _writable(out_dir)
+    shared_jit_caches()
     summary = SweepSummary([], total=len(chosen))
     bar = SweepBar(len(chosen), name)
     last_full = time.monotonic()
@@ -482,16 +289,23 @@ def sweep(
         if full:
             last_full = time.monotonic()
 
+    def started(index: int) -> None:
+        summary.in_flight[index] = chosen[index].id
+        progress()
+
+    def finished(index: int, outcome: CaseOutcome) -> None:
+        summary.add(index, outcome)
+        progress()
+        bar.advance(f"{outcome.seconds:7.1f}s {outcome.summary}")
+
     try:
-        with watch_interrupts(), terminate_as_exit(), _runner(isolate) as run:
-            for problem in chosen:
-                summary.running = problem.id
-                progress()
-                outcome = run(problem, options)
-                summary.outcomes.append(outcome)
-                summary.running = None
-                progress()
-                bar.advance(f"{outcome.seconds:7.1f}s {outcome.summary}")
+        with watch_interrupts(), terminate_as_exit():
+            if isolate:
+                run_pool(chosen, options, jobs, started, finished)
+            else:
+                for index, problem in enumerate(chosen):
+                    started(index)
+                    finished(index, run_in_process(problem, options))
     finally:
         write_summaries(summary, name, out_dir)  # also when SIGINT or SIGTERM ends the sweep
         bar.close()
@@ -507,6 +321,7 @@ def progress_dict(summary: SweepSummary) -> dict:
         "finished": len(summary.outcomes),
         "total": summary.total,
         "running": summary.running,
+        "in_flight": [summary.in_flight[i] for i in sorted(summary.in_flight)],
         "counts": {s.value: summary.count(s) for s in (Status.PASS, Status.FAIL, Status.ERROR)},
     }
 
@@ -582,8 +397,9 @@ def markdown_matrix(summary: SweepSummary, name: str) -> str:
             + " | ".join(cells)
             + f" | {o.seconds:.1f}s |"
         )
-    if summary.running:
-        lines += ["", f"In flight when written: {summary.running}"]
+    if summary.in_flight:
+        running = ", ".join(summary.in_flight[i] for i in sorted(summary.in_flight))
+        lines += ["", f"In flight when written: {running}"]
     failures = [o for o in summary.outcomes if o.status is not Status.PASS]
     if failures:
         lines += ["", "## failures and errors", ""]

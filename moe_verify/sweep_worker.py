@@ -1,5 +1,6 @@
-"""The child side of an isolated sweep (moe_verify/sweep.py): `python -m moe_verify.sweep_worker
-DIR` imports the harness once, then runs the cases its parent sends, one after another.
+"""The child side of an isolated sweep (moe_verify/sweep_pool.py): `python -m
+moe_verify.sweep_worker DIR` imports the harness once, then runs the cases its parent sends, one
+after another.
 
 Protocol, JSON only: the parent writes one line per case to our stdin, {"name", "problem"
 (MoEProblem.to_dict), "options" (RunOptions.to_dict, moe_verify/options.py)}; we run it in
@@ -16,7 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from moe_verify.sweep import log_path, outcome_path, run_in_process, write_atomic
+from moe_verify.sweep import run_in_process, write_atomic
+from moe_verify.sweep_pool import log_path, outcome_path
 
 
 def _log_to(path: Path) -> None:

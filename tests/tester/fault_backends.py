@@ -190,6 +190,30 @@ class LeavesRowUnwritten(OptimizedBackend):
         return out
 
 
+class FaultsBySeed(OptimizedBackend):
+    """gemm1 faults by the case's seed, so one sweep mixes faults across its workers: a case of
+    SEGFAULT_SEED dies of SIGSEGV, HANG_SEED never returns, EXIT_SEED calls exit(0) inside the
+    stage, HARD_EXIT_SEED calls os._exit(0) (the process ends at once with status 0, no Python
+    cleanup: `moe-verify run` cannot survive it, only a sweep's worker contains it); every other
+    case runs normally."""
+
+    name = "faults-by-seed"
+
+    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        if p.seed == SEGFAULT_SEED:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        while p.seed == HANG_SEED:
+            time.sleep(3600)
+        if p.seed == EXIT_SEED:
+            raise SystemExit(0)
+        if p.seed == HARD_EXIT_SEED:
+            os._exit(0)
+        return super().gemm1(p, x, up, rank)
+
+
+SEGFAULT_SEED, HANG_SEED, EXIT_SEED, HARD_EXIT_SEED = 11, 12, 13, 14
+
+
 # class name -> (the case status it must give, the stage it must be blamed on)
 EXPECTED: dict[str, tuple[Status, Stage]] = {
     "RaisesInGemm1": (Status.ERROR, Stage.GEMM1),

@@ -1,0 +1,296 @@
+"""`moe-verify sweep --jobs N` (moe_verify/sweep_pool.py): N contained workers run the cases at
+once. A segfault, a hang past the case timeout, an exit() and an os._exit(0) in concurrent workers
+each end their own case only, as the right ERROR; every other case passes; junit, JSON and the
+markdown list the cases in case order and count them right; and the outcomes are those of one
+worker, case by case. Workers are pinned round robin to the GPUs and held back by the memory gate;
+every worker shares the JIT caches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+import moe_verify.sweep as sweep_module
+from moe_verify import jit_cache, sweep_pool
+from moe_verify.cli import main
+from moe_verify.options import RunOptions
+from moe_verify.preflight import estimate
+from moe_verify.spec import MoEProblem, Status
+from moe_verify.sweep import SweepSummary, sweep
+from moe_verify.sweep_pool import CaseOutcome, Device, run_pool
+from optimized.backend import OptimizedBackend
+from tests.tester.fault_backends import EXIT_SEED, HANG_SEED, HARD_EXIT_SEED, SEGFAULT_SEED
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+# Tiny, with a small alignment so M_sum stays small: a case takes about a second here.
+CASE = MoEProblem(tokens=4, hidden=128, intermediate=128, num_experts=4, topk=2, alignment=32)
+# Healthy cases among the faults, so a worker meets a fault while the other runs a healthy case.
+SEEDS = [0, SEGFAULT_SEED, 1, HANG_SEED, EXIT_SEED, HARD_EXIT_SEED]
+CASES = [CASE.replace(seed=s) for s in SEEDS]
+BACKEND = "tests.tester.fault_backends:FaultsBySeed"
+# Every fault shows in isolated mode; chained mode would only double the time.
+MODE = "isolated"
+# Several times a healthy tiny case's time on a loaded 2-core machine (its worker's start is not
+# counted); the hang runs this long.
+TIMEOUT_S = 10.0
+# seed -> words its ERROR must carry (every fault happens in gemm1)
+FAULT_WORDS = {
+    SEGFAULT_SEED: "killed by SIGSEGV",
+    HANG_SEED: "timed out after 10 s",
+    EXIT_SEED: "exit(0)",
+    HARD_EXIT_SEED: "worker exit 0",
+}
+
+
+def _sweep(jobs: int, out: Path) -> tuple[SweepSummary, list[int]]:
+    """The faulty sweep with `jobs` workers, and how many cases were in flight at each write of
+    the summaries."""
+    in_flight: list[int] = []
+    real = sweep_module.write_summaries
+
+    def counting(summary: SweepSummary, *args: object, **kwargs: object) -> None:
+        in_flight.append(len(summary.in_flight))
+        real(summary, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)  # the workers import the backend by module path
+        mp.setattr(sweep_module, "write_summaries", counting)
+        summary = sweep(
+            CASES, backend=BACKEND, mode=MODE, out_dir=out, case_timeout_s=TIMEOUT_S, jobs=jobs
+        )
+    return summary, in_flight
+
+
+@pytest.fixture(scope="module")
+def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[SweepSummary, list[int], Path]:
+    out = tmp_path_factory.mktemp("jobs2")
+    return (*_sweep(2, out), out)
+
+
+@pytest.fixture(scope="module")
+def one_job(tmp_path_factory: pytest.TempPathFactory) -> SweepSummary:
+    return _sweep(1, tmp_path_factory.mktemp("jobs1"))[0]
+
+
+def test_each_fault_ends_its_own_case_only(two_jobs) -> None:
+    summary, _, _ = two_jobs
+    assert [o.problem.id for o in summary.outcomes] == [c.id for c in CASES]
+    for case, outcome in zip(CASES, summary.outcomes, strict=True):
+        if case.seed not in FAULT_WORDS:
+            assert outcome.status is Status.PASS, outcome.summary
+            continue
+        text = outcome.summary + "\n" + "\n".join(outcome.messages)
+        assert outcome.status is Status.ERROR, outcome.summary
+        assert case.id in outcome.summary and "gemm1" in text, text[-2000:]
+        assert FAULT_WORDS[case.seed] in text, (case.seed, text[-2000:])
+
+
+def test_two_workers_ran_at_once_and_crashed_ones_were_replaced(two_jobs) -> None:
+    summary, in_flight, _ = two_jobs
+    assert max(in_flight) == 2 and in_flight[-1] == 0
+    by_seed = {o.problem.seed: o for o in summary.outcomes}
+    pids = [o.worker for o in summary.outcomes]
+    assert None not in pids
+    # Each fault ends its worker: no case after it runs in the worker it killed.
+    for seed in FAULT_WORDS:
+        dead = by_seed[seed].worker
+        later = [o.worker for o in summary.outcomes[CASES.index(CASE.replace(seed=seed)) + 1 :]]
+        assert dead not in later, (seed, pids)
+
+
+def test_junit_json_and_markdown_count_and_order_the_cases(two_jobs) -> None:
+    summary, _, out = two_jobs
+    ids = [c.id for c in CASES]
+    assert summary.exit_code == 2 and summary.complete and summary.running is None
+    assert summary.count(Status.ERROR) == len(FAULT_WORDS)
+    assert summary.count(Status.PASS) == len(CASES) - len(FAULT_WORDS)
+    suite = ET.parse(out / "junit.xml").getroot()
+    assert suite.get("tests") == str(len(CASES)) and suite.get("failures") == "0"
+    assert suite.get("errors") == str(len(FAULT_WORDS))
+    assert [c.get("name") for c in suite.iter("testcase")] == ids
+    errored = [c.get("name") for c in suite.iter("testcase") if c.find("error") is not None]
+    assert errored == [c.id for c in CASES if c.seed in FAULT_WORDS]
+    data = json.loads((out / "summary.json").read_text())
+    assert [c["id"] for c in data["cases"]] == ids and data["in_flight"] == []
+    assert data["counts"] == {"pass": 2, "fail": 0, "error": 4} and data["exit_code"] == 2
+    rows = [line for line in (out / "summary.md").read_text().splitlines() if "| fp8" in line]
+    assert [r.split("|")[1].strip() for r in rows] == ids
+
+
+def _what(o: CaseOutcome) -> tuple[object, ...]:
+    """What a case's outcome says, less what differs between any two runs (times, pids, the
+    addresses in a crash's stack)."""
+    stages = None if o.report is None else o.report.get("isolated")
+    verdicts = [(r["stage"], r["status"], r["rank"]) for r in stages or []]
+    return o.problem.id, o.status, o.summary.split(": ")[1], verdicts
+
+
+def test_two_jobs_give_one_jobs_outcomes_case_by_case(two_jobs, one_job) -> None:
+    summary, _, _ = two_jobs
+    assert [_what(o) for o in summary.outcomes] == [_what(o) for o in one_job.outcomes]
+    # One worker, replaced after each fault: as many workers as faults (the last fault ends it).
+    assert len({o.worker for o in one_job.outcomes}) == len(FAULT_WORDS)
+
+
+class ReportsItsGpu(OptimizedBackend):
+    """The optimized path, named after the GPU its worker was given."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.name = "gpu-" + os.environ.get("CUDA_VISIBLE_DEVICES", "unpinned")
+
+
+def test_workers_are_pinned_round_robin_and_held_to_each_devices_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two GPUs, three workers: slots 0 and 2 share GPU 0, whose budget holds one case at a time,
+    so at most two cases ever run at once, one per GPU."""
+    monkeypatch.chdir(ROOT)
+    one_case = 1.5 * estimate(CASE).total
+    monkeypatch.setattr(
+        sweep_pool, "devices", lambda: [Device("0", int(one_case)), Device("1", int(one_case))]
+    )
+    cases = [CASE.replace(seed=s) for s in range(4)]
+    options = RunOptions(f"{__name__}:ReportsItsGpu", MODE, case_timeout_s=TIMEOUT_S)
+    running: set[int] = set()
+    most = 0
+    outcomes: dict[int, CaseOutcome] = {}
+
+    def started(index: int) -> None:
+        nonlocal most
+        running.add(index)
+        most = max(most, len(running))
+
+    def finished(index: int, outcome: CaseOutcome) -> None:
+        running.discard(index)
+        outcomes[index] = outcome
+
+    run_pool(cases, options, 3, started, finished)
+    assert sorted(outcomes) == [0, 1, 2, 3] and most == 2
+    assert all(o.status is Status.PASS for o in outcomes.values())
+    # The summary line names the backend: "... [gpu-0, isolated] ..."
+    gpus = {o.summary.split("[")[1].split(",")[0] for o in outcomes.values()}
+    assert gpus == {"gpu-0", "gpu-1"}, [o.summary for o in outcomes.values()]
+
+
+def test_the_cli_runs_a_shard_with_two_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    args = ["sweep", "--preset", "smoke", "--shard", "2/9", "--jobs", "2", "--mode", MODE]
+    assert main([*args, "--engine", "triton", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert len(data["cases"]) == 2 and data["passed"]
+    assert len({c["worker"] for c in data["cases"]}) == 2
+
+
+# -- the arguments ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jobs", [0, -1, True, 2.0, "2", None])
+def test_sweep_refuses_a_bad_jobs_before_any_work(jobs: object, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^jobs: expected an int >= 1"):
+        sweep([CASE], out_dir=tmp_path / "out", jobs=jobs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_jobs_need_isolation(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^jobs: 2 workers need isolate=True"):
+        sweep([CASE], out_dir=tmp_path, isolate=False, jobs=2)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_the_cli_refuses_a_bad_jobs(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:  # argparse's own error
+        main(["sweep", "--preset", "smoke", "--out", str(tmp_path / "out"), "--jobs", value])
+    assert exited.value.code == 2
+    assert f"argument --jobs: expected an int >= 1 (worker processes), got {value!r}" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_refuses_jobs_in_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["sweep", "--out", str(tmp_path / "out"), "--in-process", "--jobs", "2"])
+    assert code == 2
+    assert "--jobs 2 needs workers: --in-process runs" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("gpus", "cpus", "jobs"),
+    [
+        ([], 2, 2),  # the CPU tier's machines: one per core
+        ([], 16, 4),
+        ([], 1, 1),
+        (["0"], 16, 4),  # one H200: four share it
+        (["0", "1"], 32, 4),  # two per GPU
+        ([str(i) for i in range(8)], 128, 8),  # one per GPU
+    ],
+)
+def test_the_default_jobs(
+    gpus: list[str], cpus: int, jobs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sweep_pool, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    assert sweep_pool.default_jobs() == jobs
+
+
+def test_a_devices_memory_gate() -> None:
+    gpu = Device("0", budget=100)
+    assert gpu.fits(500)  # alone on its device a case always starts (its pre-flight decides)
+    gpu.take(60)
+    assert gpu.fits(40) and not gpu.fits(41)
+    gpu.release(60)
+    assert gpu.fits(500) and (gpu.in_flight, gpu.cases) == (0, 0)
+    unknown = Device(None, budget=None)
+    unknown.take(10**15)
+    assert unknown.fits(10**15)
+
+
+def test_a_workers_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "3", "MOE_VERIFY_CACHE_DIR": str(tmp_path)}
+    env = sweep_pool.worker_environment(tmp_path / "w", "1", 4, base)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["PATH"] == "/bin"
+    assert env["OMP_NUM_THREADS"] == "3" and env["OPENBLAS_NUM_THREADS"] == "4"
+    assert env["MOE_VERIFY_BREADCRUMB"] == str(tmp_path / "w" / sweep_pool.BREADCRUMB)
+    assert env["DG_JIT_CACHE_DIR"] == str(tmp_path / "deep_gemm")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    alone = sweep_pool.worker_environment(tmp_path / "w", None, 1, {"PATH": "/bin"})
+    assert "CUDA_VISIBLE_DEVICES" not in alone and "OMP_NUM_THREADS" not in alone
+    assert "DG_JIT_CACHE_DIR" not in base  # the base is not changed
+
+
+def test_the_shared_jit_caches_keep_what_is_set(tmp_path: Path) -> None:
+    env = {"XDG_CACHE_HOME": str(tmp_path), "TRITON_CACHE_DIR": "/mine", "DG_JIT_CACHE_DIR": ""}
+    got = jit_cache.shared_jit_caches(env)
+    root = tmp_path / "moe-verify" / "jit"
+    assert got == {
+        "DG_JIT_CACHE_DIR": str(root / "deep_gemm"),
+        "TRITON_CACHE_DIR": "/mine",
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+    }
+    assert {k: env[k] for k in got} == got and root.is_dir()
+    home = jit_cache.cache_root({})
+    assert home == Path("~/.cache/moe-verify/jit").expanduser()
+
+
+def test_no_shared_jit_caches_where_the_root_cannot_be_made(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    env = {"MOE_VERIFY_CACHE_DIR": str(blocker / "jit"), "TRITON_CACHE_DIR": "/mine"}
+    assert jit_cache.shared_jit_caches(env) == {"TRITON_CACHE_DIR": "/mine"}
+    assert "DG_JIT_CACHE_DIR" not in env and "TORCHINDUCTOR_CACHE_DIR" not in env
