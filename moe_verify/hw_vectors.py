@@ -138,7 +138,9 @@ def versions() -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "deep_gemm": str(status.version) if status.usable else f"unavailable: {status.reason}",
+        "deep_gemm": f"{status.version} ({status.source})"
+        if status.usable
+        else f"unavailable: {status.reason}",
         "date": datetime.date.today().isoformat(),
     }
 

@@ -53,7 +53,11 @@ class Environment:
         except ImportError:
             triton_version = "absent"
         status = deepgemm.probe()
-        dg = str(status.version) if status.usable else f"unusable ({status.reason})"
+        dg = (
+            f"{status.version} ({status.source})"
+            if status.usable
+            else f"unusable ({status.reason})"
+        )
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreter)"
         return Environment(
             datetime.date.today().isoformat(), name, torch.__version__, triton_version, dg

@@ -1,9 +1,14 @@
-"""The only module that imports deep_gemm (lazily): capability probe, engine choice, alignment
-scope, GEMM calls.
+"""The only module that imports deep_gemm (lazily): where DeepGEMM comes from, capability probe,
+engine choice, alignment scope, GEMM calls.
+
+DeepGEMM is found the way vLLM finds it: an installed standalone `deep_gemm` first, else the copy
+vLLM's wheel bundles as `vllm.third_party.deep_gemm` (vLLM 0.33 ships DeepGEMM 2.8.1 there),
+loaded without running vLLM's own __init__; `probe()` says which one, its version and directory.
 
 DeepGEMM is optional. Every entry point says clearly why it cannot run here: deep_gemm missing,
-the unusable PyPI 1.0 package (old API names, no CUDA headers), a version below 2.6, no GPU, or an
-arch that cannot run the recipe (everything UE8M0-packed, per-32 or FP4 is SM100-only).
+the unusable PyPI 1.0 package (old API names, no CUDA headers), a version below 2.6, a copy whose
+extension does not load, no GPU, or an arch that cannot run the recipe (everything UE8M0-packed,
+per-32 or FP4 is SM100-only).
 """
 
 from __future__ import annotations
@@ -11,11 +16,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.machinery
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -69,6 +78,117 @@ class DeepGemmStatus:
     version: str | None = None
     arch_major: int | None = None
     module: ModuleType | None = None
+    # Which DeepGEMM (SOURCES: an installed "standalone" deep_gemm, or vLLM's "vllm-bundled"
+    # copy) and its package directory; None when neither is installed.
+    source: str | None = None
+    location: str | None = None
+
+
+# Where DeepGEMM is found, in the order vLLM 0.33 looks (vllm/utils/deep_gemm.py
+# `_import_deep_gemm`): an installed `deep_gemm` first, then the copy vLLM's wheel bundles.
+STANDALONE, VLLM_BUNDLED = "standalone", "vllm-bundled"
+SOURCES = (STANDALONE, VLLM_BUNDLED)
+BUNDLED_MODULE = "vllm.third_party.deep_gemm"
+_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A DeepGEMM that can be imported, not yet imported: its source (SOURCES), the module name
+    it imports as, its package directory, and the version its __init__.py states (None where it
+    does not state it literally)."""
+
+    source: str
+    name: str
+    location: Path
+    version: str | None
+
+
+def _stated_version(package: Path) -> str | None:
+    """`__version__ = '...'` from the package's __init__.py, read without importing it (vLLM's
+    bundled copy sets it last, after loading its extension: a copy that cannot load still says
+    which it is)."""
+    try:
+        match = _VERSION_LINE.search((package / "__init__.py").read_text(errors="replace"))
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def _package_dir(name: str) -> Path | None:
+    """The directory of the top-level package `name`, found without importing it (None: not
+    installed)."""
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__spec__", None) is None:
+        where = getattr(loaded, "__file__", None)
+        return Path(where).parent if where else None
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(spec.origin).parent if spec.origin else None
+
+
+def find_deepgemm() -> list[Found]:
+    """Every DeepGEMM importable here, in the order they are tried: a standalone `deep_gemm`,
+    then vLLM's bundled `vllm/third_party/deep_gemm` (found through vLLM's package directory,
+    without running vLLM's own __init__)."""
+    found = []
+    standalone = _package_dir("deep_gemm")
+    if standalone is not None:
+        found.append(Found(STANDALONE, "deep_gemm", standalone, _stated_version(standalone)))
+    vllm = _package_dir("vllm")
+    bundled = None if vllm is None else vllm / "third_party" / "deep_gemm"
+    if bundled is not None and (bundled / "__init__.py").is_file():
+        found.append(Found(VLLM_BUNDLED, BUNDLED_MODULE, bundled, _stated_version(bundled)))
+    return found
+
+
+def import_found(found: Found) -> ModuleType:
+    """Import `found`. vLLM's bundled copy is loaded as the package it is, under its own name,
+    from its directory, without running vLLM's top-level __init__ (heavy, and where it fails its
+    DeepGEMM would be lost with it): while it loads, `vllm` and `vllm.third_party` are stand-in
+    module objects (`__path__` their directories), since importing a submodule imports its
+    top-level package; then they are gone, and a later `import vllm` is vLLM's own, finding this
+    same DeepGEMM in sys.modules. Once vLLM itself is imported, the import is an ordinary one. A
+    failure leaves nothing of the package (or the stand-ins) in sys.modules."""
+    if found.source == STANDALONE or found.name in sys.modules or "vllm" in sys.modules:
+        return importlib.import_module(found.name)
+    spec = importlib.util.spec_from_file_location(
+        found.name, found.location / "__init__.py", submodule_search_locations=[str(found.location)]
+    )
+    if spec is None or spec.loader is None:
+        return importlib.import_module(found.name)
+    parents = {"vllm": found.location.parents[1], "vllm.third_party": found.location.parent}
+    stand_ins = {name: _stand_in(name, folder) for name, folder in parents.items()}
+    sys.modules.update(stand_ins)
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[found.name] = package
+    try:
+        spec.loader.exec_module(package)
+    except BaseException:
+        for name in [n for n in sys.modules if n == found.name or n.startswith(found.name + ".")]:
+            del sys.modules[name]
+        raise
+    finally:
+        for name, stand_in in stand_ins.items():
+            if sys.modules.get(name) is stand_in:
+                del sys.modules[name]
+    return package
+
+
+def _stand_in(name: str, folder: Path) -> ModuleType:
+    """A package module object for `name` whose submodules import from `folder`, its own
+    __init__ not run."""
+    stand_in = ModuleType(name, f"stand-in while {BUNDLED_MODULE} loads (optimized/deepgemm.py)")
+    stand_in.__path__ = [str(folder)]
+    stand_in.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    stand_in.__spec__.submodule_search_locations = [str(folder)]
+    return stand_in
 
 
 def _parse_version(text: str) -> tuple[int, ...]:
@@ -79,22 +199,74 @@ def _parse_version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+_INSTALL_HINT = (
+    "install DeepGEMM >= 2.6 from source (github.com/deepseek-ai/DeepGEMM, with its cutlass and "
+    "fmt submodules), or a vLLM whose wheel bundles it (0.33: DeepGEMM 2.8.1)"
+)
+
+
 @functools.cache
 def probe() -> DeepGemmStatus:
-    """Import deep_gemm and check version, API names and the GPU arch (cached)."""
+    """Find DeepGEMM (`find_deepgemm`: standalone first, then vLLM's bundled copy), import it, and
+    check version, API names and the GPU arch (cached). Which one was found, where, and its
+    version are reported even where it cannot run."""
+    found = find_deepgemm()
     major = cc_major()
+    first = found[0] if found else None
+    where = {} if first is None else {"source": first.source, "location": str(first.location)}
     if major is None:
-        return DeepGemmStatus(False, "no CUDA GPU: DeepGEMM runs on SM90/SM100 only")
-    try:
-        dg = importlib.import_module("deep_gemm")
-    except ImportError as exc:
         return DeepGemmStatus(
             False,
-            f"deep_gemm is not installed ({exc}); install DeepGEMM >= 2.6 from source "
-            "(github.com/deepseek-ai/DeepGEMM, with its cutlass and fmt submodules)",
+            "no CUDA GPU: DeepGEMM runs on SM90/SM100 only",
+            None if first is None else first.version,
+            **where,
+        )
+    if not found:
+        return DeepGemmStatus(
+            False,
+            f"deep_gemm is not installed, and no vLLM bundles it; {_INSTALL_HINT}",
             arch_major=major,
         )
-    version = getattr(dg, "__version__", None)
+    missed = []
+    for candidate in found:
+        where = {"source": candidate.source, "location": str(candidate.location)}
+        label = f"{candidate.source} deep_gemm {candidate.version or ''} at {candidate.location}"
+        try:
+            dg = import_found(candidate)
+        except ImportError as exc:  # as vLLM does: the next one is tried
+            missed.append(f"{label}: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - found but cannot load here: that is the answer
+            return DeepGemmStatus(
+                False,
+                f"{label} failed to load: {_why(exc)}",
+                candidate.version,
+                major,
+                **where,
+            )
+        return _check_api(dg, candidate, major)
+    return DeepGemmStatus(
+        False,
+        f"no DeepGEMM imports here ({'; '.join(missed)}); {_INSTALL_HINT}",
+        found[-1].version,
+        major,
+        **where,
+    )
+
+
+def _why(exc: BaseException) -> str:
+    """An exception and what caused it ("OSError: Could not load this library: X (OSError:
+    libc10_cuda.so: cannot open shared object file ...)"): torch's load_library keeps the
+    loader's own reason in the cause."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    return text if cause is None else f"{text} ({type(cause).__name__}: {cause})"
+
+
+def _check_api(dg: ModuleType, found: Found, major: int) -> DeepGemmStatus:
+    """The status of an imported DeepGEMM: its version and API names, and the GPU arch."""
+    where = {"source": found.source, "location": str(found.location)}
+    version = getattr(dg, "__version__", None) or found.version
     missing = [name for name in REQUIRED_API if not hasattr(dg, name)]
     if version is None or _parse_version(version) < MIN_VERSION or missing:
         hint = (
@@ -105,16 +277,24 @@ def probe() -> DeepGemmStatus:
         )
         return DeepGemmStatus(
             False,
-            f"deep_gemm {version or '(no __version__)'} is unusable: need >= "
-            f"{'.'.join(map(str, MIN_VERSION))} with {', '.join(missing) or 'the 2.6 API'}.{hint}",
+            f"deep_gemm {version or '(no __version__)'} ({found.source}, {found.location}) is "
+            f"unusable: need >= {'.'.join(map(str, MIN_VERSION))} with "
+            f"{', '.join(missing) or 'the 2.6 API'}.{hint}",
             version,
             major,
+            **where,
         )
     if major not in (9, 10):
         return DeepGemmStatus(
-            False, f"DeepGEMM supports SM90 and SM100; this GPU is SM{major}x", version, major
+            False,
+            f"DeepGEMM supports SM90 and SM100; this GPU is SM{major}x",
+            version,
+            major,
+            **where,
         )
-    return DeepGemmStatus(True, f"deep_gemm {version} on SM{major}x", version, major, dg)
+    return DeepGemmStatus(
+        True, f"deep_gemm {version} ({found.source}) on SM{major}x", version, major, dg, **where
+    )
 
 
 def module() -> ModuleType:
@@ -515,9 +695,13 @@ def m_grouped_gemm_masked(
     return d
 
 
+# The GEMM is gemm2's of the GPU tiers' shared test shape (N = K = 512, 8 experts:
+# tests/gpu/test_sm90_pipeline.py GPU_SHAPE), so its JIT compile is one the tier needs anyway.
 _PROBE_SCRIPT = """
-import torch, deep_gemm as dg
-g, m, n, k = 1, 128, 256, 256
+import torch
+from optimized.deepgemm import module
+dg = module()
+g, m, n, k = 8, 128, 512, 512
 a = torch.randn(m, k, device='cuda').to(torch.float8_e4m3fn)
 sa = torch.ones(m, k // 128, device='cuda')
 b = torch.randn(g, n, k, device='cuda').to(torch.float8_e4m3fn)
@@ -531,13 +715,17 @@ print('ok')
 
 
 def probe_first_call(timeout_s: float = 300.0) -> tuple[bool, str]:
-    """Run one tiny GEMM in a subprocess, so a crash in DeepGEMM's JIT is reported, not fatal.
+    """Run one tiny GEMM in a subprocess, on the DeepGEMM `probe` finds, so a crash in DeepGEMM's
+    JIT is reported, not fatal.
 
     Known trap: with some builds the first GEMM segfaults inside std::regex (DeepGEMM's include
     parser) from a libstdc++ symbol clash; preloading the system libstdc++ fixes it.
     """
     env = dict(os.environ)
     env.setdefault("CUDA_HOME", "/usr/local/cuda")
+    # The child finds DeepGEMM as this process does (`probe`): through this project.
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE_SCRIPT],
         env=env,
