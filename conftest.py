@@ -1,8 +1,14 @@
-"""Test-suite wiring: markers, arch gating, CPU/interpreter mode, xdist GPU pinning, reports.
+"""Test-suite wiring: markers, arch gating, CPU/interpreter mode, xdist GPU pinning, shared JIT
+caches, reports.
 
 Arch gating lives here and only here: `sm90` means compute capability major == 9 exactly, `sm100`
 major == 10, `multi_gpu` two or more GPUs, `vllm` an importable vLLM (the adapter's tier). Every
 skip carries its reason.
+
+The GPU tiers run as `pytest tests/gpu -m sm90 -n 4`: four xdist workers share one GPU (with
+MOE_VERIFY_NUM_GPUS=N, worker i is pinned to GPU i % N), and every worker points DeepGEMM, Triton
+and inductor at the same JIT caches (moe_verify/jit_cache.py; those of `moe-verify sweep`), so a
+kernel one worker compiled is a cache hit for the others and for the next run (docs/ci.md).
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ if _worker.startswith("gw") and "CUDA_VISIBLE_DEVICES" not in os.environ:
     _gpus = os.environ.get("MOE_VERIFY_NUM_GPUS")
     if _gpus and int(_gpus) > 1:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker[2:]) % int(_gpus))
+
+# Every worker (and the controller, whose environment they inherit) shares the JIT caches; set
+# before anything imports triton or DeepGEMM.
+from moe_verify.jit_cache import shared_jit_caches  # noqa: E402
+
+shared_jit_caches()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -118,6 +118,12 @@ TOPOLOGY: list[MoEProblem] = [
 # formats (tests/gpu/test_sm90_pipeline.py; the nightly preset is moe_verify/nightly.py).
 DSV3_LOCAL: dict[str, Any] = dict(hidden=7168, intermediate=2048, num_experts=32, topk=8)
 QWEN3: dict[str, Any] = dict(hidden=4096, intermediate=1536, num_experts=128, topk=8)
+# H, I and experts of every GPU-tier problem that is not a model's shape: one shape, so DeepGEMM
+# JIT-compiles its GEMMs once for the tier (each new (N, K, experts) is a compile of ~9 s on the
+# H200). Multiples of 128 (DeepGEMM's K blocks); 8 experts on one rank, 4 per rank under ep:2
+# (16 experts: 8 per rank); I_p = 512, at which vLLM's _valid_deep_gemm prefers Triton unless
+# E8M0 is in use.
+GPU_SHAPE: dict[str, Any] = dict(hidden=512, intermediate=512, num_experts=8)
 
 
 def pipeline() -> list[MoEProblem]:
@@ -127,11 +133,12 @@ def pipeline() -> list[MoEProblem]:
             cases.append(P(tokens=tokens, scale_fmt=fmt, **DSV3_LOCAL))
         cases.append(P(tokens=512, scale_fmt=fmt, **QWEN3))
         cases.append(
-            P(tokens=256, hidden=2048, intermediate=256, num_experts=16, topk=4, scale_fmt=fmt)
-        )  # small I: Triton by _valid_deep_gemm unless E8M0
+            P(tokens=256, topk=4, scale_fmt=fmt, **GPU_SHAPE)
+        )  # small I (I_p <= 512): Triton by _valid_deep_gemm unless E8M0
         cases.append(
             P(tokens=300, hidden=3584, intermediate=1024, num_experts=32, topk=4, scale_fmt=fmt)
-        )  # H not a multiple of 1024 (gather BLOCK_D = 512)
+        )  # H = 3584: K not a power-of-two number of 128-blocks through DeepGEMM (28), and a
+        # masked column tail in gather (3.5 tiles of 1024)
     for recipe, fmt in (
         (Recipe.MXFP8, ScaleFmt.UE8M0_PACKED),
         (Recipe.MXFP4_W4A8, ScaleFmt.FLOAT32_CEIL_UE8M0),

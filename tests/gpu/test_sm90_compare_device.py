@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from moe_verify.cases import DSV3_LOCAL
+from moe_verify.cases import DSV3_LOCAL, GPU_SHAPE
 from moe_verify.inputs import make_inputs
 from moe_verify.runner import resolve_backend, run_rank
 from moe_verify.spec import Backend, Mode, MoEProblem, Recipe, ScaleFmt, Trace
@@ -33,15 +33,10 @@ CORRECT = [  # (case, GEMM engine)
     # ^ DeepGEMM; act_quant scales flip between the paths (the fp8_value_distance branch)
     (P(tokens=512, recipe=Recipe.MXFP8, scale_fmt=ScaleFmt.UE8M0_PACKED, **QWEN3_E32), "triton"),
     # ^ packed UE8M0 scales, unpacked on the GPU
-    (
-        P(tokens=64, hidden=2048, intermediate=1024, num_experts=8, topk=2, topology="ep:2+ll"),
-        "auto",
-    ),
-    # ^ the batched layout through the masked DeepGEMM GEMM, read through flatten_batched
-    (
-        P(tokens=200, hidden=1024, intermediate=512, num_experts=8, topk=2, topology="ep:4+ht"),
-        "auto",
-    ),
+    (P(tokens=64, topk=2, topology="ep:2+ll", **GPU_SHAPE), "auto"),
+    # ^ the batched layout, read through flatten_batched (its GEMMs on GPU_SHAPE: no compile of
+    # their own where DeepGEMM runs them)
+    (P(tokens=200, topk=2, topology="ep:4+ht", **{**GPU_SHAPE, "num_experts": 16}), "auto"),
     # ^ received tokens, keyed by route.token_index
 ]
 

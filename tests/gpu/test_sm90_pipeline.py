@@ -4,6 +4,11 @@ Each case runs isolated (every optimized stage fed the golden's inputs) and chai
 must report that DeepGEMM really ran where TritonOrDeepGemm selects it (a path assertion: a
 silent fallback to Triton would otherwise pass). MX recipes run every stage natively with their
 GEMMs on the Triton engine; DeepGEMM's MX GEMMs are SM100-only and are checked to skip with it.
+
+Every new DeepGEMM GEMM shape (N, K, experts) is a JIT compile (about 9 s on the H200), so the
+tests that force DeepGEMM on made-up problems (the masked and grouped layouts, poisoned
+workspaces, the direct calls) all use one small shape, moe_verify/cases.py GPU_SHAPE, as the graph
+and production-op tests do: their kernels compile once for the tier.
 """
 
 from __future__ import annotations
@@ -11,13 +16,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.cases import pipeline
+from moe_verify.cases import GPU_SHAPE, pipeline, preset
 from moe_verify.spec import MoEProblem, Recipe
 from moe_verify.verification import verify
 
 pytestmark = pytest.mark.sm90
 
-CASES = pipeline()
+
+def _size(p: MoEProblem) -> tuple[object, ...]:
+    return (p.tokens, p.hidden, p.intermediate, p.num_experts, p.topk, p.recipe, p.scale_fmt,
+            str(p.topology))  # fmt: skip
+
+
+# The pipeline rows the nightly sweep (moe_verify/nightly.py: DeepSeek-V3 EP8-local at full size,
+# T = 1, 128 and 4096, both SM90 formats) runs at the same size are left to it.
+NIGHTLY_SIZES = {_size(p) for p in preset("nightly")}
+CASES = [p for p in pipeline() if _size(p) not in NIGHTLY_SIZES]
 
 
 def _engines(problem: MoEProblem) -> list[str]:
@@ -105,20 +119,18 @@ def test_first_deepgemm_call_runs_in_a_subprocess() -> None:
 
 
 # DeepEP low-latency layout through DeepGEMM's masked GEMM, from a few rows per batch (T = 20:
-# M_max is the 128-row capacity, MoEProblem.ll_max_tokens) to several blocks.
+# M_max is the 128-row capacity, MoEProblem.ll_max_tokens) to several blocks; four experts per
+# rank (GPU_SHAPE).
 LL_CASES = [
-    MoEProblem(tokens=t, hidden=2048, intermediate=2048, num_experts=16, topk=4, topology="ep:2+ll")
-    for t in (20, 64, 200)
+    MoEProblem(tokens=t, topk=4, topology="ep:2+ll", **GPU_SHAPE) for t in (20, 64, 200)
 ] + [
     MoEProblem(
         tokens=40,
-        hidden=2048,
-        intermediate=1024,
-        num_experts=4,
         topk=2,
         topology="ep:4+ll",
         scale_fmt="float32_ceil_ue8m0",
-    )
+        **{**GPU_SHAPE, "num_experts": 16},
+    )  # four ranks
 ]
 
 
@@ -143,9 +155,7 @@ def test_poisoned_workspaces_agree_with_a_fresh_run(scale_fmt: str) -> None:
     from optimized.backend import OptimizedBackend
     from tolerance.context import live_slots
 
-    problem = MoEProblem(
-        tokens=300, hidden=2048, intermediate=2048, num_experts=16, topk=4, scale_fmt=scale_fmt
-    )
+    problem = MoEProblem(tokens=300, topk=4, scale_fmt=scale_fmt, **GPU_SHAPE)
     inputs = make_inputs(problem, "cuda")
     fresh = OptimizedBackend(engine="deepgemm").run(problem, inputs)
     assert fresh["gemm1"]["engine"] == "deepgemm"
@@ -169,20 +179,28 @@ def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> N
     from optimized import deepgemm
     from optimized.kernels._validate import InvalidKernelInput
 
-    g, m, n, k = 2, 256, 256, 256
-    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
-    sa = torch.ones(m, k // 128, device="cuda")
-    w = QuantizedWeight(
-        torch.randn(g, n, k, device="cuda").to(torch.float8_e4m3fn),
-        torch.ones(g, n // 128, k // 128, device="cuda"),
-        (128, 128),
-    )
+    def operands(g: int, m: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        sa = torch.ones(m, k // 128, device="cuda")
+        w = QuantizedWeight(
+            torch.randn(g, n, k, device="cuda").to(torch.float8_e4m3fn),
+            torch.ones(g, n // 128, k // 128, device="cuda"),
+            (128, 128),
+        )
+        return a, sa, w
+
+    # The GEMMs that run: GPU_SHAPE's gemm2 (N = H, K = I, 8 experts), rows on experts 0 and 1.
+    h, i, experts = GPU_SHAPE["hidden"], GPU_SHAPE["intermediate"], GPU_SHAPE["num_experts"]
+    a1, sa1, w1 = operands(experts, 256, h, i)
     good = torch.tensor([0] * 128 + [1] * 128, dtype=torch.int32, device="cuda")
-    before = deepgemm.m_grouped_gemm(a, sa, 128, w, w.scale, good, 128, use_ue8m0=False)
+    before = deepgemm.m_grouped_gemm(a1, sa1, 128, w1, w1.scale, good, 128, use_ue8m0=False)
     bad = good.clone()
-    bad[200] = g  # an expert id past the weights: DeepGEMM would read outside b
+    bad[200] = experts  # an expert id past the weights: DeepGEMM would read outside b
     with pytest.raises(InvalidKernelInput, match="outside"):
-        deepgemm.m_grouped_gemm(a, sa, 128, w, w.scale, bad, 128, use_ue8m0=False)
+        deepgemm.m_grouped_gemm(a1, sa1, 128, w1, w1.scale, bad, 128, use_ue8m0=False)
+    # The masked calls are refused before launch (nothing compiles): two groups of 128 rows.
+    g, m, n, k = 2, 256, 256, 256
+    a, sa, w = operands(g, m, n, k)
     counts = torch.tensor([3, 129], dtype=torch.int32, device="cuda")
     with pytest.raises(InvalidKernelInput, match="masked_m"):
         deepgemm.m_grouped_gemm_masked(
@@ -198,7 +216,7 @@ def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> N
             20,
             use_ue8m0=False,
         )
-    after = deepgemm.m_grouped_gemm(a, sa, 128, w, w.scale, good, 128, use_ue8m0=False)
+    after = deepgemm.m_grouped_gemm(a1, sa1, 128, w1, w1.scale, good, 128, use_ue8m0=False)
     torch.cuda.synchronize()
     assert bool(before.isfinite().all()) and bool(before.abs().amax() > 0)
     assert torch.equal(after, before), "the same GEMM gave other bits after the refused calls"
@@ -206,26 +224,22 @@ def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> N
 
 # -- the two grouped layouts through DeepGEMM ------------------------------------------------------
 
-# DeepGEMM-sized (I_p > 512, T >= A); each row names the edge it exercises.
+# GPU_SHAPE with T >= A (eight experts on every rank); each row names the edge it exercises.
 LAYOUT_CASES = [
-    MoEProblem(tokens=300, hidden=2048, intermediate=1024, num_experts=16, topk=4),  # fp32
+    MoEProblem(tokens=300, topk=4, **GPU_SHAPE),  # fp32
     MoEProblem(
         tokens=300,
-        hidden=2048,
-        intermediate=1024,
-        num_experts=16,
         topk=4,
         scale_fmt="float32_ceil_ue8m0",
         routing="empty_middle",
+        **GPU_SHAPE,
     ),  # vLLM's SM90 E8M0 format; an empty expert: its psum end is its start
     MoEProblem(
         tokens=200,
-        hidden=2048,
-        intermediate=2048,
-        num_experts=16,
         topk=4,
         topology="ep:2",
         routing="invalid_slots",
+        **{**GPU_SHAPE, "num_experts": 16},
     ),  # remote experts and -1 slots: a long tail past the last segment
 ]
 
@@ -262,8 +276,9 @@ def test_deepgemm_psum_rows_equal_m_indices_rows_and_skip_nan_gaps() -> None:
     from moe_verify.spec import QuantizedWeight
     from optimized import deepgemm
 
-    g, n, k, a_ = 3, 256, 512, 128
-    counts = (100, 0, 130)  # expert 1 empty, expert 2 over one block
+    n, k, a_ = GPU_SHAPE["hidden"], GPU_SHAPE["intermediate"], 128
+    counts = (100, 0, 130, 0, 0, 0, 0, 0)  # expert 1 empty, expert 2 over one block, 3-7 empty
+    g = len(counts)
     ends, m_indices, start = [], [], 0
     for e, c in enumerate(counts):
         ends.append(start + c)
