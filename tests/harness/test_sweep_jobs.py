@@ -229,6 +229,37 @@ def test_the_cli_refuses_jobs_in_process(
 
 
 @pytest.mark.parametrize(
+    ("flags", "jobs", "shard"),
+    [
+        ([], 5, None),  # the machine's default (default_jobs, here stood in for)
+        (["--jobs", "3"], 3, None),
+        (["--in-process"], 1, None),
+        (["--shard", "2/4", "--jobs", "2"], 2, "2/4"),
+    ],
+)
+def test_the_cli_hands_jobs_and_shard_to_the_sweep(
+    flags: list[str],
+    jobs: int,
+    shard: str | None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: dict = {}
+
+    class Summary:
+        exit_code = 0
+
+    def stand_in(preset: str, **kwargs: object) -> Summary:
+        seen.update(kwargs)
+        return Summary()
+
+    monkeypatch.setattr(sweep_module, "sweep", stand_in)
+    monkeypatch.setattr(sweep_pool, "default_jobs", lambda: 5)
+    assert main(["sweep", "--preset", "nightly", "--out", str(tmp_path), *flags]) == 0
+    assert (seen["jobs"], seen["shard"]) == (jobs, shard)
+
+
+@pytest.mark.parametrize(
     ("gpus", "cpus", "jobs"),
     [
         ([], 2, 2),  # the CPU tier's machines: one per core
