@@ -1,7 +1,8 @@
 """The act_quant stage: gated activation (SwiGLU + clamp) on GEMM1's output, then FP8 requant.
 
 vLLM runs one of three kernels here, and they round differently, so the golden models each
-exactly (`ActQuantRecipe`; vLLM 0.32's fp8_utils.py, and csrc activation_kernels.cu):
+exactly (`ActQuantRecipe`; vLLM 0.32's fp8_utils.py, and csrc activation_kernels.cu), and
+LMDeploy a fourth ("colmajor_amax_reciprocal", below):
 - "packed" (`silu_mul_quant_fp8_packed_triton`, UE8M0_PACKED): clamp and activation in fp32,
   ONE bf16 rounding of the product; scale exponent from amax / 448 floored at 1e-10; int32 packed.
 - "colmajor" (`silu_mul_per_token_group_quant_fp8_colmajor`, FLOAT32 and
@@ -32,6 +33,7 @@ from reference.formats import (
     cast_to_fp8,
     ceil_ue8m0,
     pack_ue8m0,
+    quantize_groups_by_amax_reciprocal,
     ue8m0_bytes,
 )
 from reference.gate_table import gate_from_table, gate_table, tabulated_alphas
@@ -145,6 +147,7 @@ _ROUNDING = {
     ActQuantRecipe.COLMAJOR: "colmajor",
     ActQuantRecipe.COLMAJOR_SM90_TRITON: "colmajor",
     ActQuantRecipe.BF16_STEPS: "colmajor",  # bf16(bf16(silu(g)) * u) for plain silu
+    ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL: "colmajor",  # LMDeploy's silu_and_mul: the same
 }
 
 
@@ -278,6 +281,9 @@ def act_quant(
     "colmajor" (FLOAT32 / FLOAT32_CEIL_UE8M0): y = swiglu(rounding="colmajor"),
         `quantize_groups_colmajor`. Returns (a2q fp8 [M, I], fp32 [M, I/group] row-major; the
         kernel's column-major storage holds the same logical values).
+    "colmajor_amax_reciprocal" (FLOAT32 / FLOAT32_CEIL_UE8M0; LMDeploy's silu_and_mul then its
+        `_quant_fp8_kernel` on the bf16 result): y as colmajor's, then
+        `quantize_groups_by_amax_reciprocal`. Scales as colmajor's, amax floored at 1e-6.
     "bf16_steps" (any format; plain silu, group 128): y = bf16(bf16(silu(g))
         * u), which is swiglu(rounding="colmajor") for plain silu, then
         `quantize_groups_bf16_steps`. Scales as colmajor's, or packed with pad bytes 0.
@@ -304,6 +310,9 @@ def act_quant(
     y = swiglu(mm1, activation, rounding, table)
     if recipe is ActQuantRecipe.BF16_STEPS:
         return quantize_groups_bf16_steps(y, group, scale_fmt)
+    if recipe is ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL:
+        q, scale = quantize_groups_by_amax_reciprocal(_groups(y, group), scale_fmt)
+        return q.reshape(y.shape), scale
     if rounding == "packed":
         return quantize_groups_packed(y, group)
     return quantize_groups_colmajor(y, group, scale_fmt)

@@ -278,6 +278,36 @@ _GROUP_SCALES = {
     InputQuantRecipe.TRITON_RECIPROCAL: group_scales_by_reciprocal,
 }
 
+# LMDeploy's quantizer floors amax at this value, in fp32 (Triton promotes the bf16 amax to the
+# fp32 constant in tl.maximum).
+AMAX_RECIPROCAL_FLOOR = 1e-6
+
+
+def quantize_groups_by_amax_reciprocal(
+    groups: Tensor, scale_fmt: ScaleFmt
+) -> tuple[Tensor, Tensor]:
+    """LMDeploy 0.18's `_quant_fp8_kernel` (pytorch/kernels/cuda/blocked_gemm_fp8.py).
+
+    groups: fp32 [..., G, group] (the input's values). Per group:
+        amax = max(max|x|, fp32(1e-6));
+        float32: s = amax * fp32(1/448); q = cast_to_fp8(x * fp32(448 / amax)), a multiply by
+            the correctly rounded quotient 448 / amax, not a division by s (one e4m3 code apart
+            where x / s is near a rounding boundary);
+        ue8m0 formats: s = ceil_ue8m0(amax * fp32(1/448)) (its exponent-bit ceiling), and
+            q = cast_to_fp8(x * (1 / s)), exact since s is a power of two.
+    Returns (q fp8 [..., G, group], s fp32 [..., G]). The GPU's Triton division is approximate
+    (div.full.f32): 448 / amax there may differ by an ulp from the IEEE quotient modelled here.
+    """
+    floor = torch.tensor(AMAX_RECIPROCAL_FLOOR, dtype=torch.float32).item()
+    amax = groups.abs().amax(dim=-1).clamp(min=floor)
+    scale = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
+    if scale_fmt.is_ue8m0:
+        scale = ceil_ue8m0(scale)
+        rscale = 1.0 / scale
+    else:
+        rscale = torch.full_like(amax, FP8_MAX) / amax
+    return cast_to_fp8(groups * rscale.unsqueeze(-1)), scale
+
 
 def quantize_fp8_groups(
     x: Tensor,
@@ -286,7 +316,9 @@ def quantize_fp8_groups(
     eps: float = 1e-10,
     recipe: InputQuantRecipe = InputQuantRecipe.CUDA_DIVISION,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token-group FP8 quantization, by one of vLLM's two quantizers (fp8_utils.py).
+    """Per-token-group FP8 quantization, by one of vLLM's two quantizers (fp8_utils.py) or
+    LMDeploy's (`quantize_groups_by_amax_reciprocal`, which has its own amax floor: eps is
+    vLLM's).
 
     x: bf16/fp16/fp32 [..., M, K], K a multiple of `group`, finite.
     Per group of `group` K elements, in fp32:
@@ -305,11 +337,16 @@ def quantize_fp8_groups(
     scale_fmt = require_scale_fmt(scale_fmt)
     if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
         raise ValueError(f"eps must be a positive finite float, got {eps!r}")
-    if recipe not in _GROUP_SCALES:
-        raise ValueError(f"recipe must be one of {[str(r) for r in _GROUP_SCALES]}, got {recipe!r}")
+    if recipe not in list(InputQuantRecipe):
+        raise ValueError(
+            f"recipe must be one of {[str(r) for r in InputQuantRecipe]}, got {recipe!r}"
+        )
     require_multiple("x", x, group)
     require_finite("x", x)
     xg = _group_view(x.float(), group)
+    if recipe == InputQuantRecipe.AMAX_RECIPROCAL:
+        q, scale = quantize_groups_by_amax_reciprocal(xg, scale_fmt)
+        return q.reshape(x.shape), scale
     amax = xg.abs().amax(dim=-1).clamp(min=eps)
     scale = _GROUP_SCALES[InputQuantRecipe(recipe)](amax, scale_fmt)
     q = cast_to_fp8(xg / scale.unsqueeze(-1))

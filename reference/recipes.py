@@ -19,6 +19,7 @@ from moe_verify.spec import (
     InputQuantRecipe,
     MoEProblem,
     Recipe,
+    ScaleFmt,
     TopologyKind,
 )
 from reference.activation import fused_act_quant_recipe, sm90_triton_recipe
@@ -32,11 +33,15 @@ _BF16_STEPS_GROUP = 128
 def input_quant_recipes(problem: MoEProblem) -> tuple[InputQuantRecipe, ...]:
     """quant_input's recipes, the golden's own first: both of vLLM's 1 x 128 quantizers for
     fp8_block and mxfp4_w4a8 activations in every scale format and topology (the UE8M0 packed
-    variant is the CUDA recipe, and packing is a layout step); none for mxfp8, whose one
-    quantizer (FlashInfer's) has no alternative."""
+    variant is the CUDA recipe, and packing is a layout step), and LMDeploy's (amax_reciprocal)
+    in the fp32 formats it writes; none for mxfp8, whose one quantizer (FlashInfer's) has no
+    alternative."""
     if problem.recipe is Recipe.MXFP8:
         return ()
-    return (InputQuantRecipe.CUDA_DIVISION, InputQuantRecipe.TRITON_RECIPROCAL)
+    vllm = (InputQuantRecipe.CUDA_DIVISION, InputQuantRecipe.TRITON_RECIPROCAL)
+    if problem.scale_fmt is ScaleFmt.UE8M0_PACKED:
+        return vllm
+    return (*vllm, InputQuantRecipe.AMAX_RECIPROCAL)
 
 
 def _plain_silu(activation: Activation) -> bool:
@@ -47,7 +52,8 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     """act_quant's recipes, the golden's own first: the fused Triton kernel of the scale format
     (packed or colmajor); its twin with the gate the H200's Triton computes (packed_sm90_triton /
     colmajor_sm90_triton), where a recorded table applies to the activation (else none, silently:
-    `sm90_triton_recipe`); on the batched low-latency layout (ep:N+ll) also vLLM's CUDA kernel
+    `sm90_triton_recipe`); with fp32 scales LMDeploy's (colmajor_amax_reciprocal); on the
+    batched low-latency layout (ep:N+ll) also vLLM's CUDA kernel
     persistent_masked_m_silu_mul_quant (bf16_steps), which takes plain silu with 128-column
     groups only."""
     fused = fused_act_quant_recipe(problem.scale_fmt)
@@ -55,6 +61,8 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     hardware = sm90_triton_recipe(fused, problem.activation)
     if hardware is not None:
         recipes.append(hardware)
+    if fused is ActQuantRecipe.COLMAJOR:
+        recipes.append(ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL)
     if (
         problem.topology.kind is TopologyKind.EP_LL
         and _plain_silu(problem.activation)

@@ -390,11 +390,12 @@ _EXACT_PERMUTE = Check(
     "exact",
     _COPY + "; m_indices per expert segment (a longer or shorter valid M_sum only adds or drops "
     "tail padding), psum expert_ends exactly and consistent with m_indices; padding rows hold "
-    "m_indices -1, and under the m_indices layout fp32 scales +0.0, because DeepGEMM reads "
-    "m_indices per block and its SM100 packer device-asserts that every fp32 scale it packs is a "
-    "power of two (DG_DEVICE_ASSERT, smxx_layout.cuh; +0.0 passes, torch.empty garbage traps the "
-    "GEMM; psum skips gap rows); the permute runs with its allocations poisoned (0xFF), so "
-    "garbage never passes by luck (docs/tolerance.md#permute-and-padding)",
+    "m_indices -1 or their own segment's expert (DeepGEMM reads a tile's expert from its first "
+    "row), the tail -1; under the m_indices layout the padding scales DeepGEMM's SM100 packer "
+    "reads pass its device assert (UE8M0 fp32: a power of two or +0.0; packed: no 0xFF byte; "
+    "plain fp32 reaches only SM90's per-row scaling, so it is unspecified; psum skips gap rows); "
+    "the permute runs with its allocations poisoned (0xFF), so garbage never passes by luck "
+    "(docs/tolerance.md#permute-and-padding)",
 )
 _CHAINED_OUTPUT = "chained: the gather only scales and sums, so GEMM2's chained noise gets out"
 

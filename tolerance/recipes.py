@@ -150,7 +150,8 @@ def match_recipe(ctx: Ctx, stage: str, compare: Comparer) -> list[CheckResult]:
         note = f"matches recipe {recipe} (of {', '.join(tried)})"
         also = [r for f, d, r, _ in results if not f and d == 0 and r != recipe and distance == 0]
         if also:
-            note += f"; {', '.join(also)} gives the same bits here"
+            verb = "gives" if len(also) == 1 else "give"
+            note += f"; {', '.join(also)} {verb} the same bits here"
     else:
         note = (
             f"no legitimate recipe matches; against the closest, {recipe} "

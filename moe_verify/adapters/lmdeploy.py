@@ -65,8 +65,10 @@ import torch
 from moe_verify.adapters import common
 from moe_verify.adapters.common import AdaptedBackend, Operand
 from moe_verify.spec import (
+    ActQuantRecipe,
     Engine,
     GroupedLayout,
+    InputQuantRecipe,
     MoEInputs,
     MoEProblem,
     MSumRecipe,
@@ -297,7 +299,8 @@ class LmdeployBackend(AdaptedBackend):
             q, s = self.lmd.quant.per_token_group_quant_fp8(
                 hidden, problem.recipe.act_group, scale_fmt=fmt
             )
-        return {"a1q": q, "a1q_scale": s, "kernel": self._kernel("per_token_group_quant_fp8")}
+        out = {"a1q": q, "a1q_scale": s, "kernel": self._kernel("per_token_group_quant_fp8")}
+        return self._declare(out, InputQuantRecipe.AMAX_RECIPROCAL.value)
 
     def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         """DeepEP's count (the suite's here) and the M_sum fused_moe_v3_fp8 allocates:
@@ -382,12 +385,13 @@ class LmdeployBackend(AdaptedBackend):
         with self._device_props():
             self.lmd.activation.silu_and_mul(mm1, down_input)
             q, s = self.lmd.quant.per_token_group_quant_fp8(down_input, problem.recipe.act_group)
-        return {
+        out = {
             "a2q": q,
             "a2q_scale": s,
             "layout": GroupedLayout.M_INDICES.value,
             "kernel": self._kernel("silu_and_mul + per_token_group_quant_fp8"),
         }
+        return self._declare(out, ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL.value)
 
     def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         """ep_gather: each token's weighted sum over its local slots."""

@@ -41,21 +41,28 @@ class MSumRecipe(enum.StrEnum):
 
 
 class InputQuantRecipe(enum.StrEnum):
-    """vLLM's two 1 x 128 input quantizers (docs/tolerance.md#legitimate-recipes;
-    reference/formats.py models both, docs/tolerance.md#quant_input-recipes says where they
-    differ)."""
+    """The 1 x 128 input quantizers engines run (docs/tolerance.md#legitimate-recipes;
+    reference/formats.py models each, docs/tolerance.md#quant_input-recipes says where they
+    differ): vLLM's two and LMDeploy's."""
 
     CUDA_DIVISION = "cuda_division"  # per_token_group_quant.cu: amax / 448, scale floor 1e-10
     TRITON_RECIPROCAL = "triton_reciprocal"  # fp8_utils._per_token_group_quant_fp8: amax * (1/448)
+    # LMDeploy 0.18 blocked_gemm_fp8._quant_fp8_kernel: scale amax * (1/448), amax floored at
+    # 1e-6 in the input's dtype, codes x * (448 / amax) (not x / scale)
+    AMAX_RECIPROCAL = "amax_reciprocal"
 
 
 class ActQuantRecipe(enum.StrEnum):
     """vLLM's three SwiGLU + FP8 requant kernels (docs/tolerance.md#act_quant-recipes;
-    reference/activation.py models each), and the Triton two with the hardware's gate."""
+    reference/activation.py models each), the Triton two with the hardware's gate, and
+    LMDeploy's."""
 
     PACKED = "packed"  # silu_mul_quant_fp8_packed_triton: fp32, one bf16 rounding (UE8M0_PACKED)
     COLMAJOR = "colmajor"  # silu_mul_per_token_group_quant_fp8_colmajor: silu_and_mul's roundings
     BF16_STEPS = "bf16_steps"  # persistent_masked_m_silu_mul_quant (CUDA, LL): every step in bf16
+    # LMDeploy 0.18 (fused_moe_v3_fp8): silu_and_mul's roundings (colmajor's), then its input
+    # quantizer (InputQuantRecipe.AMAX_RECIPROCAL) on the bf16 activations
+    COLMAJOR_AMAX_RECIPROCAL = "colmajor_amax_reciprocal"
     # The two Triton kernels with the gate read from the table recorded on an H200 (Triton 3.6):
     # tl.exp and the approximate division as that GPU computes them (reference/gate_table.py).
     PACKED_SM90_TRITON = "packed_sm90_triton"

@@ -37,6 +37,7 @@ from reference.recipes import act_quant_recipes, input_quant_recipes
 pytestmark = pytest.mark.cpu
 
 CUDA, TRITON = InputQuantRecipe.CUDA_DIVISION, InputQuantRecipe.TRITON_RECIPROCAL
+LMDEPLOY = InputQuantRecipe.AMAX_RECIPROCAL
 FLOAT32, CEIL, PACKED = ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED
 SILU = Activation()
 BF16 = torch.bfloat16
@@ -279,7 +280,10 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
     [
         # every Triton kernel also has its twin with the H200 gate table (alpha 1 is tabulated)
         pytest.param(
-            P, (CUDA, TRITON), ("colmajor", "colmajor_sm90_triton"), id="fp8_block-float32"
+            P,
+            (CUDA, TRITON, LMDEPLOY),
+            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal"),
+            id="fp8_block-float32",
         ),
         pytest.param(
             P.replace(scale_fmt=PACKED),
@@ -296,15 +300,15 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
         # the batched low-latency layout adds vLLM's CUDA kernel for plain silu ...
         pytest.param(
             P.replace(topology="ep:2+ll"),
-            (CUDA, TRITON),
-            ("colmajor", "colmajor_sm90_triton", "bf16_steps"),
+            (CUDA, TRITON, LMDEPLOY),
+            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", "bf16_steps"),
             id="ll",
         ),
         # ... which takes no clamp and no swigluoai
         pytest.param(
             P.replace(topology="ep:2+ll", activation="silu:L7"),
-            (CUDA, TRITON),
-            ("colmajor", "colmajor_sm90_triton"),
+            (CUDA, TRITON, LMDEPLOY),
+            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal"),
             id="ll-clamped",
         ),
     ],
@@ -325,13 +329,19 @@ def test_golden_trace_carries_every_recipe() -> None:
             "a1q": "a1q@triton_reciprocal",
             "a1q_scale": "a1q_scale@triton_reciprocal",
         },
+        "amax_reciprocal": {"a1q": "a1q@amax_reciprocal", "a1q_scale": "a1q_scale@amax_reciprocal"},
     }
     hidden = make_inputs(p).hidden_states
     q, s = quantize_fp8_groups(hidden, 128, FLOAT32, recipe=TRITON)
     assert torch.equal(bits(quant["a1q@triton_reciprocal"]), bits(q))
     act = trace[Stage.ACT_QUANT]
     assert act["recipe"] == "colmajor"
-    assert list(act["recipe_outputs"]) == ["colmajor", "colmajor_sm90_triton", "bf16_steps"]
+    assert list(act["recipe_outputs"]) == [
+        "colmajor",
+        "colmajor_sm90_triton",
+        "colmajor_amax_reciprocal",
+        "bf16_steps",
+    ]
     mm1 = trace[Stage.GEMM1]["mm1"]
     q2, s2 = act_quant(mm1.reshape(-1, mm1.shape[-1]), SILU, 128, FLOAT32, "bf16_steps")
     assert act["a2q@bf16_steps"].shape == act["a2q"].shape == (*mm1.shape[:2], 256)

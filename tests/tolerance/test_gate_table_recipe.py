@@ -47,9 +47,10 @@ class Offer:
     recipes: tuple[ActQuantRecipe, ...]
 
 
+LMD = R.COLMAJOR_AMAX_RECIPROCAL  # LMDeploy's, beside every colmajor rounding
 OFFERS = [
     # plain silu: a table for alpha 1, both Triton roundings get their twin
-    Offer("silu-float32", BASE, (R.COLMAJOR, R.COLMAJOR_SM90_TRITON)),
+    Offer("silu-float32", BASE, (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD)),
     Offer("silu-packed", BASE.replace(scale_fmt="ue8m0_packed"), (R.PACKED, R.PACKED_SM90_TRITON)),
     # gpt-oss swigluoai (alpha 1.702, clamp 7, a bf16 value): tabulated
     Offer(
@@ -58,18 +59,24 @@ OFFERS = [
         (R.PACKED, R.PACKED_SM90_TRITON),
     ),  # fmt: skip
     # an alpha no table was recorded for: the plain recipe only, silently
-    Offer("swigluoai-a1.5", BASE.replace(activation=Activation("swigluoai", 1.5)), (R.COLMAJOR,)),
+    Offer(
+        "swigluoai-a1.5", BASE.replace(activation=Activation("swigluoai", 1.5)), (R.COLMAJOR, LMD)
+    ),
     # packed clamps the gate in fp32: at 7.3 (not a bf16 value) the clamped gate has no entry
     Offer(
         "packed-L7.3", BASE.replace(scale_fmt="ue8m0_packed", activation="silu:L7.3"), (R.PACKED,)
     ),  # fmt: skip
     # colmajor rounds the clamped gate to bf16 first: the table still applies
     Offer(
-        "colmajor-L7.3", BASE.replace(activation="silu:L7.3"), (R.COLMAJOR, R.COLMAJOR_SM90_TRITON)
+        "colmajor-L7.3",
+        BASE.replace(activation="silu:L7.3"),
+        (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD),
     ),  # fmt: skip
     # the low-latency layout: the twin, then vLLM's CUDA kernel (no table: not our kernel)
     Offer(
-        "ll", BASE.replace(topology="ep:2+ll"), (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, R.BF16_STEPS)
+        "ll",
+        BASE.replace(topology="ep:2+ll"),
+        (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD, R.BF16_STEPS),
     ),  # fmt: skip
 ]
 
