@@ -34,7 +34,8 @@ class Expect:
 
 CASES: list[Expect] = [
     Expect(wrong.CountsMissLastSlot, BASE, "align"),  # softmax routing: the last slot is live
-    Expect(wrong.PaddingRowsClaimed, BASE, "permute"),  # padding m_indices hold the expert
+    Expect(wrong.PaddingRowsClaimed, BASE, "permute"),  # the tail past the segments claimed
+    Expect(wrong.ScalesOfTheNextToken, BASE, "permute"),  # every token has its own scales
     Expect(wrong.GatherWeightsReversed, BASE, "gather"),  # top-2 weights differ within a token
     Expect(wrong.GatherScaledTwice, BASE, "gather"),
 ]
@@ -58,3 +59,16 @@ def test_wrong_variant_fails_at_its_stage(expect: Expect, record_report) -> None
     assert culprit.status == "fail", f"{expect.id}: {culprit.label} raised: {culprit.reason}"
     failing = {r.stage for r in report.isolated or [] if r.status.failing}
     assert failing == {expect.stage}, f"isolated mode must blame {expect.stage} alone: {failing}"
+
+
+def test_padding_rows_claimed_fail_at_the_tail_only(record_report) -> None:
+    """PaddingRowsClaimed marks every padding row with its segment's expert, a legitimate
+    convention (docs/tolerance.md#permute-and-padding), and the tail with the last expert, which
+    is not: permute fails on the tail alone and names the accepted convention."""
+    report = record_report(verify(BASE, backend=wrong.PaddingRowsClaimed(), mode="isolated"))
+    (permute,) = [r for r in report.isolated or [] if r.stage == "permute"]
+    assert permute.recipe == "segment_owned_padding", permute
+    failed = {c.name: c for c in permute.failed_checks}
+    assert set(failed) == {"m_indices", "padding m_indices", "layouts agree"}, failed
+    assert "the tail past the segments" in failed["m_indices"].detail
+    assert failed["m_indices"].value == 1  # one bad segment: the tail

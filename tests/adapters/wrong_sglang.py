@@ -37,9 +37,27 @@ class CountsMissLastSlot(SglangBackend):
             return super().align(p, x, up, rank)
 
 
+class ScalesOfTheNextToken(SglangBackend):
+    """permute: ep_scatter copies each token's fp8 row with the scales of the next token (a row
+    offset in the scale loads), so every live row is dequantized with another token's scales."""
+
+    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        ep = self.sglang.ep
+        scatter = ep.ep_scatter
+
+        @functools.wraps(scatter)
+        def shifted(x_, s_, *rest: Any, **kwargs: Any) -> None:
+            return scatter(x_, torch.roll(s_, -1, 0), *rest, **kwargs)
+
+        with mock.patch.object(ep, "ep_scatter", shifted):
+            return super().permute(p, x, up, rank)
+
+
 class PaddingRowsClaimed(SglangBackend):
-    """permute: pad_expert_counts hands ep_scatter the padded counts as the valid ones, so every
-    padding row of a segment is marked with its expert in m_indices instead of -1."""
+    """permute: pad_expert_counts' padded counts handed to ep_scatter as the valid ones. Every
+    padding row of a segment then holds its expert in m_indices: LMDeploy's convention, accepted
+    (segment_owned_padding). But the compact layout's slack past the last segment is claimed too,
+    by the last expert: a tile of it beyond the segment align's counts give it."""
 
     def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         ep = self.sglang.ep
@@ -86,6 +104,7 @@ class GatherScaledTwice(SglangBackend):
 WRONG_VARIANTS: tuple[type[SglangBackend], ...] = (
     CountsMissLastSlot,
     PaddingRowsClaimed,
+    ScalesOfTheNextToken,
     GatherWeightsReversed,
     GatherScaledTwice,
 )
