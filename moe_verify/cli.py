@@ -545,9 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     au.set_defaults(func=cmd_audit_e8m0)
 
-    doc = sub.add_parser(
-        "doctor", help="what this machine can run (torch, GPU, DeepGEMM, the engine adapters)"
-    )
+    doc = sub.add_parser("doctor", help="what this machine can run (GPU, DeepGEMM, adapters)")
     doc.add_argument(
         "--first-call", action="store_true", help="also run one DeepGEMM GEMM in a subprocess"
     )
