@@ -272,6 +272,18 @@ class LmdeployBackend(AdaptedBackend):
         ):
             yield
 
+    def _require_interpretable_quant(self, name: str, columns: int) -> None:
+        """Under the Triton interpreter (3.9) the masked branch of LMDeploy's _quant_fp8_kernel
+        fails ('mask has unsupported dtype', blocked_gemm_fp8.py:87): a CPU limit, not
+        LMDeploy's; it runs only widths that are a multiple of the columns a CTA takes."""
+        if not self.lmd.on_cuda and columns % INTERPRETED_QUANT_COLUMNS:
+            raise StageSkipped(
+                "under the Triton interpreter (3.9) the masked branch of LMDeploy's "
+                "_quant_fp8_kernel fails ('mask has unsupported dtype', blocked_gemm_fp8.py:87): "
+                f"{name} must be a multiple of {INTERPRETED_QUANT_COLUMNS} on a CPU; "
+                f"{name} = {columns}"
+            )
+
     def _tma_aligned(self, scale: torch.Tensor) -> torch.Tensor:
         """DeepGEMM's MN-major TMA-aligned scales, as fused_moe_v3_fp8 hands them to the GEMM."""
         if self.lmd.deep_gemm is None:
@@ -295,6 +307,7 @@ class LmdeployBackend(AdaptedBackend):
         if "token_index" in upstream["route"]:
             hidden = hidden[upstream["route"]["token_index"]]
         fmt = "ue8m0" if problem.scale_fmt.is_ue8m0 else None
+        self._require_interpretable_quant("H", hidden.shape[1])
         with self._device_props():
             q, s = self.lmd.quant.per_token_group_quant_fp8(
                 hidden, problem.recipe.act_group, scale_fmt=fmt
@@ -375,12 +388,7 @@ class LmdeployBackend(AdaptedBackend):
             raise StageSkipped(f"LMDeploy's silu_and_mul is plain silu; not {act}")
         mm1 = upstream["gemm1"]["mm1"]
         rows, width = mm1.shape[0], mm1.shape[1] // 2
-        if not self.lmd.on_cuda and width % INTERPRETED_QUANT_COLUMNS:
-            raise StageSkipped(
-                "under the Triton interpreter (3.9) the masked branch of LMDeploy's "
-                "_quant_fp8_kernel fails ('mask has unsupported dtype', blocked_gemm_fp8.py:87): "
-                f"Ip must be a multiple of {INTERPRETED_QUANT_COLUMNS} on a CPU; Ip = {width}"
-            )
+        self._require_interpretable_quant("Ip", width)
         down_input = torch.empty((rows, width), dtype=torch.bfloat16, device=mm1.device)
         with self._device_props():
             self.lmd.activation.silu_and_mul(mm1, down_input)
@@ -399,8 +407,9 @@ class LmdeployBackend(AdaptedBackend):
         mm2 = upstream["gemm2"]["mm2"]
         if mm2.shape[1] % GATHER_BLOCK_D:
             raise StageSkipped(
-                f"LMDeploy's ep_gather needs H a multiple of {GATHER_BLOCK_D} (BLOCK_D, "
-                f"moe/ep.py:181); H = {mm2.shape[1]}"
+                f"LMDeploy 0.18's ep_gather refuses this shape: it asserts H is a multiple of "
+                f"{GATHER_BLOCK_D} (BLOCK_D, moe/ep.py:181), H = {mm2.shape[1]} "
+                "(docs/implementations.md, finding 7)"
             )
         route = upstream["route"]
         ids = local_ids(route["topk_ids"], self.shard(problem, inputs, rank).expert_map)
