@@ -20,6 +20,7 @@ from moe_verify.verification import verify
 from optimized import op
 from optimized.backend import OptimizedBackend
 from reference import ReferenceBackend
+from reference.formats import dequantize_fp8_blocks
 from tests.tester import field_bugs as fb
 from tolerance.report import Report
 
@@ -129,7 +130,7 @@ def test_poisoned_padding_drives_the_padding_accumulator_to_inf() -> None:
     assert bool((perm["a_perm"].view(torch.uint8)[pad] == FP8_MAX_CODE).all())
     assert bool((perm["a_scale_perm"][pad] == FP32_MAX).all())
     assert torch.equal(perm["a_perm"][~pad], golden["permute"]["a_perm"][~pad])
-    weight = fb.dequantize_fp8_blocks(x.w13_q.q[0], x.w13_q.scale[0], x.w13_q.block)
+    weight = dequantize_fp8_blocks(x.w13_q.q[0], x.w13_q.scale[0], x.w13_q.block)
     acc = accumulators(perm["a_perm"][pad], perm["a_scale_perm"][pad], weight, 128)
     assert bool(torch.isinf(acc).any()) and not bool(torch.isnan(acc).any())
     clean = golden["permute"]
