@@ -12,14 +12,13 @@ four experts keep M_sum, and the interpreter's time, at 512 rows).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from moe_verify.adapters.lmdeploy import LmdeployBackend
 from moe_verify.spec import STAGES, MoEProblem, ScaleFmt
 from moe_verify.verification import verify
 from tests.adapters import wrong_lmdeploy as wrong
+from tests.adapters.expect import Expect
 
 pytestmark = pytest.mark.lmdeploy
 
@@ -29,17 +28,6 @@ BASE = MoEProblem(
 )  # fmt: skip
 # ceil-UE8M0: the correct quant_input passes bit for bit (1/scale is exact)
 CEIL = BASE.replace(scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0)
-
-
-@dataclass(frozen=True)
-class Expect:
-    variant: type[LmdeployBackend]
-    problem: MoEProblem
-    stage: str
-
-    @property
-    def id(self) -> str:
-        return self.variant.__name__
 
 
 CASES: list[Expect] = [

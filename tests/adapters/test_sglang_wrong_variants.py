@@ -3,14 +3,13 @@ must fail verification in isolated mode, at the stage its bug lives in and nowhe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from moe_verify.adapters.sglang import SglangBackend
 from moe_verify.spec import STAGES, MoEProblem, ScaleFmt
 from moe_verify.verification import verify
 from tests.adapters import wrong_sglang as wrong
+from tests.adapters.expect import Expect
 
 pytestmark = pytest.mark.sglang
 
@@ -19,17 +18,6 @@ BASE = MoEProblem(
     tokens=12, hidden=384, intermediate=256, num_experts=8, topk=2,
     scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Expect:
-    variant: type[SglangBackend]
-    problem: MoEProblem
-    stage: str
-
-    @property
-    def id(self) -> str:
-        return self.variant.__name__
 
 
 CASES: list[Expect] = [

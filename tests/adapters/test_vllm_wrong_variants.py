@@ -6,14 +6,13 @@ Each row runs a small case on which its bug is reachable; the comment says why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from moe_verify.adapters.vllm import VllmBackend
 from moe_verify.spec import STAGES, Activation, MoEProblem, Routing, ScaleFmt
 from moe_verify.verification import verify
 from tests.adapters import wrong_vllm as wrong
+from tests.adapters.expect import Expect
 
 pytestmark = pytest.mark.vllm
 
@@ -21,17 +20,6 @@ pytestmark = pytest.mark.vllm
 # segment has padding rows after its live ones.
 BASE = MoEProblem(tokens=12, hidden=384, intermediate=256, num_experts=8, topk=2)
 CEIL, PACKED = ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED
-
-
-@dataclass(frozen=True)
-class Expect:
-    variant: type[VllmBackend]
-    problem: MoEProblem
-    stage: str
-
-    @property
-    def id(self) -> str:
-        return self.variant.__name__
 
 
 CASES: list[Expect] = [
