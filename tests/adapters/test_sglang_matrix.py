@@ -62,6 +62,7 @@ MATRIX: list[MoEProblem] = [
     case(CEIL, "tp:1", Routing.SOFTMAX, tokens=3),  # T*k = 6 < E: tight = min-active
     case(F32, "tp:1", Routing.SOFTMAX, tokens=1, topk=4),  # T = 1, T*k < E
     case(F32, "ep:2", Routing.SOFTMAX, tokens=3),  # T*k < E with an expert range
+    case(CEIL, "tp:1", Routing.SKEW, tokens=4, experts=4, hidden=7168),  # DeepSeek-V3's H
 ]
 
 SGLANG_STAGES = (Stage.ALIGN, Stage.PERMUTE, Stage.GATHER)
