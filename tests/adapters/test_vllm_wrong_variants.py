@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.adapters.vllm import VllmBackend
-from moe_verify.spec import STAGES, Activation, MoEProblem, Routing, ScaleFmt
+from moe_verify.spec import Activation, MoEProblem, Routing, ScaleFmt
 from moe_verify.verification import verify
 from tests.adapters import wrong_vllm as wrong
-from tests.adapters.expect import Expect
+from tests.adapters.expect import Expect, assert_fails_at_its_stage
 
 pytestmark = pytest.mark.vllm
 
@@ -49,25 +48,12 @@ CASES: list[Expect] = [
 ]
 
 
-def _overridden(variant: type[VllmBackend]) -> list[str]:
-    return [s for s in STAGES if s in vars(variant)]
-
-
 def test_every_variant_has_a_case() -> None:
     assert {e.variant for e in CASES} == set(wrong.WRONG_VARIANTS)
 
 
 @pytest.mark.parametrize("expect", CASES, ids=lambda e: e.id)
 def test_wrong_variant_fails_at_its_stage(expect: Expect, record_report) -> None:
-    assert _overridden(expect.variant) == [expect.stage], (
-        f"{expect.id} must override exactly the stage it is expected to fail in"
-    )
+    assert expect.overridden() == [expect.stage]
     report = record_report(verify(expect.problem, backend=expect.variant(), mode="isolated"))
-    assert not report.passed, f"{expect.id} passed verification: {report.summary_line()}"
-    culprit = report.first_failing_result
-    assert culprit is not None and report.first_failure == expect.stage, report.summary_line()
-    assert culprit.status == "fail", (
-        f"{expect.id}: {culprit.label} raised instead of failing a check: {culprit.reason}"
-    )
-    failing = {r.stage for r in report.isolated or [] if r.status.failing}
-    assert failing == {expect.stage}, f"isolated mode must blame {expect.stage} alone: {failing}"
+    assert_fails_at_its_stage(expect, report)
