@@ -15,15 +15,11 @@ import torch
 from moe_verify.spec import Activation, ActQuantRecipe, InputQuantRecipe, ScaleFmt
 from reference.activation import act_quant
 from reference.formats import quantize_fp8_groups
+from tests.reference.engine_data import bits, hidden_states
 
 pytestmark = pytest.mark.lmdeploy
 
 FP32_FORMATS = [ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0]
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
-    return x.view(torch.uint8) if x.dtype.itemsize == 1 else x.view(torch.int32)
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +27,6 @@ def backend():  # noqa: ANN201 - the adapter, for LMDeploy's kernels and its CPU
     from moe_verify.adapters.lmdeploy import LmdeployBackend
 
     return LmdeployBackend()
-
-
-def hidden_states() -> torch.Tensor:
-    """N(0, 1) bf16 [32, 1024] with a zero group, a tiny one (amax 1e-9) and a large row."""
-    x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(0))
-    x[0, :128] = 0.0
-    x[1, 128:256] *= 1e-9
-    x[2] *= 1e3
-    return x.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", FP32_FORMATS, ids=str)

@@ -14,15 +14,11 @@ import torch
 from moe_verify.spec import Activation, ActQuantRecipe, InputQuantRecipe, ScaleFmt
 from reference.activation import act_quant
 from reference.formats import quantize_fp8_groups, unpack_ue8m0
+from tests.reference.engine_data import bits, hidden_states
 
 pytestmark = pytest.mark.vllm
 
 SILU = Activation()
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
-    return x.view(torch.uint8) if x.dtype.itemsize == 1 else x.view(torch.int32)
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +26,6 @@ def fp8_utils():  # noqa: ANN201 - vLLM's module
     from moe_verify.adapters import vllm
 
     return vllm.load().fp8_utils
-
-
-def hidden_states() -> torch.Tensor:
-    """N(0, 1) bf16 [64, 1024] with a zero group, a tiny one (amax 1e-9) and a large row."""
-    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0))
-    x[0, :128] = 0.0
-    x[1, 128:256] *= 1e-9
-    x[2] *= 1e3
-    return x.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", list(ScaleFmt), ids=str)
