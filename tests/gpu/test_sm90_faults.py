@@ -14,6 +14,7 @@ import pytest
 
 from moe_verify.spec import MoEProblem, Status
 from moe_verify.sweep import sweep
+from moe_verify.verification import verify
 from tests.tester.gpu_fault_backends import FAULT_SEED
 
 pytestmark = pytest.mark.sm90
@@ -22,7 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 CASE = MoEProblem(tokens=64, hidden=256, intermediate=256, num_experts=4, topk=2)
 # The faulting case first, so the passing one after it shows the sweep went on.
 CASES = [CASE.replace(seed=FAULT_SEED), CASE]
-TIMEOUT_S = 60.0  # enough for a fresh process's Triton JIT; a hang must end within it
+TIMEOUT_S = 60.0  # a hang must end within it; the compiles are done before (warm_jit_cache)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_jit_cache() -> None:
+    """Compile the cases' Triton kernels once, into the on-disk cache the fresh processes below
+    share, before anything is timed: the timeouts bound the fault, not a cold compile. On a cold
+    H200 under `-n 4` two of the tier's time-bounded tests failed while the same tests passed
+    warm (docs/gpu-results.md, 2026-12-02 afternoon)."""
+    from optimized.backend import OptimizedBackend
+
+    report = verify(CASE, backend=OptimizedBackend(engine="triton"), mode="isolated")
+    assert report.passed, report.summary_line()
 
 
 @pytest.mark.parametrize(
