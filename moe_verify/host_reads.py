@@ -121,6 +121,12 @@ class HostReads:
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[HostReads]:
+        # torch.compile notes torch's functions when torch._dynamo is first imported: imported
+        # under the patch (a first compile in here), it would note the wrappers, and a later
+        # fullgraph compile in this process would fail on torch.where "marked as skipped" (seen
+        # on the H200 when a graph test ran before the tensor-core model in one pytest worker).
+        import torch._dynamo  # noqa: F401
+
         patched: list[tuple[object, str, object]] = []
         try:
             for owner, table in ((torch.Tensor, TENSOR_READS), (torch, TORCH_READS)):
