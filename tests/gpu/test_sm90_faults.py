@@ -45,7 +45,12 @@ def warm_jit_cache() -> None:
         ("KernelHangsInGemm1", "timeout"),
     ],
 )
-def test_a_sweep_contains_a_gpu_fault_and_goes_on(backend: str, words: str, tmp_path: Path) -> None:
+# jobs=2: the two cases run at once in two workers on the one GPU, so the fault in one process
+# must leave the other's case, running beside it, untouched.
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_sweep_contains_a_gpu_fault_and_goes_on(
+    backend: str, words: str, jobs: int, tmp_path: Path
+) -> None:
     start = time.perf_counter()
     summary = sweep(
         CASES,
@@ -54,6 +59,7 @@ def test_a_sweep_contains_a_gpu_fault_and_goes_on(backend: str, words: str, tmp_
         engine="triton",
         out_dir=tmp_path,
         case_timeout_s=TIMEOUT_S,
+        jobs=jobs,
     )
     faulted, passed = summary.outcomes
     assert faulted.status is Status.ERROR and "gemm1" in faulted.summary, faulted.summary
