@@ -15,6 +15,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -1221,12 +1222,9 @@ def _spoiled(path: str, value: float, at: tuple[int, ...] = (0, 0)) -> MoEInputs
 
 
 def _file_path() -> str:
-    """A path under a regular file: no directory can be made there."""
-    import tempfile
-
-    handle = tempfile.NamedTemporaryFile(prefix="moe-verify-bad-input-", delete=False)
-    handle.close()
-    return handle.name + "/dumps"
+    """A path under a regular file (this test module: it always exists and is never written), so
+    no directory can be made there."""
+    return str(Path(__file__).resolve() / "dumps")
 
 
 def _public_api_rows() -> list[Bad]:
