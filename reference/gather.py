@@ -1,11 +1,14 @@
 """Un-permute and reduce over top-k: the weighted fp32 gather with one final rounding, as vLLM's
-`ep_gather` (fused_moe/deep_gemm_utils.py) computes it."""
+`ep_gather` (fused_moe/deep_gemm_utils.py) computes it, each step rounded as the recipe says
+(moe_verify.spec.GatherRecipe: the product and the sum rounded apart, or one FMA)."""
 
 from __future__ import annotations
 
 import torch
 
+from moe_verify.spec import GatherRecipe
 from reference.layout import local_expert_ids
+from reference.tensor_core import fma_fp32
 from reference.validate import require, require_tensor
 
 
@@ -15,11 +18,20 @@ def gather(
     topk_weights: torch.Tensor,
     inv_perm: torch.Tensor,
     expert_map: torch.Tensor | None = None,
+    recipe: GatherRecipe = GatherRecipe.MUL_ADD,
 ) -> torch.Tensor:
     """out[t] = bf16( Σ_k over live slots, k ascending, fp32(mm2[inv_perm[t,k]]) · w[t,k] ).
 
     A slot is live when its (mapped) expert id is >= 0. Tokens with no live slot are exact zeros.
+    Each step is acc = fl(acc + fl(x · w)) (MUL_ADD) or acc = fma(x, w, acc) (FMA) in fp32.
     """
+    require(
+        recipe in list(GatherRecipe),
+        "recipe",
+        f"one of {[str(r) for r in GatherRecipe]}",
+        repr(recipe),
+    )
+    recipe = GatherRecipe(recipe)
     require_tensor("topk_weights", topk_weights, (torch.float32,), 2)
     require(
         topk_weights.shape == topk_ids.shape == inv_perm.shape,
@@ -35,6 +47,10 @@ def gather(
         return acc.to(torch.bfloat16)
     for k in range(topk):  # fixed k order: the kernel's fp32 summation order
         rows = inv_perm[:, k].long().clamp(min=0)
-        term = mm2[rows].float() * topk_weights[:, k].float().unsqueeze(1)
-        acc += torch.where(live[:, k].unsqueeze(1), term, torch.zeros_like(term))
+        x, w = mm2[rows].float(), topk_weights[:, k].float().unsqueeze(1)
+        if recipe is GatherRecipe.FMA:
+            step = fma_fp32(x, w.expand_as(x), acc)
+        else:
+            step = acc + x * w
+        acc = torch.where(live[:, k].unsqueeze(1), step, acc)
     return acc.to(torch.bfloat16)

@@ -43,7 +43,12 @@ from reference.layout import (
     permute_plan,
     permute_rows,
 )
-from reference.recipes import act_quant_recipes, input_quant_recipes, recipe_outputs
+from reference.recipes import (
+    act_quant_recipes,
+    gather_recipes,
+    input_quant_recipes,
+    recipe_outputs,
+)
 from reference.tensor_core import tensor_core_grouped_gemm, tensor_core_masked_gemm
 from reference.topology import (
     Shard,
@@ -363,24 +368,23 @@ class ReferenceBackend:
         return result
 
     def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        local = self.shard(p, x, rank)
+        """The weighted fp32 sum per token, once per legitimate recipe (gather_recipes)."""
         route = up["route"]
         if "dispatch" in up:  # LL combine: the same weighted fp32 sum over the batched rows
             mm2 = up["gemm2"]["mm2"]
             d = up["dispatch"]
             rows = torch.where(d["slot"] >= 0, d["slot_expert"] * mm2.shape[1] + d["slot"], -1)
-            out = gather(
-                mm2.reshape(-1, mm2.shape[-1]), d["slot_expert"], route["topk_weights"], rows
+            args = (mm2.reshape(-1, mm2.shape[-1]), d["slot_expert"], route["topk_weights"], rows)
+        else:
+            args = (
+                up["gemm2"]["mm2"],
+                route["topk_ids"],
+                route["topk_weights"],
+                up["permute"]["inv_perm"],
+                self.shard(p, x, rank).expert_map,
             )
-            return {"out": out}
-        out = gather(
-            up["gemm2"]["mm2"],
-            route["topk_ids"],
-            route["topk_weights"],
-            up["permute"]["inv_perm"],
-            local.expert_map,
-        )
-        return {"out": out}
+        by_recipe = {r: (gather(*args, recipe=r),) for r in gather_recipes(p)}
+        return recipe_outputs(by_recipe, ("out",))
 
     def shared(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
         """The shared experts: a dense gated MLP over every token (weight 1), this rank's shard

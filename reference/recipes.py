@@ -16,6 +16,7 @@ from torch import Tensor
 from moe_verify.spec import (
     Activation,
     ActQuantRecipe,
+    GatherRecipe,
     InputQuantRecipe,
     MoEProblem,
     Recipe,
@@ -24,7 +25,7 @@ from moe_verify.spec import (
 )
 from reference.activation import fused_act_quant_recipe, sm90_triton_recipe
 
-__all__ = ["act_quant_recipes", "input_quant_recipes", "recipe_outputs"]
+__all__ = ["act_quant_recipes", "gather_recipes", "input_quant_recipes", "recipe_outputs"]
 
 # The one act_quant group size the low-latency CUDA kernel takes.
 _BF16_STEPS_GROUP = 128
@@ -70,6 +71,12 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     ):
         recipes.append(ActQuantRecipe.BF16_STEPS)
     return tuple(recipes)
+
+
+def gather_recipes(problem: MoEProblem) -> tuple[GatherRecipe, ...]:
+    """gather's recipes, the golden's own first: the product and the sum rounded apart (mul_add),
+    and one FMA per step (fma), as a GPU compiles `acc += x * w`; both apply to every problem."""
+    return (GatherRecipe.MUL_ADD, GatherRecipe.FMA)
 
 
 def recipe_outputs(

@@ -494,13 +494,26 @@ def act_quant_against(ctx: Ctx) -> tuple[list[CheckResult], float]:
 # Per-token outputs -------------------------------------------------------------------------------
 
 
+def gather_against(ctx: Ctx) -> tuple[list[CheckResult], float]:
+    """gather's checks against the golden of `ctx` (one recipe's outputs), and how many live
+    elements differ from it bit for bit."""
+    keyed = token_rows(ctx, Stage.GATHER)
+    if isinstance(keyed, CheckResult):
+        return [keyed], float("inf")
+    checks = ulp_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)
+    return checks, float((keyed.other != keyed.golden).sum())
+
+
 def token_output_checks(ctx: Ctx, stage: str) -> list[CheckResult]:
-    """gather / shared / reduce: out [M, H] per element and per token."""
+    """gather / shared / reduce: out [M, H] per element and per token; the gather against its
+    legitimate recipes (reference/recipes.py gather_recipes)."""
+    kind = ctx.check.kind
+    if kind == "gather" and stage == Stage.GATHER:
+        return match_recipe(ctx, stage, gather_against)
     keyed = token_rows(ctx, stage)
     if isinstance(keyed, CheckResult):
         return [keyed]
-    kind = ctx.check.kind
-    if kind == "gather":
+    if kind == "gather":  # the shared experts held bit for bit (SHARED_BITWISE)
         return ulp_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)
     if kind in ("gemm", "reduce"):
         return bounded_checks(ctx, keyed.other, keyed.golden, keyed.locate, keyed.rows)

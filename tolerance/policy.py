@@ -233,7 +233,7 @@ SHARED_BITWISE = _bitwise_output(
 )
 GATHER_BITWISE = _bitwise_output(
     "chained against the golden's SM90 chain: the same mm2 bits and route weights, summed in the "
-    "same k order with separate fp32 multiply and add, rounded once"
+    "same k order with the recipe's fp32 steps (mul_add or fma), rounded once"
 )
 
 

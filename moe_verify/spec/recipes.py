@@ -69,6 +69,19 @@ class ActQuantRecipe(enum.StrEnum):
     COLMAJOR_SM90_TRITON = "colmajor_sm90_triton"
 
 
+class GatherRecipe(enum.StrEnum):
+    """How the gather's fp32 weighted sum rounds each step (docs/tolerance.md#gather-recipes):
+    the same sum in k order either way, one final rounding to bf16."""
+
+    # acc = fl(acc + fl(x * w)): the product rounded, then the sum (a kernel compiled without
+    # FMA contraction, as the suite's own; the Triton interpreter; eager torch)
+    MUL_ADD = "mul_add"
+    # acc = fma(x, w, acc), one rounding: `acc += x * w` in a Triton kernel compiled for a GPU
+    # with Triton's default enable_fp_fusion=True (vLLM's ep_gather, SGLang's
+    # post_reorder_deepgemm, LMDeploy's ep_gather)
+    FMA = "fma"
+
+
 class GemmRecipe(enum.StrEnum):
     """What a GEMM stage's live rows are held to (docs/tolerance.md#legitimate-recipes,
     docs/tolerance.md#zero-tolerance-on-sm90)."""

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import ActQuantRecipe, InputQuantRecipe, Mode, MoEProblem, Stage, Status
+from moe_verify.spec import (
+    ActQuantRecipe,
+    GatherRecipe,
+    InputQuantRecipe,
+    Mode,
+    MoEProblem,
+    Stage,
+    Status,
+)
+from reference.gather import gather
 from reference.moe import ReferenceBackend
 from tests.tolerance.synthetic import clone_trace, replace_stage
 from tolerance.compare import compare_stage
@@ -224,3 +233,66 @@ def test_chained_copy_stage_follows_the_matched_quantizer(problem: MoEProblem) -
     result = compare_stage(stage, g, stale, problem, mode=Mode.CHAINED)
     assert result.status is Status.FAIL
     assert {c.name for c in result.failed_checks} >= {"a_perm rows", "a_scale_perm rows"}
+
+
+# -- gather ------------------------------------------------------------------------------------
+
+MUL_ADD, FMA = GatherRecipe.MUL_ADD.value, GatherRecipe.FMA.value
+
+
+@functools.cache
+def cancelling(problem: MoEProblem) -> object:
+    """The golden trace with each token's second slot's mm2 row set to cancel its first
+    (x1 = bf16(-x0 * w0 / w1)), so the sums are tiny residues: where `acc += x * w` rounds the
+    product (mul_add) or not (fma) then decides many bf16 ulps of the result, as on the H200 with
+    SGLang's gather (docs/tolerance.md#gather-recipes). The gather recomputed by the golden."""
+    g = clone_trace(golden(problem))
+    inv, w = g[Stage.PERMUTE]["inv_perm"].long(), g[Stage.ROUTE]["topk_weights"]
+    mm2 = g[Stage.GEMM2]["mm2"].clone()
+    mm2[inv[:, 1]] = (-mm2[inv[:, 0]].float() * w[:, :1] / w[:, 1:2]).to(mm2.dtype)
+    g = replace_stage(g, Stage.GEMM2, {**g[Stage.GEMM2], "mm2": mm2})
+    outs = ReferenceBackend().gather(problem, make_inputs(problem), g, 0)
+    return replace_stage(g, Stage.GATHER, outs)
+
+
+def test_the_gather_recipes_differ_by_many_ulps_on_cancelling_sums() -> None:
+    g = cancelling(P)[Stage.GATHER]
+    assert bool((g["out"] != g["out@fma"]).any())
+    # fed to the comparison, the golden's own two recipes are more than the 1 ulp apart that one
+    # rounding allows: without the fma recipe a GPU-compiled gather would fail
+    other = with_outputs(cancelling(P), Stage.GATHER, out=g["out@fma"].clone(), recipe=MUL_ADD)
+    assert compare_stage(Stage.GATHER, cancelling(P), other, P).status is Status.FAIL
+
+
+@pytest.mark.parametrize("recipe", [MUL_ADD, FMA])
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_gather_matching_a_recipe_passes_and_names_it(recipe: str, declared: bool) -> None:
+    g = cancelling(P)
+    other = as_recipe(g, Stage.GATHER, recipe, recipe if declared else None)
+    result = compare_stage(Stage.GATHER, g, other, P)
+    assert result.status is Status.PASS, result.checks
+    assert result.recipe == recipe
+    assert recipe in result.checks[0].detail
+
+
+def test_a_gather_summing_k_in_reverse_order_matches_no_recipe() -> None:
+    g = cancelling(P)
+    inv, ids = g[Stage.PERMUTE]["inv_perm"], g[Stage.ROUTE]["topk_ids"]
+    w = g[Stage.ROUTE]["topk_weights"]
+    reverse = gather(g[Stage.GEMM2]["mm2"], ids.flip(1), w.flip(1), inv.flip(1), recipe=FMA)
+    result = compare_stage(Stage.GATHER, g, with_outputs(g, Stage.GATHER, out=reverse), P)
+    assert result.status is Status.FAIL
+    assert "no legitimate recipe matches" in result.checks[0].detail
+
+
+def test_the_fma_gather_rounds_each_step_once() -> None:
+    # 1 + x * w = eps with 0 < |eps| < 2^-24: rounded apart, the product is -1 and the sum 0;
+    # fused, the sum is eps exactly (then rounded to bf16).
+    x = torch.tensor([[1.0], [-(1.0 + 2.0**-7)]], dtype=torch.bfloat16)
+    w = torch.tensor([[1.0, 1.0 / (1.0 + 2.0**-7)]], dtype=torch.float32)
+    ids, inv = torch.tensor([[0, 1]]), torch.tensor([[0, 1]])
+    eps = float(x[1].double()) * float(w[0, 1].double()) + 1.0
+    assert eps != 0.0 and abs(eps) < 2.0**-24
+    assert gather(x, ids, w, inv, recipe=MUL_ADD).item() == 0.0
+    fused = gather(x, ids, w, inv, recipe=FMA)
+    assert fused.item() == torch.tensor(eps, dtype=torch.float32).to(torch.bfloat16).item() != 0
