@@ -14,17 +14,16 @@ pass it to.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from moe_verify.cli import build_parser
+from tests.harness import doc_examples
+from tests.harness.doc_examples import Command, user_env
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,35 +34,14 @@ NOT_RUN = {
     "setup": "installs packages",
     "suite": "is the test suite itself",
 }
-MARK = re.compile(r"\s#\s*(gpu|vllm|setup|suite|exit (\d+))\b")
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
-
-
-@dataclass(frozen=True)
-class Command:
-    line: str
-    exit_code: int | None  # None: not run here (`why` says why)
-    why: str = ""
 
 
 def commands(block: str) -> list[Command]:
-    """The block's commands with their expected exit codes; comment-only lines skipped."""
-    out = []
-    for line in block.replace("\\\n", " ").splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        mark = MARK.search(line)
-        if mark is None:
-            out.append(Command(line, 0))
-        elif mark.group(2) is not None:
-            out.append(Command(line, int(mark.group(2))))
-        else:
-            out.append(Command(line, None, NOT_RUN[mark.group(1)]))
-    return out
+    return doc_examples.commands(block, NOT_RUN)
 
 
 def blocks(language: str) -> list[str]:
-    return [body for lang, body in FENCE.findall(README.read_text()) if lang == language]
+    return doc_examples.blocks(README.read_text(), language)
 
 
 def shell_blocks() -> dict[str, list[Command]]:
@@ -75,28 +53,18 @@ def shell_blocks() -> dict[str, list[Command]]:
     return out
 
 
-def _env() -> dict[str, str]:
-    """A user's environment: the installed package's scripts on PATH, no PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["MOE_VERIFY_PROGRESS"] = "0"
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
-
-
 def _scratch(tmp_path: Path) -> Path:
     """A fresh directory outside the checkout holding only the README's `# NAME.py` files."""
     cwd = tmp_path / "scratch"
     cwd.mkdir()
     assert ROOT not in cwd.resolve().parents, f"{cwd} is inside the checkout {ROOT}"
-    for body in blocks("python"):
-        first = body.splitlines()[0]
-        if re.fullmatch(r"# [\w.]+\.py", first):
-            (cwd / first[2:]).write_text(body)
+    for name, text in doc_examples.saved_files(README.read_text()).items():
+        (cwd / name).write_text(text)
     return cwd
 
 
 def _run(line: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = _env()
+    env = user_env()
     assert "PYTHONPATH" not in env and ROOT not in cwd.resolve().parents
     return subprocess.run(
         ["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=300

@@ -19,21 +19,19 @@ a line there fails `test_the_glossary_names_every_check`).
 from __future__ import annotations
 
 import ast
-import os
-import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.harness import doc_examples
+from tests.harness.doc_examples import Command, user_env
+
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "your-kernel.md"
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
-FILE_LINE = re.compile(r"# ([\w.]+\.py)")
-MARK = re.compile(r"\s#\s*(gpu|exit (\d+))\b")
+NOT_RUN = {"gpu": "needs a GPU"}
 TIMEOUT_S = 300
 
 # What a command must print (each needle in its stdout), by a piece of the command that names it.
@@ -59,56 +57,29 @@ PYTHON_EXPECT = [
 ]
 
 
-@dataclass(frozen=True)
-class Command:
-    line: str
-    exit_code: int | None  # None: not run here (needs a GPU)
-
-
-def blocks(language: str, text: str | None = None) -> list[str]:
-    text = DOC.read_text() if text is None else text
-    return [body for lang, body in FENCE.findall(text) if lang == language]
+def _text(text: str | None) -> str:
+    return DOC.read_text() if text is None else text
 
 
 def saved_files(text: str | None = None) -> dict[str, str]:
     """NAME.py -> its text, for the python blocks that are files."""
-    out = {}
-    for body in blocks("python", text):
-        match = FILE_LINE.fullmatch(body.splitlines()[0])
-        if match:
-            out[match.group(1)] = body
-    return out
+    return doc_examples.saved_files(_text(text))
 
 
 def session(text: str | None = None) -> str:
     """The python blocks that are not files, joined in order: one script, one namespace."""
-    parts = [b for b in blocks("python", text) if not FILE_LINE.fullmatch(b.splitlines()[0])]
-    return "\n".join(parts)
+    parts = doc_examples.blocks(_text(text), "python")
+    return "\n".join(b for b in parts if doc_examples.saved_name(b) is None)
 
 
 def commands(text: str | None = None) -> list[Command]:
     """The `moe-verify` lines of the bash blocks, with the exit code each must give."""
-    out = []
-    for body in blocks("bash", text):
-        for line in body.replace("\\\n", " ").splitlines():
-            if not line.startswith("moe-verify"):
-                continue
-            mark = MARK.search(line)
-            if mark is None:
-                out.append(Command(line, 0))
-            elif mark.group(2) is not None:
-                out.append(Command(line, int(mark.group(2))))
-            else:
-                out.append(Command(line, None))
-    return out
-
-
-def _env() -> dict[str, str]:
-    """The environment of a kernel developer's shell: the installed package, no checkout."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["MOE_VERIFY_PROGRESS"] = "0"  # a bar's lines would only interleave with the report
-    return env
+    return [
+        c
+        for body in doc_examples.blocks(_text(text), "bash")
+        for c in doc_examples.commands(body, NOT_RUN)
+        if c.line.startswith("moe-verify")
+    ]
 
 
 def _scratch(tmp_path: Path) -> Path:
@@ -125,7 +96,7 @@ def test_the_python_blocks_run_in_one_session(tmp_path: Path) -> None:
         [sys.executable, "-"],  # stdin: the working directory is on sys.path
         input=script,
         cwd=_scratch(tmp_path),
-        env=_env(),
+        env=user_env(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -146,7 +117,7 @@ def test_the_shell_commands_run_as_written(tmp_path: Path) -> None:
         proc = subprocess.run(
             ["bash", "-c", cmd.line],
             cwd=cwd,
-            env=_env(),
+            env=user_env(),
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,
@@ -218,5 +189,5 @@ def test_the_block_conventions_are_read() -> None:
     assert commands(text) == [
         Command("moe-verify run -T 8", 0),
         Command("moe-verify run --bug  # exit 1: why", 1),
-        Command("moe-verify run -T 4096  # gpu", None),
+        Command("moe-verify run -T 4096  # gpu", None, "needs a GPU"),
     ]
