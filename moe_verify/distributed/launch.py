@@ -102,6 +102,9 @@ def launch(
             "--standalone",
             f"--nproc-per-node={size}",
             "--monitor-interval=0.1",
+            # torchrun's logs and error files in our directory, removed with it (its default is
+            # a new /tmp/torchelastic_* it leaves behind)
+            f"--log-dir={status / 'torchelastic'}",
             "-m",
             "moe_verify.distributed.worker",
             *worker,
