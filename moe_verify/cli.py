@@ -587,6 +587,7 @@ def _error(exc: BaseException, debug: bool) -> int:
     """One stderr line for `exc` (after its traceback when debugging); EXIT_ERROR."""
     if debug:
         traceback.print_exception(exc)
+    hint = ""
     if isinstance(exc, SystemExit):
         text = f"sys.exit({exc.code!r}) during the run (a backend must not exit the process)"
     elif isinstance(exc, KeyboardInterrupt):
@@ -595,8 +596,9 @@ def _error(exc: BaseException, debug: bool) -> int:
         text = str(exc)
     else:  # 'KeyError: 3' means nothing without its type
         text = f"{type(exc).__name__}: {exc}"
-        if not debug:
-            text += " (-v or MOE_VERIFY_DEBUG=1 shows the traceback)"
+        hint = "" if debug else " (-v or MOE_VERIFY_DEBUG=1 shows the traceback)"
+    # where it was raised, when the run knows it (graph: the replay, rank and stage)
+    text += "".join(f"; {note}" for note in getattr(exc, "__notes__", ())) + hint
     print(f"moe-verify: error: {text}", file=sys.stderr)
     return EXIT_ERROR
 

@@ -89,20 +89,27 @@ BREADCRUMB_ENV = "MOE_VERIFY_BREADCRUMB"
 @contextlib.contextmanager
 def breadcrumb(case: str, replay: str, rank: int) -> Iterator[None]:
     """While inside, the breadcrumb file ($MOE_VERIFY_BREADCRUMB) names the case, replay and rank
-    in flight and, for every eager stage call, the stage: what a crash report can say."""
+    in flight and, for every eager stage call, the stage: what a crash report can say. An
+    exception raised inside (a backend's own error) leaves with a note naming the same, which
+    `moe-verify graph` prints beside it; its type and message are the backend's."""
     path = os.environ.get(BREADCRUMB_ENV)
-    if not path:
-        yield
-        return
+    entered: list[str] = []
 
     def write(stage: str | None) -> None:
-        crumb = {"case": case, "replay": replay, "rank": rank, "stage": stage}
-        Path(path).write_text(json.dumps(crumb) + "\n")
+        if stage is not None:
+            entered.append(stage)
+        if path:
+            crumb = {"case": case, "replay": replay, "rank": rank, "stage": stage}
+            Path(path).write_text(json.dumps(crumb) + "\n")
 
     write(None)
     production.stage_listeners.append(write)
     try:
         yield
+    except Exception as exc:
+        stage = f", stage {entered[-1]}" if entered else ", before the first stage"
+        exc.add_note(f"raised in graph {case}: replay {replay}, rank {rank}{stage}")
+        raise
     finally:
         production.stage_listeners.remove(write)
 

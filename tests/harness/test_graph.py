@@ -370,3 +370,27 @@ def test_one_class_fails_run_and_graph_at_the_same_stage(
     assert main([*CLI, "--replays", "skew", "--backend", spec]) == 1
     out = capsys.readouterr().out
     assert "FAIL at gather" in out and "0 of 2 replays agree" in out
+
+
+class RaisesInGemm2(OptimizedBackend):
+    """A backend's own error (not a kernel fault): gemm2 raises on the first call."""
+
+    def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> dict:
+        raise RuntimeError("my gemm2: workspace too small")
+
+
+def test_a_backend_error_says_the_replay_rank_and_stage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    backend = op.register_backend(RaisesInGemm2(), "raises_in_gemm2")
+    with pytest.raises(RuntimeError, match="workspace too small") as raised:
+        verify_graph(
+            BASE, replays=[REPLAYS["capture-softmax"]], engine=Engine.TRITON, backend=backend
+        )
+    where = f"raised in graph {BASE.id}: replay warm-up, rank 0, stage gemm2"
+    assert raised.value.__notes__ == [where]
+    # the CLI prints it on the error line, exit 2 (an error, not a failed check)
+    assert main([*CLI, "--backend", f"{__name__}:RaisesInGemm2", "--in-process"]) == 2
+    err = capsys.readouterr().err
+    assert "RuntimeError: my gemm2: workspace too small; raised in graph" in err, err
+    assert "replay warm-up, rank 0, stage gemm2" in err, err
