@@ -11,15 +11,23 @@ an approximate division, a function of one bf16 value). This module records each
   and stored with the output bits, so a replay needs no RNG agreement across machines.
 - `record_gate_tables`: the act_quant kernel's gate for all 65,536 bf16 inputs, per alpha
   (optimized.kernels.act_quant.gate_table).
+- `record_quotient_tables`: other engines' approximate steps, each a function of one bf16 value
+  (reference/quotient_table.py): Triton's fp32 `448 / v` (div.full.f32, LMDeploy's quantizer),
+  the same quotient and silu's `v / (1 + expf(-v))` as nvcc compiles them with `--use_fast_math`
+  (SGLang's JIT CUDA quantizer and activation), for every bf16 v and the quantizers' amax floors.
 
 Each file carries the GPU, the driver's CUDA, torch, Triton and DeepGEMM versions and the date in
-its metadata. `python -m moe_verify.hw_vectors OUT_DIR` writes both files.
+its metadata (the quotient file also nvcc's). `python -m moe_verify.hw_vectors OUT_DIR` writes the
+three files.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
+import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +36,7 @@ import torch
 from moe_verify.spec import QuantizedWeight, ScaleFmt, compute_capability
 from reference.formats import quantize_fp8_blocks, quantize_fp8_groups
 from reference.gate_table import GATE_FILE, gate_key
+from reference.quotient_table import FLOORS, QUOTIENT_FILE, TABLES
 
 GEMM_FILE = "sm90_deepgemm_gemm.safetensors"
 SEED = 20261201
@@ -187,6 +196,82 @@ def record_gate_tables(path: Path) -> int:
     return len(tables)
 
 
+# The engines' own expressions, compiled with the flags their JIT builds pass (SGLang 0.5.23:
+# `--use_fast_math` for per_token_group_quant.cuh and activation.cuh), one thread per input.
+_FAST_MATH_SOURCE = r"""
+extern "C" __global__ void fast_math_kernel(const float* v, float* quotient, float* silu, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float kMaxValue = 448.0f;
+  quotient[i] = kMaxValue / v[i];             // per_token_group_quant.cuh: kMaxValue / amax
+  silu[i] = v[i] / (1.0f + expf(-v[i]));      // activation.cuh: apply_activation_f32<kSiLU>
+}
+extern "C" int fast_math(const float* v, float* quotient, float* silu, int n) {
+  fast_math_kernel<<<(n + 255) / 256, 256>>>(v, quotient, silu, n);
+  return (int)cudaDeviceSynchronize();
+}
+"""
+
+
+def _nvcc() -> str:
+    import os
+
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    return str(Path(home) / "bin" / "nvcc")
+
+
+def _bf16_inputs(device: str) -> torch.Tensor:
+    """fp32 [65536]: the bf16 number whose bits are i, for every i (NaN patterns included)."""
+    bits = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16)
+    return bits.view(torch.bfloat16).float()
+
+
+def _cuda_fast_math(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(448 / v, v / (1 + expf(-v)), nvcc's version) as nvcc --use_fast_math compiles them."""
+    with tempfile.TemporaryDirectory(prefix="moe-verify-fast-math-") as tmp:
+        src, lib = Path(tmp) / "fast_math.cu", Path(tmp) / "fast_math.so"
+        src.write_text(_FAST_MATH_SOURCE)
+        major, minor = compute_capability() or (9, 0)
+        arch = f"sm_{major}{minor}"
+        cmd = [_nvcc(), "-O3", "--use_fast_math", f"-arch={arch}", "-shared", "-Xcompiler",
+               "-fPIC", "-o", str(lib), str(src)]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        version = subprocess.run([_nvcc(), "--version"], capture_output=True, text=True).stdout
+        quotient, silu = torch.empty_like(v), torch.empty_like(v)
+        torch.cuda.synchronize()
+        rc = ctypes.CDLL(str(lib)).fast_math(
+            ctypes.c_void_p(v.data_ptr()), ctypes.c_void_p(quotient.data_ptr()),
+            ctypes.c_void_p(silu.data_ptr()), ctypes.c_int(v.numel()),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"the fast-math kernel failed: cudaError {rc}")
+    release = version.strip().splitlines()[-1] if version.strip() else "unknown"
+    return quotient, silu, release
+
+
+def record_quotient_tables(path: Path) -> int:
+    """Every table of reference/quotient_table.py `TABLES`, for all bf16 inputs and `FLOORS`;
+    returns the number of tables."""
+    from safetensors.torch import save_file
+
+    from optimized.kernels.quant import triton_quotient
+
+    v = torch.cat([_bf16_inputs("cuda"), torch.tensor(FLOORS, device="cuda")])
+    cuda_quotient, cuda_silu, nvcc = _cuda_fast_math(v)
+    computed = {
+        "quotient_448_triton": triton_quotient(448.0, v),
+        "quotient_448_cuda_fast_math": cuda_quotient,
+        "silu_cuda_fast_math": cuda_silu,
+    }
+    if set(computed) != set(TABLES):
+        raise AssertionError(f"recorded {sorted(computed)}, the reader expects {sorted(TABLES)}")
+    torch.cuda.synchronize()
+    tables = {name: t.cpu() for name, t in computed.items()}
+    tables["floors"] = torch.tensor(FLOORS, dtype=torch.float32)
+    save_file(tables, str(path), metadata={**versions(), "nvcc": nvcc})
+    return len(computed)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="directory for the two safetensors files")
@@ -196,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     n = record_gate_tables(args.out / GATE_FILE)
     print(f"{n} gate tables -> {args.out / GATE_FILE}")
+    n = record_quotient_tables(args.out / QUOTIENT_FILE)
+    print(f"{n} quotient tables -> {args.out / QUOTIENT_FILE}")
     n = record_gemm_vectors(args.out / GEMM_FILE)
     print(f"{n} DeepGEMM GEMMs -> {args.out / GEMM_FILE}")
     return 0

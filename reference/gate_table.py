@@ -22,6 +22,7 @@ from torch import Tensor
 
 __all__ = [
     "GATE_FILE",
+    "bf16_index",
     "gate_from_table",
     "gate_key",
     "gate_table",
@@ -75,22 +76,28 @@ def gate_table_provenance() -> dict[str, str]:
     return {"file": f"reference/data/{GATE_FILE}", **_load()[1]}
 
 
+def bf16_index(x: Tensor, what: str) -> Tensor:
+    """int64 [...]: the bf16 bit pattern of each element of x (fp32 holding bf16 numbers), the
+    index of its entry in a table recorded per bf16 input; anything else has no entry and is
+    refused with its first position."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"{what}: expected fp32 holding bf16 values, got {x.dtype}")
+    as_bf16 = x.to(torch.bfloat16)
+    off_grid = as_bf16.float().view(torch.int32) != x.view(torch.int32)
+    if bool(off_grid.any()):
+        at = tuple(int(i) for i in off_grid.nonzero()[0])
+        raise ValueError(
+            f"{what}: {int(off_grid.sum())} values are not bf16 numbers, first {float(x[at])} "
+            f"at {at}: the recorded table holds bf16 inputs only"
+        )
+    return as_bf16.view(torch.int16).to(torch.int64) & (_ENTRIES - 1)
+
+
 def gate_from_table(g: Tensor, table: Tensor) -> Tensor:
     """fp32 [...]: table[bits(g)], the recorded gate of each element of g.
 
     g: fp32 [...] whose values are all bf16 numbers (the kernels' gate input, the bf16 mm1 value
-    after the clamp); anything else has no entry, and is refused with its first position.
+    after the clamp); anything else has no entry, and is refused with its first position (a clamp
+    limit that is not a bf16 value moves a clamped fp32 gate off the grid).
     """
-    if g.dtype != torch.float32:
-        raise ValueError(f"gate input must be fp32 holding bf16 values, got {g.dtype}")
-    as_bf16 = g.to(torch.bfloat16)
-    off_grid = as_bf16.float().view(torch.int32) != g.view(torch.int32)
-    if bool(off_grid.any()):
-        at = tuple(int(i) for i in off_grid.nonzero()[0])
-        raise ValueError(
-            f"gate input: {int(off_grid.sum())} values are not bf16 numbers, first {float(g[at])} "
-            f"at {at}: the recorded table holds the gate of bf16 inputs only (a clamp limit that "
-            "is not a bf16 value moves a clamped fp32 gate off the grid)"
-        )
-    index = as_bf16.view(torch.int16).to(torch.int64) & (_ENTRIES - 1)
-    return table.to(g.device)[index]
+    return table.to(g.device)[bf16_index(g, "gate input")]

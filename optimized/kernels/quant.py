@@ -407,3 +407,27 @@ def pack_ue8m0_from_fp32(scale: torch.Tensor, validate: bool = True) -> torch.Te
     if check_flag(fn, "validate", validate):
         check_power_of_two_scales(fn, "scale", scale)
     return _pack(fn, scale, from_fp32=True)
+
+
+@triton.jit
+def _quotient_kernel(v_ptr, out_ptr, n, NUMERATOR: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    v = tl.load(v_ptr + offs, mask=ok, other=1.0)
+    # A plain `/`, as other engines' kernels write it (LMDeploy's `fp8_max / a_max`): compiled
+    # for an NVIDIA GPU it is div.full.f32, not the IEEE quotient `div_rn` gives.
+    tl.store(out_ptr + offs, NUMERATOR / v, mask=ok)
+
+
+def triton_quotient(numerator: float, v: torch.Tensor) -> torch.Tensor:
+    """fp32 [n]: numerator / v for each fp32 v, as this machine's Triton compiles a plain fp32
+    division (the hardware tables of moe_verify/hw_vectors.py record it for every bf16 v)."""
+    fn = "triton_quotient"
+    if v.dtype != torch.float32 or v.dim() != 1:
+        fail(fn, f"v must be a 1-D fp32 tensor, got {v.dtype} {tuple(v.shape)}")
+    out = torch.empty_like(v)
+    if v.numel():
+        _quotient_kernel[(triton.cdiv(v.numel(), 1024),)](
+            v.contiguous(), out, v.numel(), NUMERATOR=float(numerator), BLOCK=1024
+        )
+    return out
