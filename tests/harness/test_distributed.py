@@ -205,33 +205,9 @@ def test_the_padding_poison_reaches_every_rank(tmp_path: Path, backend: str, exi
         assert failed, report["isolated"]
 
 
-def test_a_wrong_rank_is_named(tmp_path: Path) -> None:
-    backend = f"{__name__}:SwapsTokensOnRank1"
-    proc, report = _launch(tmp_path, "tp:2", backend)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert report is not None and not report["passed"]
-    assert report["failed_ranks"] == [1]
-    assert report["first_failure"] == "gather"
-    assert {r["rank"]: r["status"] for r in _results(report, "gather")} == {0: "pass", 1: "fail"}
-    assert _results(report, "reduce")[0]["status"] == "fail"
-    assert "gather@r1" in proc.stdout
-
-
-def test_a_bug_on_the_last_of_four_ranks_is_named(tmp_path: Path) -> None:
-    """Four gloo ranks, ep:4 over six experts (ranks 0 and 1 hold two, ranks 2 and 3 one): only
-    rank 3 drops its expert's slots, and only rank 3 is blamed."""
-    backend = "tests.tester.wrong_backends:LastExpertDroppedOnLastRank"
-    extra = ("-E", "6", "-T", "16")
-    proc, report = _launch(tmp_path, "ep:4", backend, extra)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert report is not None and report["failed_ranks"] == [3], report and report["failed_ranks"]
-    assert report["first_failure"] == "gather"
-    gather = {r["rank"]: r["status"] for r in _results(report, "gather")}
-    assert gather == {0: "pass", 1: "pass", 2: "pass", 3: "fail"}, gather
-    assert "gather@r3" in proc.stdout
-
-
-def test_a_failing_torchrun_case_dumps_every_rank_and_replays(tmp_path: Path) -> None:
+def test_a_wrong_rank_is_named_dumped_on_every_rank_and_replayed(tmp_path: Path) -> None:
+    """One launch for both checks (--dump-dir changes nothing the naming checks read): rank 1
+    is named, every rank's trace is dumped, and the dump replays in one process."""
     from moe_verify.dump import load_trace
     from moe_verify.verification import replay
 
@@ -239,6 +215,12 @@ def test_a_failing_torchrun_case_dumps_every_rank_and_replays(tmp_path: Path) ->
     dumps = tmp_path / "dumps"
     proc, report = _launch(tmp_path, "tp:2", backend, extra=("--dump-dir", str(dumps)))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and not report["passed"]
+    assert report["failed_ranks"] == [1]
+    assert report["first_failure"] == "gather"
+    assert {r["rank"]: r["status"] for r in _results(report, "gather")} == {0: "pass", 1: "fail"}
+    assert _results(report, "reduce")[0]["status"] == "fail"
+    assert "gather@r1" in proc.stdout
     (case,) = dumps.iterdir()
     assert sorted(p.name for p in case.iterdir()) == [
         "chained_r0.safetensors",
@@ -255,6 +237,20 @@ def test_a_failing_torchrun_case_dumps_every_rank_and_replays(tmp_path: Path) ->
     # The dump re-runs in one process (emulated ranks) and fails where the torchrun run did.
     again = replay(case, backend=backend, mode="chained")
     assert again.first_failure == "gather" and again.failed_ranks == [1]
+
+
+def test_a_bug_on_the_last_of_four_ranks_is_named(tmp_path: Path) -> None:
+    """Four gloo ranks, ep:4 over six experts (ranks 0 and 1 hold two, ranks 2 and 3 one): only
+    rank 3 drops its expert's slots, and only rank 3 is blamed."""
+    backend = "tests.tester.wrong_backends:LastExpertDroppedOnLastRank"
+    extra = ("-E", "6", "-T", "16")
+    proc, report = _launch(tmp_path, "ep:4", backend, extra)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and report["failed_ranks"] == [3], report and report["failed_ranks"]
+    assert report["first_failure"] == "gather"
+    gather = {r["rank"]: r["status"] for r in _results(report, "gather")}
+    assert gather == {0: "pass", 1: "pass", 2: "pass", 3: "fail"}, gather
+    assert "gather@r3" in proc.stdout
 
 
 def test_a_rank_that_raises_is_named_and_nothing_hangs(tmp_path: Path) -> None:
