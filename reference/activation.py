@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe_verify.spec import FP8_MAX, Activation, ActQuantRecipe, ScaleFmt
+from moe_verify.spec import FP8_MAX, Activation, ActQuantRecipe, InputQuantRecipe, ScaleFmt
 from reference.formats import (
     SCALE_FLOOR,
     _divide,
@@ -37,6 +37,7 @@ from reference.formats import (
     ue8m0_bytes,
 )
 from reference.gate_table import gate_from_table, gate_table, tabulated_alphas
+from reference.quotient_table import bf16_entries
 from reference.validate import (
     require_finite,
     require_positive_int,
@@ -52,6 +53,7 @@ __all__ = [
     "quantize_groups_bf16_steps",
     "quantize_groups_colmajor",
     "quantize_groups_packed",
+    "sglang_sm90_cuda_recipe",
     "sm90_triton_recipe",
     "swiglu",
 ]
@@ -148,7 +150,30 @@ _ROUNDING = {
     ActQuantRecipe.COLMAJOR_SM90_TRITON: "colmajor",
     ActQuantRecipe.BF16_STEPS: "colmajor",  # bf16(bf16(silu(g)) * u) for plain silu
     ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL: "colmajor",  # LMDeploy's silu_and_mul: the same
+    ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA: "packed",  # SGLang's silu_and_mul
 }
+# The recipes whose activation rounding is not their quantizer's: they quantize the bf16
+# activations with an input quantizer (reference/formats.py `quantize_groups_by_amax_reciprocal`).
+_AMAX_RECIPROCAL_QUANTIZER = {
+    ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL: InputQuantRecipe.AMAX_RECIPROCAL,
+    ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA: InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA,
+}
+# SGLang's silu as nvcc --use_fast_math compiles it on an H200 (reference/quotient_table.py).
+_SGLANG_SILU_TABLE = "silu_cuda_fast_math"
+
+
+def sglang_sm90_cuda_recipe(activation: Activation, scale_fmt: ScaleFmt) -> ActQuantRecipe | None:
+    """SGLang's act_quant on an H200 ("packed_fast_reciprocal_sm90_cuda") where the golden
+    models it: fp32 scales, silu (alpha 1, beta 0; its DeepGEMM runner runs no other) with no
+    clamp or a bf16 clamp limit (SGLang clamps at bf16(limit), the golden at the fp32 limit: the
+    same where the limit is a bf16 value); else None."""
+    if scale_fmt is not ScaleFmt.FLOAT32 or activation.kind != "silu":
+        return None
+    if (activation.alpha, activation.beta) != (1.0, 0.0):
+        return None
+    if activation.limit is not None and not _is_bf16(activation.limit):
+        return None
+    return ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA
 
 
 def _is_bf16(value: float) -> bool:
@@ -238,6 +263,13 @@ def _check_recipe(
 ) -> None:
     packed = fmt is ScaleFmt.UE8M0_PACKED
     rounding = _ROUNDING[recipe]
+    if recipe is ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA:
+        if sglang_sm90_cuda_recipe(activation, fmt) is None:
+            raise ValueError(
+                f"act_quant recipe {recipe.value!r} (SGLang's on an H200) is modelled for float32 "
+                f"scales and silu with no clamp or a bf16 limit, got {fmt} and {activation.tag}"
+            )
+        return
     if recipe is not ActQuantRecipe.BF16_STEPS and rounding == "packed" and not packed:
         raise ValueError(f"act_quant recipe {recipe.value!r} writes packed UE8M0 scales, not {fmt}")
     if recipe is not ActQuantRecipe.BF16_STEPS and rounding == "colmajor" and packed:
@@ -287,6 +319,11 @@ def act_quant(
     "bf16_steps" (any format; plain silu, group 128): y = bf16(bf16(silu(g))
         * u), which is swiglu(rounding="colmajor") for plain silu, then
         `quantize_groups_bf16_steps`. Scales as colmajor's, or packed with pad bytes 0.
+    "packed_fast_reciprocal_sm90_cuda" (FLOAT32; SGLang's silu_and_mul then its JIT CUDA
+        quantizer, as an H200 computes them): y = swiglu(rounding="packed") with silu read from
+        the recorded fast-math table (reference/quotient_table.py), then
+        `quantize_groups_by_amax_reciprocal` ("fast_reciprocal_sm90_cuda": amax floored at 1e-10,
+        scale amax * (1/448), codes y times the table's 448 / amax).
     "packed_sm90_triton" / "colmajor_sm90_triton": "packed" / "colmajor" with the gate read from
         the H200 Triton table of activation.alpha (`swiglu`'s table; reference/gate_table.py,
         `gate_table_provenance` names the GPU and versions); a ValueError where no table applies
@@ -307,11 +344,14 @@ def act_quant(
         )
     rounding = _ROUNDING[recipe]
     table = gate_table(activation.alpha) if recipe in _SM90_TRITON.values() else None
+    if recipe is ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA:
+        table = bf16_entries(_SGLANG_SILU_TABLE)
     y = swiglu(mm1, activation, rounding, table)
     if recipe is ActQuantRecipe.BF16_STEPS:
         return quantize_groups_bf16_steps(y, group, scale_fmt)
-    if recipe is ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL:
-        q, scale = quantize_groups_by_amax_reciprocal(_groups(y, group), scale_fmt)
+    if recipe in _AMAX_RECIPROCAL_QUANTIZER:
+        quantizer = _AMAX_RECIPROCAL_QUANTIZER[recipe]
+        q, scale = quantize_groups_by_amax_reciprocal(_groups(y, group), scale_fmt, quantizer)
         return q.reshape(y.shape), scale
     if rounding == "packed":
         return quantize_groups_packed(y, group)

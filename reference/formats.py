@@ -279,33 +279,66 @@ _GROUP_SCALES = {
 }
 
 # LMDeploy's quantizer floors amax at this value, in fp32 (Triton promotes the bf16 amax to the
-# fp32 constant in tl.maximum).
+# fp32 constant in tl.maximum); SGLang's JIT CUDA quantizer at 1e-10f.
 AMAX_RECIPROCAL_FLOOR = 1e-6
+FAST_RECIPROCAL_FLOOR = 1e-10
+
+# The quantizers whose codes are x * (448 / amax): amax's floor, and where the quotient comes
+# from (None: the IEEE quotient; else the table of reference/quotient_table.py).
+_AMAX_RECIPROCALS: dict[InputQuantRecipe, tuple[float, str | None]] = {
+    InputQuantRecipe.AMAX_RECIPROCAL: (AMAX_RECIPROCAL_FLOOR, None),
+    InputQuantRecipe.AMAX_RECIPROCAL_SM90_TRITON: (AMAX_RECIPROCAL_FLOOR, "quotient_448_triton"),
+    InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA: (
+        FAST_RECIPROCAL_FLOOR,
+        "quotient_448_cuda_fast_math",
+    ),
+}
 
 
 def quantize_groups_by_amax_reciprocal(
-    groups: Tensor, scale_fmt: ScaleFmt
+    groups: Tensor,
+    scale_fmt: ScaleFmt,
+    recipe: InputQuantRecipe = InputQuantRecipe.AMAX_RECIPROCAL,
 ) -> tuple[Tensor, Tensor]:
-    """LMDeploy 0.18's `_quant_fp8_kernel` (pytorch/kernels/cuda/blocked_gemm_fp8.py).
+    """The quantizers that multiply by 448 / amax: LMDeploy 0.18's `_quant_fp8_kernel`
+    (pytorch/kernels/cuda/blocked_gemm_fp8.py) and SGLang 0.5.23's JIT CUDA per_token_group_quant
+    (jit/csrc/gemm/per_token_group_quant.cuh, fp32 scales).
 
-    groups: fp32 [..., G, group] (the input's values). Per group:
-        amax = max(max|x|, fp32(1e-6));
-        float32: s = amax * fp32(1/448); q = cast_to_fp8(x * fp32(448 / amax)), a multiply by
-            the correctly rounded quotient 448 / amax, not a division by s (one e4m3 code apart
-            where x / s is near a rounding boundary);
-        ue8m0 formats: s = ceil_ue8m0(amax * fp32(1/448)) (its exponent-bit ceiling), and
-            q = cast_to_fp8(x * (1 / s)), exact since s is a power of two.
-    Returns (q fp8 [..., G, group], s fp32 [..., G]). The GPU's Triton division is approximate
-    (div.full.f32): 448 / amax there may differ by an ulp from the IEEE quotient modelled here.
+    groups: fp32 [..., G, group] (the input's values, bf16 numbers for the sm90 recipes). Per
+    group:
+        amax = max(max|x|, floor), floor fp32(1e-6) (LMDeploy) or fp32(1e-10) (SGLang);
+        float32: s = amax * fp32(1/448); q = cast_to_fp8(x * r), r the quotient 448 / amax: the
+            correctly rounded one ("amax_reciprocal", what the Triton interpreter computes), or
+            as an H200 computes it, read from the recorded tables (reference/quotient_table.py):
+            Triton's div.full.f32 ("amax_reciprocal_sm90_triton") or nvcc --use_fast_math's
+            ("fast_reciprocal_sm90_cuda"). A multiply by r, not a division by s: one e4m3 code
+            apart where x / s is near a rounding boundary, and the approximate r one more;
+        ue8m0 formats (LMDeploy's): s = ceil_ue8m0(amax * fp32(1/448)) (its exponent-bit
+            ceiling), and q = cast_to_fp8(x * (1 / s)), exact since s is a power of two (the
+            approximate division of a power of two is exact too).
+    Returns (q fp8 [..., G, group], s fp32 [..., G]).
     """
-    floor = torch.tensor(AMAX_RECIPROCAL_FLOOR, dtype=torch.float32).item()
-    amax = groups.abs().amax(dim=-1).clamp(min=floor)
+    recipe = InputQuantRecipe(recipe)
+    if recipe not in _AMAX_RECIPROCALS:
+        raise ValueError(f"{recipe.value!r} is not a 448 / amax quantizer")
+    if recipe is InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA and scale_fmt.is_ue8m0:
+        raise ValueError(
+            "'fast_reciprocal_sm90_cuda' writes fp32 scales: SGLang's UE8M0 flavour runs another "
+            "kernel (per_token_group_quant_8bit_v2), not modelled"
+        )
+    floor, table = _AMAX_RECIPROCALS[recipe]
+    floor32 = torch.tensor(floor, dtype=torch.float32).item()
+    amax = groups.abs().amax(dim=-1).clamp(min=floor32)
     scale = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
     if scale_fmt.is_ue8m0:
         scale = ceil_ue8m0(scale)
         rscale = 1.0 / scale
-    else:
+    elif table is None:
         rscale = torch.full_like(amax, FP8_MAX) / amax
+    else:
+        from reference.quotient_table import table_value  # it imports this module's floors
+
+        rscale = table_value(table, amax)
     return cast_to_fp8(groups * rscale.unsqueeze(-1)), scale
 
 
@@ -344,8 +377,8 @@ def quantize_fp8_groups(
     require_multiple("x", x, group)
     require_finite("x", x)
     xg = _group_view(x.float(), group)
-    if recipe == InputQuantRecipe.AMAX_RECIPROCAL:
-        q, scale = quantize_groups_by_amax_reciprocal(xg, scale_fmt)
+    if InputQuantRecipe(recipe) in _AMAX_RECIPROCALS:
+        q, scale = quantize_groups_by_amax_reciprocal(xg, scale_fmt, recipe)
         return q.reshape(x.shape), scale
     amax = xg.abs().amax(dim=-1).clamp(min=eps)
     scale = _GROUP_SCALES[InputQuantRecipe(recipe)](amax, scale_fmt)

@@ -23,12 +23,14 @@ from importlib import resources
 import torch
 from torch import Tensor
 
+from reference.formats import AMAX_RECIPROCAL_FLOOR, FAST_RECIPROCAL_FLOOR
 from reference.gate_table import bf16_index
 
 __all__ = [
     "FLOORS",
     "QUOTIENT_FILE",
     "TABLES",
+    "bf16_entries",
     "quotient_table_provenance",
     "table_value",
 ]
@@ -36,7 +38,7 @@ __all__ = [
 QUOTIENT_FILE = "sm90_quotient.safetensors"
 # The amax floors the two quantizers apply before dividing (as fp32): LMDeploy's
 # `tl.maximum(a_max, 1e-6)`, SGLang's `max(..., 1e-10f)`. Neither is a bf16 number.
-FLOORS = (1e-6, 1e-10)
+FLOORS = (AMAX_RECIPROCAL_FLOOR, FAST_RECIPROCAL_FLOOR)
 TABLES = ("quotient_448_triton", "quotient_448_cuda_fast_math", "silu_cuda_fast_math")
 _BF16_ENTRIES = 1 << 16
 
@@ -91,3 +93,11 @@ def table_value(name: str, v: Tensor) -> Tensor:
     rest = ~on_floor
     index[rest] = bf16_index(v[rest], f"{name} input")
     return table[index]
+
+
+def bf16_entries(name: str) -> Tensor:
+    """fp32 [65536]: table `name` at every bf16 bit pattern (a gate table, as
+    reference/activation.py `swiglu` reads one)."""
+    if name not in TABLES:
+        raise ValueError(f"no recorded table {name!r}; tables: {list(TABLES)}")
+    return _load()[0][name][:_BF16_ENTRIES]

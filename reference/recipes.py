@@ -23,7 +23,11 @@ from moe_verify.spec import (
     ScaleFmt,
     TopologyKind,
 )
-from reference.activation import fused_act_quant_recipe, sm90_triton_recipe
+from reference.activation import (
+    fused_act_quant_recipe,
+    sglang_sm90_cuda_recipe,
+    sm90_triton_recipe,
+)
 
 __all__ = ["act_quant_recipes", "gather_recipes", "input_quant_recipes", "recipe_outputs"]
 
@@ -34,15 +38,19 @@ _BF16_STEPS_GROUP = 128
 def input_quant_recipes(problem: MoEProblem) -> tuple[InputQuantRecipe, ...]:
     """quant_input's recipes, the golden's own first: both of vLLM's 1 x 128 quantizers for
     fp8_block and mxfp4_w4a8 activations in every scale format and topology (the UE8M0 packed
-    variant is the CUDA recipe, and packing is a layout step), and LMDeploy's (amax_reciprocal)
-    in the fp32 formats it writes; none for mxfp8, whose one quantizer (FlashInfer's) has no
-    alternative."""
+    variant is the CUDA recipe, and packing is a layout step); LMDeploy's (amax_reciprocal, and
+    its twin compiled for an H200, amax_reciprocal_sm90_triton) in the fp32 formats it writes;
+    SGLang's JIT CUDA one on an H200 (fast_reciprocal_sm90_cuda) with float32 scales; none for
+    mxfp8, whose one quantizer (FlashInfer's) has no alternative."""
     if problem.recipe is Recipe.MXFP8:
         return ()
     vllm = (InputQuantRecipe.CUDA_DIVISION, InputQuantRecipe.TRITON_RECIPROCAL)
     if problem.scale_fmt is ScaleFmt.UE8M0_PACKED:
         return vllm
-    return (*vllm, InputQuantRecipe.AMAX_RECIPROCAL)
+    lmdeploy = (InputQuantRecipe.AMAX_RECIPROCAL, InputQuantRecipe.AMAX_RECIPROCAL_SM90_TRITON)
+    if problem.scale_fmt is ScaleFmt.FLOAT32:
+        return (*vllm, *lmdeploy, InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA)
+    return (*vllm, *lmdeploy)
 
 
 def _plain_silu(activation: Activation) -> bool:
@@ -53,7 +61,9 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     """act_quant's recipes, the golden's own first: the fused Triton kernel of the scale format
     (packed or colmajor); its twin with the gate the H200's Triton computes (packed_sm90_triton /
     colmajor_sm90_triton), where a recorded table applies to the activation (else none, silently:
-    `sm90_triton_recipe`); with fp32 scales LMDeploy's (colmajor_amax_reciprocal); on the
+    `sm90_triton_recipe`); with fp32 scales LMDeploy's (colmajor_amax_reciprocal); with float32
+    scales and silu SGLang's on an H200 (packed_fast_reciprocal_sm90_cuda, where
+    `sglang_sm90_cuda_recipe` models it); on the
     batched low-latency layout (ep:N+ll) also vLLM's CUDA kernel
     persistent_masked_m_silu_mul_quant (bf16_steps), which takes plain silu with 128-column
     groups only."""
@@ -64,6 +74,9 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
         recipes.append(hardware)
     if fused is ActQuantRecipe.COLMAJOR:
         recipes.append(ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL)
+    sglang = sglang_sm90_cuda_recipe(problem.activation, problem.scale_fmt)
+    if sglang is not None:
+        recipes.append(sglang)
     if (
         problem.topology.kind is TopologyKind.EP_LL
         and _plain_silu(problem.activation)

@@ -34,7 +34,11 @@ Comparer = Callable[[Ctx], tuple[list[CheckResult], float]]
 
 # The act_quant recipes whose gate is the H200's compiled Triton one (reference/gate_table.py).
 HARDWARE_ACT_RECIPES = frozenset(
-    {ActQuantRecipe.PACKED_SM90_TRITON.value, ActQuantRecipe.COLMAJOR_SM90_TRITON.value}
+    {
+        ActQuantRecipe.PACKED_SM90_TRITON.value,
+        ActQuantRecipe.COLMAJOR_SM90_TRITON.value,
+        ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA.value,
+    }
 )
 
 

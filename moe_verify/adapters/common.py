@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moe_verify.spec import Engine, MoEInputs, MoEProblem, Trace
+from moe_verify.spec import Engine, MoEInputs, MoEProblem, Trace, compute_capability
 from optimized.backend import OptimizedBackend, Outputs
 from optimized.deepgemm import choose_engine, choose_grouped_layout
 
@@ -178,6 +178,16 @@ class AdaptedBackend(OptimizedBackend):
         if self.declares_recipes:
             outputs["recipe"] = recipe
         return outputs
+
+    @staticmethod
+    def compiled_for_sm90(out: torch.Tensor) -> bool:
+        """The kernel that wrote `out` ran compiled on an SM90 GPU (the hardware the recipes with
+        recorded tables model: reference/gate_table.py, reference/quotient_table.py), not under
+        the Triton interpreter."""
+        if out.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            return False
+        capability = compute_capability(out.device)
+        return capability is not None and capability[0] == 9
 
     def _buffer(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

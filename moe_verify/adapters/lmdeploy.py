@@ -313,6 +313,13 @@ class LmdeployBackend(AdaptedBackend):
                 hidden, problem.recipe.act_group, scale_fmt=fmt
             )
         out = {"a1q": q, "a1q_scale": s, "kernel": self._kernel("per_token_group_quant_fp8")}
+        # Under the interpreter 448 / amax is the IEEE quotient; compiled for an H200 it is
+        # div.full.f32, the recorded table's (docs/implementations.md, convention 5). On another
+        # GPU no table was recorded: the stage declares nothing and is matched against all.
+        if self.compiled_for_sm90(q):
+            return self._declare(out, InputQuantRecipe.AMAX_RECIPROCAL_SM90_TRITON.value)
+        if q.device.type == "cuda":
+            return out
         return self._declare(out, InputQuantRecipe.AMAX_RECIPROCAL.value)
 
     def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:

@@ -63,6 +63,7 @@ from moe_verify.adapters.common import AdaptedBackend
 from moe_verify.spec import (
     Engine,
     GroupedLayout,
+    InputQuantRecipe,
     MoEInputs,
     MoEProblem,
     MSumRecipe,
@@ -74,6 +75,7 @@ from moe_verify.spec import (
     Trace,
 )
 from optimized.backend import Outputs
+from reference.activation import sglang_sm90_cuda_recipe
 
 TESTED_VERSION = "0.5.23"
 # Set to 1 to run another release (its kernels may have changed their contract).
@@ -416,11 +418,16 @@ class SglangBackend(AdaptedBackend):
         self._jit_cuda("quant_input", "sglang_per_token_group_quant_fp8 -> per_token_group_quant")
         ceil = problem.scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0
         q, s = self._quant_fp8(problem, inputs.hidden_states)
-        return {
+        out = {
             "a1q": q,
             "a1q_scale": s,
             "kernel": self._kernel(f"sglang_per_token_group_quant_fp8(scale_ue8m0={ceil})"),
         }
+        # nvcc --use_fast_math's 448 / amax as an H200 computes it (the recorded table); the
+        # UE8M0 flavour (another kernel) and other GPUs are matched against every recipe.
+        if problem.scale_fmt is ScaleFmt.FLOAT32 and self.compiled_for_sm90(q):
+            return self._declare(out, InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA.value)
+        return out
 
     def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         """fused_moe_dispatch_index's per-expert counts; the runner's alignment and compact M_sum
@@ -523,12 +530,18 @@ class SglangBackend(AdaptedBackend):
             activation = importlib.import_module("sglang.kernels.ops.activation.activation")
             activation.silu_and_mul(mm1.view(-1, n), down)
         q, s = self._quant_fp8(problem, down)
-        return {
+        out = {
             "a2q": q,
             "a2q_scale": s,
             "layout": GroupedLayout.M_INDICES.value,
             "kernel": self._kernel("silu_and_mul + sglang_per_token_group_quant_fp8"),
         }
+        # silu_and_mul and the quantizer compiled with --use_fast_math, as an H200 computes them
+        # (reference/activation.py `sglang_sm90_cuda_recipe`: where the golden models them)
+        recipe = sglang_sm90_cuda_recipe(act, problem.scale_fmt)
+        if recipe is not None and self.compiled_for_sm90(q):
+            return self._declare(out, recipe.value)
+        return out
 
     def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
         """post_reorder_deepgemm: each token's fp32 weighted sum over the slots whose src2dst row

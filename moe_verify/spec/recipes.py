@@ -50,6 +50,12 @@ class InputQuantRecipe(enum.StrEnum):
     # LMDeploy 0.18 blocked_gemm_fp8._quant_fp8_kernel: scale amax * (1/448), amax floored at
     # 1e-6 in the input's dtype, codes x * (448 / amax) (not x / scale)
     AMAX_RECIPROCAL = "amax_reciprocal"
+    # The same kernel compiled by Triton for an H200: 448 / amax is div.full.f32, read from the
+    # recorded table (reference/quotient_table.py)
+    AMAX_RECIPROCAL_SM90_TRITON = "amax_reciprocal_sm90_triton"
+    # SGLang 0.5.23's JIT CUDA per_token_group_quant (fp32 scales): amax floored at 1e-10, scale
+    # amax * (1/448), codes x * (448 / amax) with nvcc --use_fast_math's division on an H200
+    FAST_RECIPROCAL_SM90_CUDA = "fast_reciprocal_sm90_cuda"
 
 
 class ActQuantRecipe(enum.StrEnum):
@@ -67,6 +73,10 @@ class ActQuantRecipe(enum.StrEnum):
     # tl.exp and the approximate division as that GPU computes them (reference/gate_table.py).
     PACKED_SM90_TRITON = "packed_sm90_triton"
     COLMAJOR_SM90_TRITON = "colmajor_sm90_triton"
+    # SGLang 0.5.23 on an H200: silu_and_mul (JIT CUDA, fast math: silu read from the recorded
+    # table) times up in fp32, one bf16 rounding (packed's), then its quantizer
+    # (InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA)
+    PACKED_FAST_RECIPROCAL_SM90_CUDA = "packed_fast_reciprocal_sm90_cuda"
 
 
 class GatherRecipe(enum.StrEnum):

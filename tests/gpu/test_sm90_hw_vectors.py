@@ -1,5 +1,7 @@
 """SM90 tier: the bits recorded from the hardware still describe this machine.
 
+reference/data/sm90_quotient.safetensors (other engines' approximate 448 / amax and silu) too.
+
 reference/data/sm90_triton_gate.safetensors (the act_quant gate for every bf16 input) and
 tests/reference/data/sm90_deepgemm_gemm.safetensors (DeepGEMM's GEMM outputs) were recorded on an
 H200 (moe_verify/hw_vectors.py). Here they are recorded again, in memory, and compared bit for
@@ -69,3 +71,23 @@ def test_deepgemm_still_computes_the_recorded_bits(shape: hw_vectors.GemmShape, 
         f"{shape.layout} {fmt}: {int(differ.sum())} of {differ.numel()} live outputs differ from "
         f"the recorded ones (recorded with {_recorded_with(GEMMS)}; here {_here()})"
     )
+
+
+def test_the_quotient_tables_are_this_machines(tmp_path: Path) -> None:
+    """Triton's and nvcc --use_fast_math's 448 / v and SGLang's fast-math silu
+    (reference/quotient_table.py), recorded again here (nvcc compiles the snippet)."""
+    from safetensors.torch import load_file
+
+    from reference.quotient_table import QUOTIENT_FILE, TABLES
+
+    stored_path = ROOT / "reference" / "data" / QUOTIENT_FILE
+    fresh_path = tmp_path / QUOTIENT_FILE
+    hw_vectors.record_quotient_tables(fresh_path)
+    stored, fresh = load_file(str(stored_path)), load_file(str(fresh_path))
+    for name in TABLES:
+        differ = fresh[name].view(torch.int32) != stored[name].view(torch.int32)
+        assert not bool(differ.any()), (
+            f"{name}: {int(differ.sum())} of {differ.numel()} values differ from the recorded "
+            f"table (recorded with {_recorded_with(stored_path)}; here {_here()}): record it "
+            "again with `python -m moe_verify.hw_vectors DIR`"
+        )

@@ -38,6 +38,9 @@ pytestmark = pytest.mark.cpu
 
 CUDA, TRITON = InputQuantRecipe.CUDA_DIVISION, InputQuantRecipe.TRITON_RECIPROCAL
 LMDEPLOY = InputQuantRecipe.AMAX_RECIPROCAL
+LMDEPLOY_SM90 = InputQuantRecipe.AMAX_RECIPROCAL_SM90_TRITON
+SGLANG_SM90 = InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA
+SGLANG_ACT = "packed_fast_reciprocal_sm90_cuda"
 FLOAT32, CEIL, PACKED = ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED
 SILU = Activation()
 BF16 = torch.bfloat16
@@ -278,12 +281,27 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
 @pytest.mark.parametrize(
     ("problem", "quant", "act"),
     [
-        # every Triton kernel also has its twin with the H200 gate table (alpha 1 is tabulated)
+        # every Triton kernel also has its twin with the H200 gate table (alpha 1 is tabulated);
+        # with float32 scales SGLang's H200 quantizer and act_quant (silu) apply too
         pytest.param(
             P,
-            (CUDA, TRITON, LMDEPLOY),
-            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal"),
+            (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
+            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", SGLANG_ACT),
             id="fp8_block-float32",
+        ),
+        # ceil-UE8M0 fp32 scales: LMDeploy's two, not SGLang's (its UE8M0 flavour is not modelled)
+        pytest.param(
+            P.replace(scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0),
+            (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90),
+            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal"),
+            id="fp8_block-ceil",
+        ),
+        # SGLang clamps at bf16(limit): modelled where the limit is a bf16 value only
+        pytest.param(
+            P.replace(activation="silu:L7.01"),
+            (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
+            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal"),
+            id="silu-off-grid-limit",
         ),
         pytest.param(
             P.replace(scale_fmt=PACKED),
@@ -300,15 +318,21 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
         # the batched low-latency layout adds vLLM's CUDA kernel for plain silu ...
         pytest.param(
             P.replace(topology="ep:2+ll"),
-            (CUDA, TRITON, LMDEPLOY),
-            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", "bf16_steps"),
+            (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
+            (
+                "colmajor",
+                "colmajor_sm90_triton",
+                "colmajor_amax_reciprocal",
+                SGLANG_ACT,
+                "bf16_steps",
+            ),
             id="ll",
         ),
         # ... which takes no clamp and no swigluoai
         pytest.param(
             P.replace(topology="ep:2+ll", activation="silu:L7"),
-            (CUDA, TRITON, LMDEPLOY),
-            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal"),
+            (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
+            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", SGLANG_ACT),
             id="ll-clamped",
         ),
     ],
@@ -329,7 +353,14 @@ def test_golden_trace_carries_every_recipe() -> None:
             "a1q": "a1q@triton_reciprocal",
             "a1q_scale": "a1q_scale@triton_reciprocal",
         },
-        "amax_reciprocal": {"a1q": "a1q@amax_reciprocal", "a1q_scale": "a1q_scale@amax_reciprocal"},
+        **{
+            r: {"a1q": f"a1q@{r}", "a1q_scale": f"a1q_scale@{r}"}
+            for r in (
+                "amax_reciprocal",
+                "amax_reciprocal_sm90_triton",
+                "fast_reciprocal_sm90_cuda",
+            )
+        },
     }
     hidden = make_inputs(p).hidden_states
     q, s = quantize_fp8_groups(hidden, 128, FLOAT32, recipe=TRITON)
@@ -340,6 +371,7 @@ def test_golden_trace_carries_every_recipe() -> None:
         "colmajor",
         "colmajor_sm90_triton",
         "colmajor_amax_reciprocal",
+        SGLANG_ACT,
         "bf16_steps",
     ]
     mm1 = trace[Stage.GEMM1]["mm1"]
