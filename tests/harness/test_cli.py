@@ -27,17 +27,15 @@ TINY = ["-T", "4", "-H", "128", "-I", "128", "-E", "4", "-k", "2", "--alignment"
 TINY_PROBLEM = MoEProblem(tokens=4, hidden=128, intermediate=128, num_experts=4, topk=2)
 
 
-def test_default_run_prints_a_stage_table_and_passes(tmp_path: Path) -> None:
+def test_default_run_prints_a_stage_table_and_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process: `moe-verify` alone runs as a user's process in tests/harness/test_readme.py."""
     out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_verify.cli", "-T", "8", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "verdict PASS" in proc.stdout and "gemm1 [triton]" in proc.stdout
+    code = main(["-T", "8", "--json", str(out)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    assert "verdict PASS" in stdout and "gemm1 [triton]" in stdout
     report = json.loads(out.read_text())
     assert report["passed"] and report["first_failure"] is None
 
