@@ -314,7 +314,7 @@ class LmdeployBackend(AdaptedBackend):
             )
         out = {"a1q": q, "a1q_scale": s, "kernel": self._kernel("per_token_group_quant_fp8")}
         # Under the interpreter 448 / amax is the IEEE quotient; compiled for an H200 it is
-        # div.full.f32, the recorded table's (docs/implementations.md, convention 5). On another
+        # div.full.f32, the recorded table's (docs/implementations.md, convention 7). On another
         # GPU no table was recorded: the stage declares nothing and is matched against all.
         if self.compiled_for_sm90(q):
             return self._declare(out, InputQuantRecipe.AMAX_RECIPROCAL_SM90_TRITON.value)
