@@ -266,9 +266,9 @@ def test_the_cli_hands_jobs_and_shard_to_the_sweep(
         ([], 2, 2),  # the CPU tier's machines: one per core
         ([], 16, 4),
         ([], 1, 1),
-        (["0"], 16, 6),  # one H200: six share it
-        (["0"], 4, 4),  # never more than the cores
-        (["0", "1"], 32, 6),  # three per GPU
+        (["0"], 16, 4),  # one H200: four share it
+        (["0"], 2, 2),  # never more than the cores
+        (["0", "1"], 32, 4),  # two per GPU
         ([str(i) for i in range(8)], 128, 8),  # one per GPU
     ],
 )
