@@ -142,6 +142,7 @@ def fused_act_quant_recipe(scale_fmt: ScaleFmt) -> ActQuantRecipe:
 _SM90_TRITON = {
     ActQuantRecipe.PACKED: ActQuantRecipe.PACKED_SM90_TRITON,
     ActQuantRecipe.COLMAJOR: ActQuantRecipe.COLMAJOR_SM90_TRITON,
+    ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL: ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON,
 }
 _ROUNDING = {
     ActQuantRecipe.PACKED: "packed",
@@ -150,12 +151,16 @@ _ROUNDING = {
     ActQuantRecipe.COLMAJOR_SM90_TRITON: "colmajor",
     ActQuantRecipe.BF16_STEPS: "colmajor",  # bf16(bf16(silu(g)) * u) for plain silu
     ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL: "colmajor",  # LMDeploy's silu_and_mul: the same
+    ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON: "colmajor",
     ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA: "packed",  # SGLang's silu_and_mul
 }
 # The recipes whose activation rounding is not their quantizer's: they quantize the bf16
 # activations with an input quantizer (reference/formats.py `quantize_groups_by_amax_reciprocal`).
 _AMAX_RECIPROCAL_QUANTIZER = {
     ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL: InputQuantRecipe.AMAX_RECIPROCAL,
+    ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON: (
+        InputQuantRecipe.AMAX_RECIPROCAL_SM90_TRITON
+    ),
     ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA: InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA,
 }
 # SGLang's silu as nvcc --use_fast_math compiles it on an H200 (reference/quotient_table.py).
@@ -316,6 +321,9 @@ def act_quant(
     "colmajor_amax_reciprocal" (FLOAT32 / FLOAT32_CEIL_UE8M0; LMDeploy's silu_and_mul then its
         `_quant_fp8_kernel` on the bf16 result): y as colmajor's, then
         `quantize_groups_by_amax_reciprocal`. Scales as colmajor's, amax floored at 1e-6.
+        "colmajor_amax_reciprocal_sm90_triton": the same compiled for an H200, the gate from
+        the Triton gate table, 448 / amax from the recorded quotient
+        ("amax_reciprocal_sm90_triton").
     "bf16_steps" (any format; plain silu, group 128): y = bf16(bf16(silu(g))
         * u), which is swiglu(rounding="colmajor") for plain silu, then
         `quantize_groups_bf16_steps`. Scales as colmajor's, or packed with pad bytes 0.

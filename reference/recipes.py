@@ -61,7 +61,8 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     """act_quant's recipes, the golden's own first: the fused Triton kernel of the scale format
     (packed or colmajor); its twin with the gate the H200's Triton computes (packed_sm90_triton /
     colmajor_sm90_triton), where a recorded table applies to the activation (else none, silently:
-    `sm90_triton_recipe`); with fp32 scales LMDeploy's (colmajor_amax_reciprocal); with float32
+    `sm90_triton_recipe`); with fp32 scales LMDeploy's (colmajor_amax_reciprocal, and its twin
+    compiled for an H200 where the gate table applies); with float32
     scales and silu SGLang's on an H200 (packed_fast_reciprocal_sm90_cuda, where
     `sglang_sm90_cuda_recipe` models it); on the
     batched low-latency layout (ep:N+ll) also vLLM's CUDA kernel
@@ -73,7 +74,11 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     if hardware is not None:
         recipes.append(hardware)
     if fused is ActQuantRecipe.COLMAJOR:
-        recipes.append(ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL)
+        lmdeploy = ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL
+        recipes.append(lmdeploy)
+        lmdeploy_sm90 = sm90_triton_recipe(lmdeploy, problem.activation)
+        if lmdeploy_sm90 is not None:
+            recipes.append(lmdeploy_sm90)
     sglang = sglang_sm90_cuda_recipe(problem.activation, problem.scale_fmt)
     if sglang is not None:
         recipes.append(sglang)

@@ -32,12 +32,14 @@ RECIPE_REASON = (
 Comparer = Callable[[Ctx], tuple[list[CheckResult], float]]
 
 
-# The act_quant recipes whose gate is the H200's compiled Triton one (reference/gate_table.py).
+# The act_quant recipes computed as an H200 computes them, from recorded tables
+# (reference/gate_table.py, reference/quotient_table.py): held bit for bit where declared.
 HARDWARE_ACT_RECIPES = frozenset(
     {
         ActQuantRecipe.PACKED_SM90_TRITON.value,
         ActQuantRecipe.COLMAJOR_SM90_TRITON.value,
         ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA.value,
+        ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON.value,
     }
 )
 

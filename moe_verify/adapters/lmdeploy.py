@@ -406,6 +406,12 @@ class LmdeployBackend(AdaptedBackend):
             "layout": GroupedLayout.M_INDICES.value,
             "kernel": self._kernel("silu_and_mul + per_token_group_quant_fp8"),
         }
+        # Compiled for an H200: tl.exp and the divisions as the recorded tables hold them
+        # (docs/implementations.md, convention 7); on another GPU nothing is declared.
+        if self.compiled_for_sm90(q):
+            return self._declare(out, ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON.value)
+        if q.device.type == "cuda":
+            return out
         return self._declare(out, ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL.value)
 
     def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:

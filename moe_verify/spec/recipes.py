@@ -69,6 +69,9 @@ class ActQuantRecipe(enum.StrEnum):
     # LMDeploy 0.18 (fused_moe_v3_fp8): silu_and_mul's roundings (colmajor's), then its input
     # quantizer (InputQuantRecipe.AMAX_RECIPROCAL) on the bf16 activations
     COLMAJOR_AMAX_RECIPROCAL = "colmajor_amax_reciprocal"
+    # The same two LMDeploy kernels compiled by Triton for an H200: the gate from the recorded
+    # Triton table (reference/gate_table.py), 448 / amax from the recorded quotient table
+    COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON = "colmajor_amax_reciprocal_sm90_triton"
     # The two Triton kernels with the gate read from the table recorded on an H200 (Triton 3.6):
     # tl.exp and the approximate division as that GPU computes them (reference/gate_table.py).
     PACKED_SM90_TRITON = "packed_sm90_triton"

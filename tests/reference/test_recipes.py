@@ -41,6 +41,7 @@ LMDEPLOY = InputQuantRecipe.AMAX_RECIPROCAL
 LMDEPLOY_SM90 = InputQuantRecipe.AMAX_RECIPROCAL_SM90_TRITON
 SGLANG_SM90 = InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA
 SGLANG_ACT = "packed_fast_reciprocal_sm90_cuda"
+LMDEPLOY_ACT_SM90 = "colmajor_amax_reciprocal_sm90_triton"
 FLOAT32, CEIL, PACKED = ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED
 SILU = Activation()
 BF16 = torch.bfloat16
@@ -286,21 +287,27 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
         pytest.param(
             P,
             (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
-            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", SGLANG_ACT),
+            (
+                "colmajor",
+                "colmajor_sm90_triton",
+                "colmajor_amax_reciprocal",
+                LMDEPLOY_ACT_SM90,
+                SGLANG_ACT,
+            ),
             id="fp8_block-float32",
         ),
         # ceil-UE8M0 fp32 scales: LMDeploy's two, not SGLang's (its UE8M0 flavour is not modelled)
         pytest.param(
             P.replace(scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0),
             (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90),
-            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal"),
+            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", LMDEPLOY_ACT_SM90),
             id="fp8_block-ceil",
         ),
         # SGLang clamps at bf16(limit): modelled where the limit is a bf16 value only
         pytest.param(
             P.replace(activation="silu:L7.01"),
             (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
-            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal"),
+            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", LMDEPLOY_ACT_SM90),
             id="silu-off-grid-limit",
         ),
         pytest.param(
@@ -323,6 +330,7 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
                 "colmajor",
                 "colmajor_sm90_triton",
                 "colmajor_amax_reciprocal",
+                LMDEPLOY_ACT_SM90,
                 SGLANG_ACT,
                 "bf16_steps",
             ),
@@ -332,7 +340,13 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
         pytest.param(
             P.replace(topology="ep:2+ll", activation="silu:L7"),
             (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
-            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", SGLANG_ACT),
+            (
+                "colmajor",
+                "colmajor_sm90_triton",
+                "colmajor_amax_reciprocal",
+                LMDEPLOY_ACT_SM90,
+                SGLANG_ACT,
+            ),
             id="ll-clamped",
         ),
     ],
@@ -371,6 +385,7 @@ def test_golden_trace_carries_every_recipe() -> None:
         "colmajor",
         "colmajor_sm90_triton",
         "colmajor_amax_reciprocal",
+        LMDEPLOY_ACT_SM90,
         SGLANG_ACT,
         "bf16_steps",
     ]

@@ -51,9 +51,10 @@ class Offer:
 
 LMD = R.COLMAJOR_AMAX_RECIPROCAL  # LMDeploy's, beside every colmajor rounding
 SGL = R.PACKED_FAST_RECIPROCAL_SM90_CUDA  # SGLang's on an H200: float32 scales, silu
+LMD_SM90 = R.COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON  # LMDeploy's compiled twin, where a table is
 OFFERS = [
     # plain silu: a table for alpha 1, both Triton roundings get their twin
-    Offer("silu-float32", BASE, (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD, SGL)),
+    Offer("silu-float32", BASE, (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD, LMD_SM90, SGL)),
     Offer("silu-packed", BASE.replace(scale_fmt="ue8m0_packed"), (R.PACKED, R.PACKED_SM90_TRITON)),
     # gpt-oss swigluoai (alpha 1.702, clamp 7, a bf16 value): tabulated
     Offer(
@@ -74,13 +75,13 @@ OFFERS = [
     Offer(
         "colmajor-L7.3",
         BASE.replace(activation="silu:L7.3"),
-        (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD),
+        (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD, LMD_SM90),
     ),  # fmt: skip
     # the low-latency layout: the twin, then vLLM's CUDA kernel (no table: not our kernel)
     Offer(
         "ll",
         BASE.replace(topology="ep:2+ll"),
-        (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD, SGL, R.BF16_STEPS),
+        (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD, LMD_SM90, SGL, R.BF16_STEPS),
     ),  # fmt: skip
 ]
 
