@@ -35,7 +35,7 @@ import torch
 
 from moe_verify.spec import QuantizedWeight, ScaleFmt, compute_capability
 from reference.formats import quantize_fp8_blocks, quantize_fp8_groups
-from reference.gate_table import GATE_FILE, gate_key
+from reference.gate_table import GATE_FILE, every_bf16, gate_key
 from reference.quotient_table import FLOORS, QUOTIENT_FILE, TABLES
 
 GEMM_FILE = "sm90_deepgemm_gemm.safetensors"
@@ -220,12 +220,6 @@ def _nvcc() -> str:
     return str(Path(home) / "bin" / "nvcc")
 
 
-def _bf16_inputs(device: str) -> torch.Tensor:
-    """fp32 [65536]: the bf16 number whose bits are i, for every i (NaN patterns included)."""
-    bits = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16)
-    return bits.view(torch.bfloat16).float()
-
-
 def _cuda_fast_math(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(448 / v, v / (1 + expf(-v)), nvcc's version) as nvcc --use_fast_math compiles them."""
     with tempfile.TemporaryDirectory(prefix="moe-verify-fast-math-") as tmp:
@@ -256,7 +250,7 @@ def record_quotient_tables(path: Path) -> int:
 
     from optimized.kernels.quant import triton_quotient
 
-    v = torch.cat([_bf16_inputs("cuda"), torch.tensor(FLOORS, device="cuda")])
+    v = torch.cat([every_bf16("cuda"), torch.tensor(FLOORS, device="cuda")])
     cuda_quotient, cuda_silu, nvcc = _cuda_fast_math(v)
     computed = {
         "quotient_448_triton": triton_quotient(448.0, v),

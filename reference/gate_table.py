@@ -23,6 +23,7 @@ from torch import Tensor
 __all__ = [
     "GATE_FILE",
     "bf16_index",
+    "every_bf16",
     "gate_from_table",
     "gate_key",
     "gate_table",
@@ -74,6 +75,13 @@ def gate_table_provenance() -> dict[str, str]:
     """Where the table's bits come from: the file and its metadata (gpu, capability, cuda, torch,
     triton, deep_gemm, date)."""
     return {"file": f"reference/data/{GATE_FILE}", **_load()[1]}
+
+
+def every_bf16(device: torch.device | str = "cpu") -> Tensor:
+    """fp32 [65536]: entry i is the bf16 number whose bits are i (NaN patterns included), the
+    inputs a recorded table holds in its order (`bf16_index` is the inverse)."""
+    bits = torch.arange(_ENTRIES, dtype=torch.int32, device=device).to(torch.int16)
+    return bits.view(torch.bfloat16).float()
 
 
 def bf16_index(x: Tensor, what: str) -> Tensor:

@@ -14,6 +14,7 @@ import torch
 from moe_verify.spec import Activation, ActQuantRecipe, InputQuantRecipe, ScaleFmt
 from reference.activation import act_quant, sglang_sm90_cuda_recipe
 from reference.formats import quantize_fp8_groups
+from reference.gate_table import every_bf16
 from reference.quotient_table import (
     FLOORS,
     TABLES,
@@ -25,7 +26,7 @@ from reference.quotient_table import (
 pytestmark = pytest.mark.cpu
 
 TRITON, FAST = "quotient_448_triton", "quotient_448_cuda_fast_math"
-ALL_BF16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+ALL_BF16 = every_bf16()
 # amax values a quantizer divides by: positive normal bf16 numbers with a finite quotient
 NORMAL = (ALL_BF16 >= 2.0**-126) & (ALL_BF16 < 2.0**120) & torch.isfinite(ALL_BF16)
 

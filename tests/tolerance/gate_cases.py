@@ -16,7 +16,7 @@ import torch
 
 from moe_verify.spec import Activation, ActQuantRecipe, ScaleFmt
 from reference.activation import act_quant, sm90_triton_recipe
-from reference.gate_table import gate_table
+from reference.gate_table import every_bf16, gate_table
 
 BF16 = torch.bfloat16
 # Candidate up values: every bf16 in [1, 2), and 0 (y = (0 + beta) * glu).
@@ -25,7 +25,7 @@ _UPS = torch.cat((torch.zeros(1), 1 + torch.arange(128) / 128))
 
 def all_bf16() -> torch.Tensor:
     """fp32 [65536]: the bf16 value of every bit pattern (entry i has bits i)."""
-    return torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(BF16).float()
+    return every_bf16()
 
 
 def torch_gate(alpha: float) -> torch.Tensor:
