@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from moe_verify.spec import E2M1_MAX, FP8_MAX, InputQuantRecipe, ScaleFmt
+from reference.quotient_table import FLOORS, table_value
 from reference.validate import (
     first_index,
     require_bool,
@@ -278,10 +279,10 @@ _GROUP_SCALES = {
     InputQuantRecipe.TRITON_RECIPROCAL: group_scales_by_reciprocal,
 }
 
-# LMDeploy's quantizer floors amax at this value, in fp32 (Triton promotes the bf16 amax to the
-# fp32 constant in tl.maximum); SGLang's JIT CUDA quantizer at 1e-10f.
-AMAX_RECIPROCAL_FLOOR = 1e-6
-FAST_RECIPROCAL_FLOOR = 1e-10
+# LMDeploy's quantizer floors amax at 1e-6, in fp32 (Triton promotes the bf16 amax to the fp32
+# constant in tl.maximum); SGLang's JIT CUDA quantizer at 1e-10f. The recorded quotient tables
+# hold an entry for each.
+AMAX_RECIPROCAL_FLOOR, FAST_RECIPROCAL_FLOOR = FLOORS
 
 # The quantizers whose codes are x * (448 / amax): amax's floor, and where the quotient comes
 # from (None: the IEEE quotient; else the table of reference/quotient_table.py).
@@ -336,8 +337,6 @@ def quantize_groups_by_amax_reciprocal(
     elif table is None:
         rscale = torch.full_like(amax, FP8_MAX) / amax
     else:
-        from reference.quotient_table import table_value  # it imports this module's floors
-
         rscale = table_value(table, amax)
     return cast_to_fp8(groups * rscale.unsqueeze(-1)), scale
 

@@ -23,7 +23,6 @@ from importlib import resources
 import torch
 from torch import Tensor
 
-from reference.formats import AMAX_RECIPROCAL_FLOOR, FAST_RECIPROCAL_FLOOR
 from reference.gate_table import bf16_index
 
 __all__ = [
@@ -37,8 +36,9 @@ __all__ = [
 
 QUOTIENT_FILE = "sm90_quotient.safetensors"
 # The amax floors the two quantizers apply before dividing (as fp32): LMDeploy's
-# `tl.maximum(a_max, 1e-6)`, SGLang's `max(..., 1e-10f)`. Neither is a bf16 number.
-FLOORS = (AMAX_RECIPROCAL_FLOOR, FAST_RECIPROCAL_FLOOR)
+# `tl.maximum(a_max, 1e-6)`, SGLang's `max(..., 1e-10f)` (reference/formats.py applies them).
+# Neither is a bf16 number, so each has an entry of its own.
+FLOORS = (1e-6, 1e-10)
 TABLES = ("quotient_448_triton", "quotient_448_cuda_fast_math", "silu_cuda_fast_math")
 _BF16_ENTRIES = 1 << 16
 
