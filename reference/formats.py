@@ -296,6 +296,10 @@ _AMAX_RECIPROCALS: dict[InputQuantRecipe, tuple[float, str | None]] = {
 }
 
 
+# The recipes that read a recorded quotient: it exists for bf16 amax values (and the floors) only.
+TABLE_QUOTIENT_RECIPES = frozenset(r for r, (_, table) in _AMAX_RECIPROCALS.items() if table)
+
+
 def quantize_groups_by_amax_reciprocal(
     groups: Tensor,
     scale_fmt: ScaleFmt,

@@ -148,9 +148,15 @@ class ReferenceBackend:
         if p.recipe is Recipe.MXFP8:
             q, s = formats.quantize_mxfp8(hidden, 32)
             return {"a1q": q, "a1q_scale": s}
-        by_recipe = {
-            r: formats.quantize_fp8_groups(hidden, 128, p.scale_fmt, recipe=r)
+        # The recorded quotients hold bf16 amax values only: other input dtypes (no kernel they
+        # model takes them) get the other recipes.
+        recipes = [
+            r
             for r in input_quant_recipes(p)
+            if hidden.dtype == torch.bfloat16 or r not in formats.TABLE_QUOTIENT_RECIPES
+        ]
+        by_recipe = {
+            r: formats.quantize_fp8_groups(hidden, 128, p.scale_fmt, recipe=r) for r in recipes
         }
         return recipe_outputs(by_recipe, ("a1q", "a1q_scale"))
 

@@ -8,13 +8,25 @@ with its own table, so a kernel is told apart from the others where the quotient
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from moe_verify.spec import Activation, ActQuantRecipe, InputQuantRecipe, ScaleFmt
+from moe_verify.inputs import make_inputs
+from moe_verify.spec import (
+    Activation,
+    ActQuantRecipe,
+    InputQuantRecipe,
+    MoEProblem,
+    ScaleFmt,
+    Stage,
+    Trace,
+)
 from reference.activation import act_quant, sglang_sm90_cuda_recipe
-from reference.formats import quantize_fp8_groups
+from reference.formats import TABLE_QUOTIENT_RECIPES, quantize_fp8_groups
 from reference.gate_table import every_bf16
+from reference.moe import ReferenceBackend
 from reference.quotient_table import (
     FLOORS,
     TABLES,
@@ -131,3 +143,16 @@ def test_sglang_act_quant_rounds_the_product_once_with_its_silu() -> None:
     assert float(s[0, 0]) != float(s_col[0, 0])
     assert sglang_sm90_cuda_recipe(silu, ScaleFmt.FLOAT32_CEIL_UE8M0) is None
     assert sglang_sm90_cuda_recipe(Activation("silu", limit=7.3), ScaleFmt.FLOAT32) is None
+
+
+def test_the_golden_offers_table_recipes_for_bf16_input_only() -> None:
+    """fp16 hidden states have amax values no table holds: the golden computes the other recipes
+    instead of refusing the problem."""
+    p = MoEProblem(tokens=4, hidden=256, intermediate=256, num_experts=4, topk=2, alignment=32)
+    inputs = make_inputs(p, "cpu")
+    bf16 = ReferenceBackend().run_stage(Stage.QUANT_INPUT, p, inputs, Trace("golden"), 0)
+    fp16 = dataclasses.replace(inputs, hidden_states=inputs.hidden_states.half())
+    half = ReferenceBackend().run_stage(Stage.QUANT_INPUT, p, fp16, Trace("golden"), 0)
+    tabled = {r.value for r in TABLE_QUOTIENT_RECIPES}
+    assert tabled <= set(bf16["recipe_outputs"])
+    assert not tabled & set(half["recipe_outputs"]) and "amax_reciprocal" in half["recipe_outputs"]
