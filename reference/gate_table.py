@@ -28,6 +28,7 @@ __all__ = [
     "gate_key",
     "gate_table",
     "gate_table_provenance",
+    "read_recorded",
     "tabulated_alphas",
 ]
 
@@ -42,15 +43,19 @@ def gate_key(alpha: float) -> str:
     return f"gate_alpha_{alpha!r}"
 
 
+def read_recorded(file: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(tensors by name, metadata) of the recorded file reference/data/`file` in the package."""
+    from safetensors import safe_open
+
+    with resources.as_file(resources.files("reference") / "data" / file) as path:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
 @functools.cache
 def _load() -> tuple[dict[str, Tensor], dict[str, str]]:
     """(tables by key, the file's metadata), read from the package once."""
-    from safetensors import safe_open
-
-    with resources.as_file(resources.files("reference") / "data" / GATE_FILE) as path:
-        with safe_open(str(path), framework="pt") as f:
-            tables = {k: f.get_tensor(k) for k in f.keys()}
-            metadata = dict(f.metadata() or {})
+    tables, metadata = read_recorded(GATE_FILE)
     for key, table in tables.items():
         if table.dtype != torch.float32 or tuple(table.shape) != (_ENTRIES,):
             raise ValueError(

@@ -18,12 +18,11 @@ The file ships with the package and is read once per process.
 from __future__ import annotations
 
 import functools
-from importlib import resources
 
 import torch
 from torch import Tensor
 
-from reference.gate_table import bf16_index
+from reference.gate_table import bf16_index, read_recorded
 
 __all__ = [
     "FLOORS",
@@ -46,12 +45,7 @@ _BF16_ENTRIES = 1 << 16
 @functools.cache
 def _load() -> tuple[dict[str, Tensor], dict[str, str]]:
     """(tables by name, the file's metadata), read from the package once."""
-    from safetensors import safe_open
-
-    with resources.as_file(resources.files("reference") / "data" / QUOTIENT_FILE) as path:
-        with safe_open(str(path), framework="pt") as f:
-            tables = {k: f.get_tensor(k) for k in f.keys()}
-            metadata = dict(f.metadata() or {})
+    tables, metadata = read_recorded(QUOTIENT_FILE)
     floors = tables.pop("floors", None)
     expected = torch.tensor(FLOORS, dtype=torch.float32)
     if floors is None or not torch.equal(floors, expected):
