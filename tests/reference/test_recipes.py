@@ -279,6 +279,18 @@ def test_act_quant_rejects_a_recipe_that_cannot_run(
 P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, alignment=32)
 
 
+# What float32 scales offer: vLLM's two quantizers, LMDeploy's and its H200 twin, SGLang's H200 one;
+# act_quant's colmajor family, LMDeploy's pair and SGLang's (last: it needs float32 and silu).
+QUANT_FP32 = (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90)
+COLMAJOR_FP32 = (
+    "colmajor",
+    "colmajor_sm90_triton",
+    "colmajor_amax_reciprocal",
+    LMDEPLOY_ACT_SM90,
+    SGLANG_ACT,
+)
+
+
 @pytest.mark.parametrize(
     ("problem", "quant", "act"),
     [
@@ -286,28 +298,22 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
         # with float32 scales SGLang's H200 quantizer and act_quant (silu) apply too
         pytest.param(
             P,
-            (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
-            (
-                "colmajor",
-                "colmajor_sm90_triton",
-                "colmajor_amax_reciprocal",
-                LMDEPLOY_ACT_SM90,
-                SGLANG_ACT,
-            ),
+            QUANT_FP32,
+            COLMAJOR_FP32,
             id="fp8_block-float32",
         ),
         # ceil-UE8M0 fp32 scales: LMDeploy's two, not SGLang's (its UE8M0 flavour is not modelled)
         pytest.param(
             P.replace(scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0),
             (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90),
-            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", LMDEPLOY_ACT_SM90),
+            COLMAJOR_FP32[:-1],
             id="fp8_block-ceil",
         ),
         # SGLang clamps at bf16(limit): modelled where the limit is a bf16 value only
         pytest.param(
             P.replace(activation="silu:L7.01"),
-            (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
-            ("colmajor", "colmajor_sm90_triton", "colmajor_amax_reciprocal", LMDEPLOY_ACT_SM90),
+            QUANT_FP32,
+            COLMAJOR_FP32[:-1],
             id="silu-off-grid-limit",
         ),
         pytest.param(
@@ -325,28 +331,15 @@ P = MoEProblem(tokens=8, hidden=256, intermediate=256, num_experts=4, topk=2, al
         # the batched low-latency layout adds vLLM's CUDA kernel for plain silu ...
         pytest.param(
             P.replace(topology="ep:2+ll"),
-            (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
-            (
-                "colmajor",
-                "colmajor_sm90_triton",
-                "colmajor_amax_reciprocal",
-                LMDEPLOY_ACT_SM90,
-                SGLANG_ACT,
-                "bf16_steps",
-            ),
+            QUANT_FP32,
+            (*COLMAJOR_FP32, "bf16_steps"),
             id="ll",
         ),
         # ... which takes no clamp and no swigluoai
         pytest.param(
             P.replace(topology="ep:2+ll", activation="silu:L7"),
-            (CUDA, TRITON, LMDEPLOY, LMDEPLOY_SM90, SGLANG_SM90),
-            (
-                "colmajor",
-                "colmajor_sm90_triton",
-                "colmajor_amax_reciprocal",
-                LMDEPLOY_ACT_SM90,
-                SGLANG_ACT,
-            ),
+            QUANT_FP32,
+            COLMAJOR_FP32,
             id="ll-clamped",
         ),
     ],
@@ -381,14 +374,7 @@ def test_golden_trace_carries_every_recipe() -> None:
     assert torch.equal(bits(quant["a1q@triton_reciprocal"]), bits(q))
     act = trace[Stage.ACT_QUANT]
     assert act["recipe"] == "colmajor"
-    assert list(act["recipe_outputs"]) == [
-        "colmajor",
-        "colmajor_sm90_triton",
-        "colmajor_amax_reciprocal",
-        LMDEPLOY_ACT_SM90,
-        SGLANG_ACT,
-        "bf16_steps",
-    ]
+    assert list(act["recipe_outputs"]) == [*COLMAJOR_FP32, "bf16_steps"]
     mm1 = trace[Stage.GEMM1]["mm1"]
     q2, s2 = act_quant(mm1.reshape(-1, mm1.shape[-1]), SILU, 128, FLOAT32, "bf16_steps")
     assert act["a2q@bf16_steps"].shape == act["a2q"].shape == (*mm1.shape[:2], 256)
