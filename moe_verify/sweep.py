@@ -29,6 +29,7 @@ harness failed); the exit code is 0 when every case passed, 2 when any errored, 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import gc
 import json
@@ -151,8 +152,19 @@ def release_memory() -> None:
 
 def run_in_process(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
     """One case in this process under its deadline; whatever the backend raises is the case's
-    ERROR, except the user's Ctrl-C and our SIGTERM, which propagate. The case's memory is
-    released before the next case (`release_memory`)."""
+    ERROR, except the user's Ctrl-C and our SIGTERM, which propagate. The outcome carries the
+    GPU memory the case took at most (`gpu_peak_bytes`); the case's memory is released before
+    the next case (`release_memory`)."""
+    reset_gpu_peak()
+    try:
+        outcome = _run_case(problem, options)
+    finally:
+        release_memory()
+    outcome.peak_gpu_bytes = gpu_peak_bytes()
+    return outcome
+
+
+def _run_case(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
     from moe_verify.verification import verify
 
     start = time.perf_counter()
@@ -170,11 +182,36 @@ def run_in_process(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
         return _error(problem, start, str(exc))
     except BaseException as exc:  # noqa: BLE001 - one broken case never takes the sweep down
         return _error(problem, start, f"{type(exc).__name__}: {exc}")
-    else:
-        return _from_report(problem, report.to_dict(), time.perf_counter() - start)
-    finally:
-        report = None
-        release_memory()
+    return _from_report(problem, report.to_dict(), time.perf_counter() - start)
+
+
+def _cuda_in_use() -> Any:
+    """torch, when this process has a CUDA context; else None (nothing to measure, and asking
+    would create one)."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and torch.cuda.is_initialized() else None
+
+
+def reset_gpu_peak() -> None:
+    """Start counting the allocator's peak afresh, for the case about to run."""
+    torch = _cuda_in_use()
+    if torch is not None:
+        with contextlib.suppress(Exception):  # a context a kernel broke: nothing to measure
+            torch.cuda.reset_peak_memory_stats()
+
+
+def gpu_peak_bytes() -> int | None:
+    """The most memory PyTorch's caching allocator held on the GPU since `reset_gpu_peak` (its
+    reserved bytes: what the device could not give to anyone else), or None without a CUDA
+    context or when the context is broken. Memory outside the allocator (the context, cuBLAS's
+    workspace, a library's own cudaMalloc) is not in it."""
+    torch = _cuda_in_use()
+    if torch is None:
+        return None
+    try:
+        return int(torch.cuda.max_memory_reserved())
+    except Exception:  # noqa: BLE001 - a context a kernel broke raises here
+        return None
 
 
 def _error(problem: MoEProblem, start: float, what: str) -> CaseOutcome:
@@ -338,6 +375,9 @@ def summary_dict(summary: SweepSummary) -> dict:
                 "messages": o.messages,
                 "report": o.report,
                 "worker": o.worker,
+                "peak_gpu_bytes": o.peak_gpu_bytes,
+                "estimate_bytes": o.estimate_bytes,
+                "retried": o.retried,
             }
             for o in summary.outcomes
         ],
@@ -393,7 +433,8 @@ def markdown_matrix(summary: SweepSummary, name: str) -> str:
     for o in summary.outcomes:
         cells = [" / ".join(_stage_status(o.report, m, s) for m in Mode) for s in stages]
         lines.append(
-            f"| {o.problem.id} | {o.status.upper()} | {o.problem.recipe} | {o.problem.topology} | "
+            f"| {o.problem.id} | {o.status.upper()}{' (run again alone)' if o.retried else ''} "
+            f"| {o.problem.recipe} | {o.problem.topology} | "
             + " | ".join(cells)
             + f" | {o.seconds:.1f}s |"
         )

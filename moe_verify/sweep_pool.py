@@ -76,8 +76,11 @@ GPU_JOBS = 4
 # are CPU-bound there, so more workers than cores only share the same cores.
 CPU_JOBS = 4
 # The share of a device's memory the pre-flight estimates of the cases in flight on it may take
-# together; the rest is left to each worker's CUDA context and the allocators' slack.
+# together, less WORKER_BYTES for each worker on it; the rest is the allocators' slack.
 MEMORY_SHARE = 0.85
+# What a worker holds on its GPU outside its cases' tensors: the CUDA context, the loaded
+# kernels (Triton's, DeepGEMM's, cuBLAS's) and cuBLAS's workspace.
+WORKER_BYTES = 1 << 30
 # Each worker's BLAS and OpenMP threads, when several workers share the cores: the cores divided
 # among the workers (oversubscribed OpenBLAS threads made the CPU tier ~1.6x slower on 2 cores).
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -92,6 +95,28 @@ class CaseOutcome:
     report: dict | None = None  # Report.to_dict() when the case produced one
     messages: list[str] = field(default_factory=list)
     worker: int | None = None  # the pid of the worker process that ran it (None: in process)
+    # The most GPU memory PyTorch's allocator held during the case (None: no GPU, or not known,
+    # e.g. the worker died), and the pre-flight estimate the memory gate used for it.
+    peak_gpu_bytes: int | None = None
+    estimate_bytes: int | None = None
+    # When the case ran out of memory beside other cases and was run again alone on its device
+    # (the outcome is then the second run's): the first run's line that said so.
+    retried: str | None = None
+
+
+# The words an ERROR carries when the case ran out of memory: torch's CUDA out-of-memory error
+# and the pre-flight's refusal, as the runner and the sweep name them (type name first), and
+# the CUDA runtime's own message for a failed allocation outside PyTorch's allocator.
+OUT_OF_MEMORY_WORDS = ("OutOfMemoryError", "DoesNotFit", "out of memory")
+
+
+def out_of_memory(outcome: CaseOutcome) -> str | None:
+    """The line that says the case errored for want of memory (not a crash, a timeout or a
+    wrong result), or None; a full message before the summary line, which may be cut short."""
+    if outcome.status is not Status.ERROR:
+        return None
+    lines = [*outcome.messages, outcome.summary]
+    return next((line for line in lines if any(w in line for w in OUT_OF_MEMORY_WORDS)), None)
 
 
 def check_jobs(jobs: object) -> int:
@@ -136,28 +161,63 @@ def default_jobs() -> int:
 
 
 @dataclass
+class RunningCase:
+    """The case a slot runs: its index in the sweep, when it started, its deadline (monotonic;
+    None: no limit) and the limit that deadline came from, its memory estimate, whether it runs
+    alone on its device (a re-run after running out of memory) and whether another case ran
+    on its device while it did."""
+
+    index: int
+    problem: MoEProblem
+    started: float
+    end: float | None
+    limit: float | None
+    estimate: int
+    alone: bool = False
+    crowded: bool = False
+
+
+@dataclass
 class Device:
     """Where slots run: one GPU (its CUDA_VISIBLE_DEVICES entry, None: the machine's only GPU or
-    the CPU), the bytes the cases in flight on it may be estimated to take, and what they take."""
+    the CPU), the bytes the cases in flight on it may be estimated to take, and the cases there."""
 
     gpu: str | None
     budget: int | None  # None: not gated (its memory is unknown)
-    in_flight: int = 0
-    cases: int = 0
+    running: list[RunningCase] = field(default_factory=list)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.estimate for r in self.running)
+
+    @property
+    def cases(self) -> int:
+        return len(self.running)
 
     def fits(self, estimate: int) -> bool:
-        """A case may start here: nothing runs here, or it fits beside what does."""
-        if self.cases == 0 or self.budget is None:
+        """A case may start here: nothing runs here, or it fits beside what does (and that is
+        not a case that must run alone)."""
+        if self.cases == 0:
             return True
-        return self.in_flight + estimate <= self.budget
+        if any(r.alone for r in self.running):
+            return False
+        return self.budget is None or self.in_flight + estimate <= self.budget
 
-    def take(self, estimate: int) -> None:
-        self.in_flight += estimate
-        self.cases += 1
+    def take(self, running: RunningCase) -> None:
+        """`running` starts here: it and every case already here now have company."""
+        for other in self.running:
+            other.crowded = True
+        running.crowded = bool(self.running)
+        self.running.append(running)
 
-    def release(self, estimate: int) -> None:
-        self.in_flight -= estimate
-        self.cases -= 1
+    def release(self, running: RunningCase) -> None:
+        self.running.remove(running)
+
+    def reserve(self, workers: int) -> None:
+        """Take WORKER_BYTES per worker on this device out of the budget: what each holds
+        outside its cases' tensors."""
+        if self.budget is not None:
+            self.budget -= workers * WORKER_BYTES
 
 
 def devices() -> list[Device]:
@@ -284,19 +344,6 @@ class _Worker:
         self.end(timed_out=self.busy)
 
 
-@dataclass
-class _Running:
-    """The case a slot runs: its index in the sweep, when it started, its deadline (monotonic;
-    None: no limit) and the limit that deadline came from, its memory estimate."""
-
-    index: int
-    problem: MoEProblem
-    started: float
-    end: float | None
-    limit: float | None
-    estimate: int
-
-
 class _Slot:
     """One place a case runs: a worker (started when needed, replaced after any case that
     errored), its folder for the protocol's files, its device."""
@@ -306,27 +353,36 @@ class _Slot:
         self.device = device
         self.env = worker_environment(folder, device.gpu, jobs)
         self.worker: _Worker | None = None
-        self.running: _Running | None = None
+        self.running: RunningCase | None = None
 
-    def start(self, index: int, problem: MoEProblem, options: RunOptions, estimate: int) -> None:
+    def start(
+        self,
+        index: int,
+        problem: MoEProblem,
+        options: RunOptions,
+        estimate: int,
+        alone: bool = False,
+    ) -> None:
         if self.worker is None:
             self.worker = _Worker(self.folder, self.env)
         timeout = options.case_timeout_s
         limit = timeout + STARTUP_GRACE_S if timeout else None
         end = time.monotonic() + limit if limit else None
-        self.running = _Running(index, problem, time.perf_counter(), end, limit, estimate)
-        self.device.take(estimate)
+        self.running = RunningCase(
+            index, problem, time.perf_counter(), end, limit, estimate, alone=alone
+        )
+        self.device.take(self.running)
         name = str(index)
         request = {"name": name, "problem": problem.to_dict(), "options": options.to_dict()}
         self.worker.send(request)
 
-    def finish(self, done: Completed | None) -> tuple[int, CaseOutcome]:
-        """The outcome of the case in flight: its worker's report (`done` None: it replied), or
-        the ERROR of a worker that died or ran out of time (`done`: how it ended)."""
+    def finish(self, done: Completed | None) -> tuple[RunningCase, CaseOutcome]:
+        """The case that was in flight and its outcome: its worker's report (`done` None: it
+        replied), or the ERROR of a worker that died or ran out of time (`done`: how it ended)."""
         running, worker = self.running, self.worker
         assert running is not None and worker is not None
         self.running = None
-        self.device.release(running.estimate)
+        self.device.release(running)
         seconds = time.perf_counter() - running.started
         name = str(running.index)
         crumb = self.folder / BREADCRUMB
@@ -344,18 +400,21 @@ class _Slot:
                 result["report"],
                 result["messages"],
                 worker.pid,
+                peak_gpu_bytes=result.get("peak_gpu_bytes"),
             )
             if outcome.status is Status.ERROR:
                 self.close()
-            return running.index, outcome
-        self.worker = None  # `end` killed it
-        log = log_path(self.folder, name)
-        if not log.exists():  # it died before it took the case
-            log = self.folder / STARTUP_LOG
-        text = log.read_text(errors="replace")
-        return running.index, crashed(
-            running.problem, seconds, done, running.limit, where, text, worker.pid
-        )
+        else:
+            self.worker = None  # `end` killed it
+            log = log_path(self.folder, name)
+            if not log.exists():  # it died before it took the case
+                log = self.folder / STARTUP_LOG
+            text = log.read_text(errors="replace")
+            outcome = crashed(
+                running.problem, seconds, done, running.limit, where, text, worker.pid
+            )
+        outcome.estimate_bytes = running.estimate
+        return running, outcome
 
     def close(self) -> None:
         if self.worker is not None:
@@ -433,6 +492,13 @@ def take_next(queue: list[int], estimates: Sequence[int], device: Device) -> int
     return index
 
 
+def run_again_alone(running: RunningCase, outcome: CaseOutcome) -> bool:
+    """A case that ran out of memory while another case ran on its device is run once more,
+    alone there: the memory gate admitted it on estimates, so the shortage may be the company's,
+    not the case's. Alone, the outcome stands, whatever it is."""
+    return not running.alone and running.crowded and out_of_memory(outcome) is not None
+
+
 def run_pool(
     cases: Sequence[MoEProblem],
     options: RunOptions,
@@ -443,26 +509,52 @@ def run_pool(
     """Run `cases` in `jobs` contained workers (at most one per case), taking the largest first
     (`dispatch_order`) and, when it does not fit its device yet, the next that does; `started(i)`
     when case i is sent to a worker, `finished(i, outcome)` when it ends, in the order cases end.
-    Each slot keeps the protocol's files in a temporary directory of its own. Every worker and
-    directory is gone on return, also when an interrupt (KeyboardInterrupt, SystemExit) ends the
-    sweep."""
+    A case that ran out of memory beside others (`run_again_alone`) is not finished but run
+    again as soon as a device is free of other cases; meanwhile no new case starts, so that one
+    drains, and its outcome then notes the first run (`CaseOutcome.retried`). Each slot keeps
+    the protocol's files in a temporary directory of its own. Every worker and directory is gone
+    on return, also when an interrupt (KeyboardInterrupt, SystemExit) ends the sweep."""
     from moe_verify.preflight import estimate
 
     check_jobs(jobs)
     places = devices()
     estimates = [estimate(p).total for p in cases]
     queue = dispatch_order(estimates)
+    again: list[int] = []  # cases that ran out of memory beside others, to run alone
+    first_runs: dict[int, str] = {}  # such a case -> its first run's out-of-memory line
     slots: list[_Slot] = []
     with contextlib.ExitStack() as stack:
         for i in range(min(jobs, len(cases))):
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-verify-sweep-"))
             slots.append(_Slot(Path(folder), places[i % len(places)], jobs))
             stack.callback(slots[-1].close)
-        while queue or any(s.running for s in slots):
+        for place in places:
+            place.reserve(sum(s.device is place for s in slots))
+        while queue or again or any(s.running for s in slots):
             for slot in slots:
-                index = None if slot.running else take_next(queue, estimates, slot.device)
+                if slot.running:
+                    continue
+                if again:  # nothing new starts until a device is free for it
+                    if slot.device.cases == 0:
+                        index = again.pop(0)
+                        slot.start(index, cases[index], options, estimates[index], alone=True)
+                        started(index)
+                    continue
+                index = take_next(queue, estimates, slot.device)
                 if index is not None:
                     slot.start(index, cases[index], options, estimates[index])
                     started(index)
             for slot, done in _ended([s for s in slots if s.running is not None]):
-                finished(*slot.finish(done))
+                running, outcome = slot.finish(done)
+                if run_again_alone(running, outcome):
+                    again.append(running.index)
+                    first_runs[running.index] = out_of_memory(outcome) or outcome.summary
+                    continue
+                first = first_runs.pop(running.index, None)
+                if first is not None:
+                    outcome.retried = first
+                    outcome.messages.append(
+                        f"first run, beside other cases on its device: {first}; "
+                        "this outcome is the run alone"
+                    )
+                finished(running.index, outcome)

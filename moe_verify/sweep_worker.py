@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             "summary": outcome.summary,
             "messages": outcome.messages,
             "report": outcome.report,
+            "peak_gpu_bytes": outcome.peak_gpu_bytes,
         }
         write_atomic(outcome_path(folder, name), json.dumps(result))
         replies.write(json.dumps({"done": name}) + "\n")

@@ -1,6 +1,8 @@
 """SM90 tier: real GPU kernel faults are contained. An illegal memory access and a kernel that never
 ends each take down one case of a sweep, named with its stage, and the next case passes in a
-fresh process; a hung kernel under plain `run` is ended by the case timeout."""
+fresh process; a hung kernel under plain `run` is ended by the case timeout; a segfault, an
+exit() and an os._exit() in a worker on the GPU each end their own case while the other worker's
+case goes on."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from moe_verify.spec import MoEProblem, Status
 from moe_verify.sweep import sweep
 from moe_verify.verification import verify
+from tests.tester.fault_backends import EXIT_SEED, HARD_EXIT_SEED, SEGFAULT_SEED
 from tests.tester.gpu_fault_backends import FAULT_SEED
 
 pytestmark = pytest.mark.sm90
@@ -105,3 +108,34 @@ def test_a_hung_kernel_under_run_is_ended_by_the_case_timeout() -> None:
     assert proc.returncode == 2, out[-3000:]
     assert "gemm1" in out and CASES[0].id in out, out[-3000:]
     assert seconds < 120, f"took {seconds:.0f} s"
+
+
+# seed -> words its ERROR must carry: the process-level faults, each in a worker with a CUDA
+# context, while the other worker runs a healthy case on the same GPU.
+PROCESS_FAULTS = {
+    SEGFAULT_SEED: "killed by SIGSEGV",
+    EXIT_SEED: "exit(0)",
+    HARD_EXIT_SEED: "exit 0",
+}
+
+
+def test_a_segfault_and_an_exit_end_only_their_own_case_on_the_gpu(tmp_path: Path) -> None:
+    seeds = [SEGFAULT_SEED, 0, EXIT_SEED, 2, HARD_EXIT_SEED, 3]
+    summary = sweep(
+        [CASE.replace(seed=s) for s in seeds],
+        backend="tests.tester.fault_backends:FaultsBySeed",
+        mode="isolated",
+        engine="triton",
+        out_dir=tmp_path,
+        case_timeout_s=TIMEOUT_S,
+        jobs=2,
+    )
+    for seed, outcome in zip(seeds, summary.outcomes, strict=True):
+        text = outcome.summary + "\n" + "\n".join(outcome.messages)
+        if seed in PROCESS_FAULTS:
+            assert outcome.status is Status.ERROR and "gemm1" in text, text[-2000:]
+            assert PROCESS_FAULTS[seed] in text, text[-2000:]
+        else:
+            assert outcome.status is Status.PASS, outcome.summary
+            assert outcome.peak_gpu_bytes, "a case on the GPU measures its peak memory"
+    assert summary.exit_code == 2

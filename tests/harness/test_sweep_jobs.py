@@ -22,9 +22,17 @@ from moe_verify.options import RunOptions
 from moe_verify.preflight import estimate
 from moe_verify.spec import MoEProblem, Status
 from moe_verify.sweep import SweepSummary, sweep
-from moe_verify.sweep_pool import CaseOutcome, Device, run_pool
+from moe_verify.sweep_pool import CaseOutcome, Device, RunningCase, run_again_alone, run_pool
 from optimized.backend import OptimizedBackend
-from tests.tester.fault_backends import EXIT_SEED, HANG_SEED, HARD_EXIT_SEED, SEGFAULT_SEED
+from tests.tester.fault_backends import (
+    ATTEMPTS_DIR_VAR,
+    EXIT_SEED,
+    HANG_SEED,
+    HARD_EXIT_SEED,
+    OOM_ALWAYS_SEED,
+    OOM_ONCE_SEED,
+    SEGFAULT_SEED,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -280,16 +288,104 @@ def test_the_default_jobs(
     assert sweep_pool.default_jobs() == jobs
 
 
+def _running(estimate: int, alone: bool = False) -> RunningCase:
+    return RunningCase(0, CASE, 0.0, None, None, estimate, alone=alone)
+
+
 def test_a_devices_memory_gate() -> None:
     gpu = Device("0", budget=100)
     assert gpu.fits(500)  # alone on its device a case always starts (its pre-flight decides)
-    gpu.take(60)
+    first = _running(60)
+    gpu.take(first)
     assert gpu.fits(40) and not gpu.fits(41)
-    gpu.release(60)
+    assert not first.crowded  # nothing ran beside it yet
+    second = _running(40)
+    gpu.take(second)
+    assert first.crowded and second.crowded  # each had company, whoever came first
+    gpu.release(first)
+    gpu.release(second)
     assert gpu.fits(500) and (gpu.in_flight, gpu.cases) == (0, 0)
+    gpu.reserve(2)  # two workers' own memory comes off the budget
+    assert gpu.budget == 100 - 2 * sweep_pool.WORKER_BYTES
     unknown = Device(None, budget=None)
-    unknown.take(10**15)
+    unknown.take(_running(10**15))
     assert unknown.fits(10**15)
+    # A case that must run alone keeps the device to itself, whatever the budget.
+    unknown.release(unknown.running[0])
+    unknown.take(_running(1, alone=True))
+    assert not unknown.fits(1)
+
+
+def _outcome(status: Status, summary: str) -> CaseOutcome:
+    return CaseOutcome(CASE, status, 1.0, summary)
+
+
+@pytest.mark.parametrize(
+    ("status", "summary", "crowded", "alone", "again"),
+    [
+        (Status.ERROR, "ERROR c: OutOfMemoryError: CUDA out of memory. Tried", True, False, True),
+        (Status.ERROR, "ERROR c: DoesNotFit: needs 8.76 GiB, 7.39 GiB free", True, False, True),
+        (Status.ERROR, "ERROR c: worker killed by SIGSEGV", True, False, False),
+        (Status.FAIL, "FAIL c: gemm1 out of memory?", True, False, False),
+        (Status.ERROR, "ERROR c: OutOfMemoryError: CUDA out of memory.", False, False, False),
+        (Status.ERROR, "ERROR c: OutOfMemoryError: CUDA out of memory.", True, True, False),
+    ],
+)
+def test_which_cases_run_again_alone(
+    status: Status, summary: str, crowded: bool, alone: bool, again: bool
+) -> None:
+    """Only an ERROR for want of memory, beside other cases, on its first run."""
+    running = _running(1, alone=alone)
+    running.crowded = crowded
+    assert run_again_alone(running, _outcome(status, summary)) is again
+
+
+def test_a_case_out_of_memory_beside_others_runs_again_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers: the two cases that start together both run out of memory; each runs again
+    alone on the device (nothing else starts meanwhile), where one passes and the other, out of
+    memory alone too, stays an ERROR that says so; the healthy case runs after them."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv(ATTEMPTS_DIR_VAR, str(tmp_path / "attempts"))
+    cases = [CASE.replace(seed=OOM_ONCE_SEED), CASE.replace(seed=OOM_ALWAYS_SEED), CASE]
+    options = RunOptions(BACKEND, MODE, case_timeout_s=10 * TIMEOUT_S)
+    starts: list[tuple[int, bool, list[int]]] = []  # case, alone, the cases already running
+    real_take = Device.take
+
+    def take(device: Device, running: RunningCase) -> None:
+        starts.append((running.index, running.alone, [r.index for r in device.running]))
+        real_take(device, running)
+
+    monkeypatch.setattr(Device, "take", take)
+    outcomes: dict[int, CaseOutcome] = {}
+    run_pool(cases, options, 2, lambda i: None, outcomes.__setitem__)
+    assert starts[:2] == [(0, False, []), (1, False, [0])], starts
+    # Each re-run alone (in the order their first runs ended), then the healthy case.
+    assert sorted(starts[2:4]) == [(0, True, []), (1, True, [])], starts
+    assert starts[4:] == [(2, False, [])], starts
+    once, always, healthy = (outcomes[i] for i in range(3))
+    assert once.status is Status.PASS and "OutOfMemoryError" in (once.retried or "")
+    assert always.status is Status.ERROR and "run 2" in "\n".join(always.messages)
+    assert "run 1" in (always.retried or "") and "run alone" in always.messages[-1]
+    assert healthy.status is Status.PASS and healthy.retried is None
+    assert all(o.estimate_bytes == estimate(CASE).total for o in outcomes.values())
+
+
+def test_a_case_out_of_memory_alone_is_not_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv(ATTEMPTS_DIR_VAR, str(tmp_path / "attempts"))
+    summary = sweep(
+        [CASE.replace(seed=OOM_ONCE_SEED)], backend=BACKEND, mode=MODE, out_dir=tmp_path, jobs=1
+    )
+    (outcome,) = summary.outcomes
+    assert outcome.status is Status.ERROR and "OutOfMemoryError" in outcome.summary
+    assert outcome.retried is None and len(list((tmp_path / "attempts").iterdir())) == 1
+    data = json.loads((tmp_path / "summary.json").read_text())["cases"][0]
+    assert data["retried"] is None and data["estimate_bytes"] == estimate(CASE).total
+    assert data["peak_gpu_bytes"] is None  # no GPU here: nothing measured, nothing made up
 
 
 def test_a_workers_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

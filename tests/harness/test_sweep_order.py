@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.sweep_pool import Device, dispatch_order, take_next
+from moe_verify.spec import MoEProblem
+from moe_verify.sweep_pool import Device, RunningCase, dispatch_order, take_next
 
 pytestmark = pytest.mark.cpu
+
+
+def _running(estimate: int) -> RunningCase:
+    return RunningCase(0, MoEProblem(), 0.0, None, None, estimate)
 
 
 def test_the_largest_estimate_goes_first_and_ties_keep_case_order() -> None:
@@ -19,13 +24,14 @@ def test_a_case_that_does_not_fit_yet_lets_a_smaller_one_start() -> None:
     device = Device(None, budget=100)
     queue = dispatch_order([70, 60, 20])  # [0, 1, 2]
     assert take_next(queue, [70, 60, 20], device) == 0
-    device.take(70)
+    first = _running(70)
+    device.take(first)
     # 60 does not fit beside 70 in 100; 20 does
     assert take_next(queue, [70, 60, 20], device) == 2
-    device.take(20)
+    device.take(_running(20))
     assert take_next(queue, [70, 60, 20], device) is None
     assert queue == [1]
-    device.release(70)
+    device.release(first)
     assert take_next(queue, [70, 60, 20], device) == 1
     assert queue == []
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -200,6 +201,15 @@ class FaultsBySeed(OptimizedBackend):
     name = "faults-by-seed"
 
     def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+        if p.seed in (OOM_ONCE_SEED, OOM_ALWAYS_SEED):
+            runs = Path(os.environ[ATTEMPTS_DIR_VAR])
+            runs.mkdir(parents=True, exist_ok=True)
+            attempt = len(list(runs.glob(f"{p.seed}-*"))) + 1
+            (runs / f"{p.seed}-{attempt}").touch()
+            if p.seed == OOM_ALWAYS_SEED or attempt == 1:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate 2.00 GiB (deliberate, run {attempt})"
+                )
         if p.seed == SEGFAULT_SEED:
             os.kill(os.getpid(), signal.SIGSEGV)
         while p.seed == HANG_SEED:
@@ -212,6 +222,8 @@ class FaultsBySeed(OptimizedBackend):
 
 
 SEGFAULT_SEED, HANG_SEED, EXIT_SEED, HARD_EXIT_SEED = 11, 12, 13, 14
+OOM_ONCE_SEED, OOM_ALWAYS_SEED = 15, 16
+ATTEMPTS_DIR_VAR = "MOE_VERIFY_TEST_ATTEMPTS"
 
 
 # class name -> (the case status it must give, the stage it must be blamed on)
