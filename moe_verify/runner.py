@@ -39,6 +39,7 @@ from moe_verify.spec import (
     StageViolation,
     Trace,
 )
+from moe_verify.timing import phase
 from reference.topology import REDUCE_INPUTS
 from tolerance.contract import contract_violations
 
@@ -350,11 +351,16 @@ def run_rank(
     golden_trace: Trace | None = None,
 ) -> RankRun:
     """The golden of `rank` (or the one given), then the tested backend in each of `modes`."""
-    gold = golden_trace if golden_trace is not None else run_golden(golden, problem, inputs, rank)
-    run = RankRun(rank, gold)
+    if golden_trace is None:
+        with phase("golden"):
+            golden_trace = run_golden(golden, problem, inputs, rank)
+    run = RankRun(rank, golden_trace)
     for mode in modes:
-        if Mode(mode) is Mode.CHAINED:
-            run.tested[Mode.CHAINED] = run_chained(tested, problem, inputs, rank)
-        else:
-            run.tested[Mode.ISOLATED] = run_isolated(tested, problem, inputs, gold, rank)
+        with phase(str(Mode(mode))):
+            if Mode(mode) is Mode.CHAINED:
+                run.tested[Mode.CHAINED] = run_chained(tested, problem, inputs, rank)
+            else:
+                run.tested[Mode.ISOLATED] = run_isolated(
+                    tested, problem, inputs, golden_trace, rank
+                )
     return run

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_verify import timing
 from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 from moe_verify.cases import preset
 from moe_verify.contain import (
@@ -153,14 +154,17 @@ def release_memory() -> None:
 def run_in_process(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
     """One case in this process under its deadline; whatever the backend raises is the case's
     ERROR, except the user's Ctrl-C and our SIGTERM, which propagate. The outcome carries the
-    GPU memory the case took at most (`gpu_peak_bytes`); the case's memory is released before
-    the next case (`release_memory`)."""
+    GPU memory the case took at most (`gpu_peak_bytes`) and where its time went
+    (moe_verify/timing.py); the case's memory is released before the next case
+    (`release_memory`)."""
     reset_gpu_peak()
+    timing.reset()
     try:
         outcome = _run_case(problem, options)
     finally:
         release_memory()
     outcome.peak_gpu_bytes = gpu_peak_bytes()
+    outcome.phase_seconds = timing.phase_seconds()
     return outcome
 
 
@@ -378,6 +382,7 @@ def summary_dict(summary: SweepSummary) -> dict:
                 "peak_gpu_bytes": o.peak_gpu_bytes,
                 "estimate_bytes": o.estimate_bytes,
                 "retried": o.retried,
+                "phase_seconds": o.phase_seconds,
             }
             for o in summary.outcomes
         ],

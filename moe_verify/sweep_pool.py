@@ -99,6 +99,9 @@ class CaseOutcome:
     # e.g. the worker died), and the pre-flight estimate the memory gate used for it.
     peak_gpu_bytes: int | None = None
     estimate_bytes: int | None = None
+    # Where the case's time went: seconds per phase of verify (moe_verify/timing.py); None when
+    # the case ended with its worker.
+    phase_seconds: dict[str, float] | None = None
     # When the case ran out of memory beside other cases and was run again alone on its device
     # (the outcome is then the second run's): the first run's line that said so.
     retried: str | None = None
@@ -401,6 +404,7 @@ class _Slot:
                 result["messages"],
                 worker.pid,
                 peak_gpu_bytes=result.get("peak_gpu_bytes"),
+                phase_seconds=result.get("phase_seconds"),
             )
             if outcome.status is Status.ERROR:
                 self.close()

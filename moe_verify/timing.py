@@ -7,13 +7,20 @@ scripts all read their numbers here, so two tables never disagree because their 
   back to back and the time divided by the calls (a replay's own launch cost is paid once per
   model graph in vLLM, not once per call).
 - `timed_once`: one call's wall seconds, compile or JIT included, with its result.
+- `phase`: where a verified case's time goes, wall seconds per phase of `verify` (making the
+  inputs, the golden, the tested side per mode, the golden's SM90 tensor-core GEMMs and chain,
+  the comparison), summed over ranks; a sweep keeps them per case (summary.json
+  `phase_seconds`, docs/ci.md), so a slow CI run shows what to cut. Phases do not nest, and the
+  stages sync the GPU as they end (moe_verify/runner.py), so a kernel's time falls in its own
+  phase.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -85,3 +92,26 @@ def timed_once(fn: Callable[[], T]) -> tuple[T, float]:
     if cuda:
         torch.cuda.synchronize()
     return out, time.perf_counter() - start
+
+
+_phases: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Add the wall time inside the block to phase `name` of the case's account."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _phases[name] = _phases.get(name, 0.0) + time.perf_counter() - start
+
+
+def reset() -> None:
+    """Start a new case's account."""
+    _phases.clear()
+
+
+def phase_seconds() -> dict[str, float]:
+    """The account since `reset`, in milliseconds' precision."""
+    return {name: round(seconds, 3) for name, seconds in _phases.items()}

@@ -54,6 +54,7 @@ from moe_verify.spec import (
     check_output_dir,
     check_type,
 )
+from moe_verify.timing import phase
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
 from tolerance.invariance import INVARIANCES
@@ -102,14 +103,18 @@ def verify_rank(
     for trace in run.tested.values():
         declare_hardware_gate(problem, trace)
     if Mode.ISOLATED in run.tested:
-        run.golden = with_gemm_recipe(
-            problem, inputs, golden, run.golden, run.tested[Mode.ISOLATED], gemm_recipe
-        )
+        with phase("golden tensor-core gemms"):
+            run.golden = with_gemm_recipe(
+                problem, inputs, golden, run.golden, run.tested[Mode.ISOLATED], gemm_recipe
+            )
     if Mode.CHAINED in run.tested:
-        run.chained_golden = with_sm90_chain(
-            problem, inputs, golden, run.golden, run.tested[Mode.CHAINED], gemm_recipe
-        )
-    return RankVerdict(run, {m: compare_rank(problem, run, m, compare_device) for m in modes})
+        with phase("golden sm90 chain"):
+            run.chained_golden = with_sm90_chain(
+                problem, inputs, golden, run.golden, run.tested[Mode.CHAINED], gemm_recipe
+            )
+    with phase("compare"):
+        results = {m: compare_rank(problem, run, m, compare_device) for m in modes}
+    return RankVerdict(run, results)
 
 
 def compare_rank(
@@ -217,7 +222,8 @@ def verify(
     check_gemm_recipe(problem, opts.gemm_recipe)
     tested, twin = tested_sides(problem, opts)
     golden = resolve_backend("golden")
-    inputs = case_inputs(problem, inputs, device)
+    with phase("inputs"):
+        inputs = case_inputs(problem, inputs, device)
     sides = 1 + len(modes) * (2 if twin is not None else 1)
     steps = problem.topology.size * len(problem.stages) * sides
     where = lambda: f"{problem.id}, {progress.where()}"  # what a timeout names
@@ -339,7 +345,8 @@ def _verify_ranks(
         # stage by stage, ranks ascending within a stage; then the reduce
         ordered = [r[m][i] for i in range(len(per_rank[0][m])) for r in per_rank]
         if has_reduce(problem):
-            reduced = compare_reduce(problem, runs, m, options.compare_device)
+            with phase("compare"):
+                reduced = compare_reduce(problem, runs, m, options.compare_device)
             ordered.append(reduced)
             if plot and reduced.status.failing:
                 maps += reduce_maps(problem, runs, m)

@@ -130,6 +130,15 @@ def test_junit_json_and_markdown_count_and_order_the_cases(two_jobs) -> None:
     assert data["counts"] == {"pass": 2, "fail": 0, "error": 4} and data["exit_code"] == 2
     rows = [line for line in (out / "summary.md").read_text().splitlines() if "| fp8" in line]
     assert [r.split("|")[1].strip() for r in rows] == ids
+    # Where each case's time went: every phase of a case that ran to its report; nothing for a
+    # case whose worker died with it.
+    for case in data["cases"]:
+        phases = case["phase_seconds"]
+        if case["report"] is None:
+            assert phases is None, case
+        else:
+            assert {"inputs", "golden", "isolated", "compare"} <= set(phases), phases
+            assert sum(phases.values()) <= case["seconds"], case
 
 
 def _what(o: CaseOutcome) -> tuple[object, ...]:

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from moe_verify import timing
 from moe_verify.timing import capture_graph, median_seconds, timed_once
 
 pytestmark = pytest.mark.cpu
@@ -41,3 +42,16 @@ def test_timed_once_returns_the_result_and_the_calls_seconds() -> None:
     out, seconds = timed_once(lambda: calls.append(time.sleep(0.05)) or "done")
     assert out == "done" and len(calls) == 1
     assert 0.05 <= seconds < 5.0
+
+
+def test_phases_add_up_per_name_until_reset() -> None:
+    timing.reset()
+    for _ in range(2):
+        with timing.phase("golden"):
+            time.sleep(0.01)
+    with pytest.raises(RuntimeError), timing.phase("compare"):  # a raising block still counts
+        raise RuntimeError("boom")
+    seconds = timing.phase_seconds()
+    assert set(seconds) == {"golden", "compare"} and 0.02 <= seconds["golden"] < 5.0
+    timing.reset()
+    assert timing.phase_seconds() == {}
