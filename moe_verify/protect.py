@@ -27,10 +27,11 @@ runs code the suite does not control). Two kinds of tensors, protected two ways 
 
 Comparisons are bitwise: each element as an integer of its width, so a NaN payload or -0.0 over
 +0.0 counts. One pass per tensor, in chunks along the first dimension so the temporary stays near
-64M booleans whatever the tensor's size; one host sync per tensor. Call `writes()` once the stage
-has finished (the runner synchronizes the device first), also when the stage raised: a write
-before the raise is still a write. A guard whose `writes()` was never called is checked when the
-next guard of the same inputs is made, so its writes are never blamed on the next stage.
+64M booleans whatever the tensor's size; one host sync per stage for all of them. Call `writes()`
+once the stage has finished (the runner synchronizes the device first), also when the stage
+raised: a write before the raise is still a write. A guard whose `writes()` was never called is
+checked when the next guard of the same inputs is made, so its writes are never blamed on the
+next stage.
 Single-threaded, as the runner is.
 """
 
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_verify.spec import MoEInputs, QuantizedWeight, Trace
+from tolerance.metrics import host_ints
 
 __all__ = ["Guarded", "guarded_inputs"]
 
@@ -88,18 +90,33 @@ def _copy(name: str, t: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(t.shape, t.stride())
 
 
-def _changed(a: torch.Tensor, b: torch.Tensor) -> int:
-    """How many elements of a and b (same shape) differ in their bits."""
+def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many elements of a and b (same shape) differ in their bits: an int64 scalar on their
+    device, not yet read (`_host_counts` reads many at once)."""
     x, y = _bits(a), _bits(b)
-    if x.numel() == 0:
-        return 0
     if x.dim() == 0:
-        return int(x != y)
-    step = max(1, _CHUNK_ELEMENTS // max(1, x[0].numel()))
+        return (x != y).to(torch.int64)
     total = torch.zeros((), dtype=torch.int64, device=x.device)
+    if x.numel() == 0:
+        return total
+    step = max(1, _CHUNK_ELEMENTS // max(1, x[0].numel()))
     for i in range(0, x.shape[0], step):
         total += torch.count_nonzero(x[i : i + step] != y[i : i + step])
-    return int(total)
+    return total
+
+
+def _host_counts(counts: list[torch.Tensor]) -> list[int]:
+    """Device scalars as Python ints, with one host sync per device rather than one per tensor
+    (a stage hands out dozens of tensors; under `sweep --jobs` every sync waits for the GPU's
+    other processes)."""
+    out: list[int] = [0] * len(counts)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, c in enumerate(counts):
+        by_device.setdefault(c.device, []).append(i)
+    for index in by_device.values():
+        for i, n in zip(index, host_ints(*(counts[i] for i in index)), strict=True):
+            out[i] = n
+    return out
 
 
 @dataclass
@@ -117,25 +134,47 @@ class _Watch:
         copy = _copy(name, original)
         return _Watch(name, original, copy, _layout(copy))
 
-    def check(self, restore: bool) -> str | None:
-        """What the holder of the copy did to it, or None; with `restore`, put the original's
-        bits back so the next holder gets the original."""
+    def resized(self, restore: bool) -> str | None:
+        """A resize_ or set_ in place by the holder of the copy, or None; with `restore`, the
+        copy is the original's bytes again, in its own layout."""
         now = _layout(self.copy)
-        if now != self.layout:
-            msg = (
-                f"{self.name}: resized or replaced in place: shape {self.layout[0]} strides "
-                f"{self.layout[1]} became shape {now[0]} strides {now[1]}"
-            )
-            if restore:
-                self.copy.set_(_copy(self.name, self.original))
-                self.layout = _layout(self.copy)
-            return msg
-        changed = _changed(self.copy, self.original)
+        if now == self.layout:
+            return None
+        msg = (
+            f"{self.name}: resized or replaced in place: shape {self.layout[0]} strides "
+            f"{self.layout[1]} became shape {now[0]} strides {now[1]}"
+        )
+        if restore:
+            self.copy.set_(_copy(self.name, self.original))
+            self.layout = _layout(self.copy)
+        return msg
+
+    def written(self, changed: int, restore: bool) -> str | None:
+        """The holder's writes, `changed` elements of the copy (`_changed`), or None; with
+        `restore`, the original's bits are put back so the next holder gets the original."""
         if not changed:
             return None
         if restore:
             _bits(self.copy).copy_(_bits(self.original))
         return f"{self.name}: {changed} of {self.original.numel()} elements changed"
+
+
+def _check(watches: list[tuple[_Watch, bool]]) -> list[str]:
+    """What the holders did to each (watch, restore) copy, in order, one line per tensor written;
+    the element counts of all of them read with one host sync (`_host_counts`)."""
+    found: dict[int, str] = {}
+    kept: list[int] = []
+    for i, (watch, restore) in enumerate(watches):
+        if (msg := watch.resized(restore)) is not None:
+            found[i] = msg
+        else:
+            kept.append(i)
+    counts = _host_counts([_changed(watches[i][0].copy, watches[i][0].original) for i in kept])
+    for i, changed in zip(kept, counts, strict=True):
+        watch, restore = watches[i]
+        if (msg := watch.written(changed, restore)) is not None:
+            found[i] = msg
+    return [found[i] for i in sorted(found)]
 
 
 def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -168,10 +207,6 @@ class _TestedInputs:
             fields[f.name] = value
         self.inputs = MoEInputs(**fields)
         self.holder: Guarded | None = None
-
-    def check(self) -> list[str]:
-        """Writes into the copy since it was handed out, each restored from the original."""
-        return [m for w in self.watches if (m := w.check(restore=True)) is not None]
 
 
 # id(original inputs) -> its tested copy; an entry goes when its inputs object is freed (it holds
@@ -246,8 +281,11 @@ class Guarded:
 
     def writes(self) -> list[str]:
         if self._writes is None:
-            found = [m for w in self._watches if (m := w.check(restore=False)) is not None]
-            self._writes = found + self._tested.check()
+            # The upstream's copies are only evidence (kept as written); the inputs' copy is
+            # restored. One host sync for both.
+            self._writes = _check(
+                [(w, False) for w in self._watches] + [(w, True) for w in self._tested.watches]
+            )
             # The upstream copies are only evidence: the handed-out trace keeps them alive if
             # anyone still holds it.
             self._watches = []

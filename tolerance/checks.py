@@ -19,6 +19,7 @@ from tolerance.metrics import (
     e4m3_value,
     excess_ratio,
     first_true,
+    host_ints,
     int_mismatch,
     nan_inf_counts,
     nonfinite,
@@ -61,10 +62,10 @@ def row_unit(rows: str) -> str:
 def counted(mask: torch.Tensor, rows: str, unit: str = "elements") -> dict[str, int]:
     """A check's `beyond` from a bool [rows, N] mask of what is beyond its bound: the elements,
     and the rows (slots, tokens) holding one."""
-    out = {unit: int(mask.sum())}
-    if mask.dim() >= 2:
-        out[row_unit(rows)] = int(mask.flatten(1).any(dim=1).sum())
-    return out
+    if mask.dim() < 2:
+        return {unit: int(mask.sum())}
+    elements, held = host_ints(mask.sum(), mask.flatten(1).any(dim=1).sum())
+    return {unit: elements, row_unit(rows): held}
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

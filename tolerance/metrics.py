@@ -69,29 +69,48 @@ def unravel(flat_index: int, shape: torch.Size | tuple[int, ...]) -> tuple[int, 
     return tuple(reversed(coords))
 
 
+def host_ints(*values: torch.Tensor) -> list[int]:
+    """Integer-valued scalars of one device as Python ints, read with one host sync (a stage's
+    comparison takes dozens of counts; under `sweep --jobs` every sync waits for the GPU's other
+    processes)."""
+    return [int(v) for v in torch.stack([v.to(torch.int64) for v in values]).tolist()]
+
+
 def first_true(mask: torch.Tensor) -> tuple[int, ...] | None:
     """Coordinates of the first True element of a bool tensor (row-major), or None."""
     flat = mask.reshape(-1)
-    if flat.numel() == 0 or not bool(flat.any()):
+    if flat.numel() == 0:
         return None
-    return unravel(int(torch.argmax(flat.to(torch.uint8))), mask.shape)
+    found, at = host_ints(flat.any(), torch.argmax(flat.to(torch.uint8)))
+    return unravel(at, mask.shape) if found else None
 
 
 def argmax_coords(x: torch.Tensor) -> tuple[int, ...] | None:
-    """Coordinates of the largest element (a NaN counts as largest), or None when empty."""
+    """Coordinates of the largest element (a NaN counts as largest: the first NaN), or None when
+    empty."""
     flat = x.reshape(-1)
     if flat.numel() == 0:
         return None
-    nan = torch.isnan(flat) if flat.is_floating_point() else None
-    if nan is not None and bool(nan.any()):
-        return first_true(nan.reshape(x.shape))
-    return unravel(int(torch.argmax(flat)), x.shape)
+    if not flat.is_floating_point():
+        return unravel(host_ints(torch.argmax(flat))[0], x.shape)
+    nan = torch.isnan(flat)
+    has_nan, first_nan, largest = host_ints(
+        nan.any(), torch.argmax(nan.to(torch.uint8)), torch.argmax(flat)
+    )
+    return unravel(first_nan if has_nan else largest, x.shape)
 
 
 def mismatch_of(mask: torch.Tensor) -> Mismatch:
     """Summarize a bool 'differs' mask: count, total, first coordinates, rows holding one."""
-    rows = int(mask.flatten(1).any(dim=1).sum()) if mask.dim() >= 2 else None
-    return Mismatch(int(mask.sum()), mask.numel(), first_true(mask), rows)
+    flat = mask.reshape(-1)
+    if flat.numel() == 0:
+        return Mismatch(0, 0, None, 0 if mask.dim() >= 2 else None)
+    stats = [flat.sum(), torch.argmax(flat.to(torch.uint8))]
+    if mask.dim() >= 2:
+        stats.append(mask.flatten(1).any(dim=1).sum())
+    count, at, *rows = host_ints(*stats)
+    first = unravel(at, mask.shape) if count else None
+    return Mismatch(count, flat.numel(), first, rows[0] if rows else None)
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -369,4 +388,5 @@ def nan_inf_counts(x: torch.Tensor) -> tuple[int, int]:
         return int(e4m3_is_nan(x).sum()), 0
     if not x.is_floating_point():
         return 0, 0
-    return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+    nans, infs = host_ints(torch.isnan(x).sum(), torch.isinf(x).sum())
+    return nans, infs

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from moe_verify.host_reads import HostReads
 from moe_verify.inputs import make_inputs
 from moe_verify.protect import SANITIZER_TOOL_ENV, Guarded, guarded_inputs
 from moe_verify.runner import run_chained, run_isolated
@@ -144,6 +145,35 @@ def test_bits_count_not_values(held: int, written: int) -> None:
     guard = Guarded(upstream, inputs)
     guard.upstream["gemm1"]["mm1"].view(torch.int16)[1, 2] = written
     assert guard.writes() == ["gemm1.mm1: 1 of 6 elements changed"]
+
+
+def test_a_stage_check_reads_the_host_once() -> None:
+    """However many tensors a stage is handed, checking them costs one host read (a device sync
+    under `sweep --jobs` waits for the GPU's other processes), and every write is still named:
+    the upstream's, and the inputs' (restored)."""
+    inputs, golden = _golden()
+    guard = Guarded(golden.upto("gather"), inputs)
+    handed = sum(
+        isinstance(v, torch.Tensor)
+        for _, outs in golden.upto("gather").items()
+        for v in outs.values()
+    )
+    assert handed >= 10
+    _flip(guard.upstream["gemm2"]["mm2"], 3)
+    _flip(guard.upstream["permute"]["inv_perm"])
+    _flip(guard.inputs.w2_q.scale, 2)
+    with HostReads().counting() as reads:
+        found = guard.writes()
+    assert reads.reads == ["tolist"], reads.reads
+    assert [w.split(":")[0] for w in found] == [
+        "permute.inv_perm",
+        "gemm2.mm2",
+        "inputs.w2_q.scale",
+    ]
+    assert found[1].startswith("gemm2.mm2: 3 of ") and found[2].startswith(
+        "inputs.w2_q.scale: 2 of "
+    )
+    assert _same(_snapshot(guarded_inputs(inputs)), _snapshot(inputs))
 
 
 def test_what_the_stage_is_handed() -> None:

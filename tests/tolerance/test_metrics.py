@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from moe_verify.host_reads import HostReads
 from tolerance import metrics as m
 
 pytestmark = pytest.mark.cpu
@@ -32,6 +33,22 @@ def test_bitwise_mismatch_counts_and_finds_first(dtype: torch.dtype) -> None:
     b[1, 2] = 1.0
     b[2, 4] = 2.0
     assert m.bitwise_mismatch(a, b) == m.Mismatch(2, 15, (1, 2))
+
+
+def test_a_summary_reads_the_host_once() -> None:
+    """A mismatch's count, first coordinates and rows, and the worst element's coordinates, each
+    come from one host read however many numbers they hold."""
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[2, 5] = mask[3, 0] = True
+    x = torch.arange(24.0).reshape(4, 6)
+    x[1, 1] = float("nan")
+    with HostReads().counting() as reads:
+        assert m.mismatch_of(mask) == m.Mismatch(2, 24, (2, 5), 2)
+        assert m.mismatch_of(torch.zeros(3, 2, dtype=torch.bool)) == m.Mismatch(0, 6, None, 0)
+        assert m.argmax_coords(x) == (1, 1)
+        assert m.argmax_coords(torch.arange(24.0).reshape(4, 6)) == (3, 5)
+        assert m.first_true(mask) == (2, 5) and m.first_true(~mask.any(1, keepdim=True)) == (0, 0)
+    assert reads.reads == ["tolist"] * 6, reads.reads
 
 
 def test_bitwise_mismatch_tells_signed_zeros_apart() -> None:
