@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="every case in this process: faster to start, but a segfault or an illegal memory "
         "access ends the whole sweep",
     )
-    from moe_verify.sweep_pool import CPU_JOBS, GPU_JOBS, jobs_arg
+    from moe_verify.sweep_pool import CPU_JOBS, GIB_PER_WORKER, GPU_JOBS, jobs_arg
 
     sw.add_argument(
         "--jobs",
@@ -377,9 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="N contained workers run cases at once, sharing the GPUs (pinned round robin when "
         "there are several) and the JIT caches; a case waits while its memory estimate does not "
-        f"fit beside those running. Default: {GPU_JOBS} with a GPU (at least one per GPU; while "
-        "one worker compiles or runs the golden, the others keep the GPU busy), else one per core "
-        f"up to {CPU_JOBS} (the Triton interpreter is CPU-bound); 1 with --in-process",
+        f"fit beside those running. Default with GPUs: one per {GIB_PER_WORKER} GiB of each GPU's "
+        f"memory, at most {GPU_JOBS} per GPU (an H200 gets 8; while one worker compiles or runs "
+        "the golden, the others keep the GPU busy), at least one per GPU, at most one per two "
+        f"cores; without: one per core up to {CPU_JOBS} (the Triton interpreter is CPU-bound); 1 "
+        "with --in-process",
     )
     sw.add_argument("--filter", default=None, help="only cases whose id contains this text")
     sw.add_argument(

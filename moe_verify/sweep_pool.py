@@ -64,14 +64,16 @@ STARTUP_GRACE_S = 120.0
 STDERR_LINES = 60
 CRASH_REPORT = "Fatal Python error"
 
-# Default workers with a GPU: four per machine (at least one per GPU, at most one per core). On
-# one H200 (16 cores) the nightly took 524 s cold and 315 s warm with four workers, all passing.
-# While one worker compiles a new shape (nvcc, Triton) or runs the golden on the host, the others
-# keep the GPU busy; the memory gate holds back a case whose pre-flight estimate would not fit
-# beside those running. Six workers were faster cold (387 s, all passing) but warm, with less
-# compiling to spread them out, two of the largest cases ran out of GPU memory beside the others
-# (the estimates do not cover six such cases at once): docs/gpu-results.md, 2026-12-02 night.
-GPU_JOBS = 4
+# Default workers with GPUs: one per GIB_PER_WORKER of each GPU's memory, at most GPU_JOBS on one
+# GPU, and no more than one per two cores (each worker runs the golden's host side and feeds its
+# kernels). On one H200 (140 GiB, 16 cores) that is 8, measured at b077d38 (docs/gpu-results.md,
+# 2026-12-03): the nightly 326 s cold and 255 s warm, every case passing, none run again for
+# lack of memory; four workers took 524 s cold and 313-315 s warm (2026-12-02). While one worker
+# compiles a shape or runs the golden on the host, the others keep the GPU busy (its utilization
+# averaged 89% warm); the memory gate holds back a case whose estimate does not fit beside those
+# running, and a case that runs out of memory beside others runs again alone.
+GPU_JOBS = 8
+GIB_PER_WORKER = 16
 # Default workers without a GPU: one per core up to four. The Triton interpreter and the golden
 # are CPU-bound there, so more workers than cores only share the same cores.
 CPU_JOBS = 4
@@ -153,13 +155,24 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(count)]
 
 
+def gpu_memory(count: int) -> list[int]:
+    """Total bytes of each of the first `count` visible GPUs."""
+    import torch
+
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(count)]
+
+
 def default_jobs() -> int:
-    """Workers when none are asked for: with GPUs, GPU_JOBS (at least one per GPU); without,
-    one per core up to CPU_JOBS. See those constants for why."""
+    """Workers when none are asked for: with GPUs, one per GIB_PER_WORKER of each GPU's memory up
+    to GPU_JOBS on each (at least one per GPU), no more than one per two cores; without, one per
+    core up to CPU_JOBS. See those constants for why."""
     cpus = os.cpu_count() or 1
-    gpus = len(visible_gpus())
+    gpus = visible_gpus()
     if gpus:
-        return max(1, min(max(GPU_JOBS, gpus), cpus))
+        per_gpu = [
+            min(GPU_JOBS, max(1, m // (GIB_PER_WORKER << 30))) for m in gpu_memory(len(gpus))
+        ]
+        return max(1, min(sum(per_gpu), max(len(gpus), cpus // 2)))
     return max(1, min(CPU_JOBS, cpus))
 
 
@@ -226,7 +239,6 @@ class Device:
 def devices() -> list[Device]:
     """One Device per visible GPU (pinned when there are several), else the CPU; each with
     MEMORY_SHARE of its memory as its budget."""
-    import torch
 
     from moe_verify.preflight import free_bytes
 
@@ -234,7 +246,7 @@ def devices() -> list[Device]:
     if not gpus:
         free = free_bytes("cpu")
         return [Device(None, None if free is None else int(free * MEMORY_SHARE))]
-    memory = [torch.cuda.get_device_properties(i).total_memory for i in range(len(gpus))]
+    memory = gpu_memory(len(gpus))
     pinned = len(gpus) > 1
     return [
         Device(gpu if pinned else None, int(m * MEMORY_SHARE))

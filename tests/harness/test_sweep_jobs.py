@@ -277,22 +277,31 @@ def test_the_cli_hands_jobs_and_shard_to_the_sweep(
     assert (seen["jobs"], seen["shard"]) == (jobs, shard)
 
 
+H200, H100, L4 = 141 * 10**9, 80 * 2**30, 24 * 2**30
+
+
 @pytest.mark.parametrize(
-    ("gpus", "cpus", "jobs"),
+    ("gpus", "memory", "cpus", "jobs"),
     [
-        ([], 2, 2),  # the CPU tier's machines: one per core
-        ([], 16, 4),
-        ([], 1, 1),
-        (["0"], 16, 4),  # one H200: four share it
-        (["0"], 2, 2),  # never more than the cores
-        (["0", "1"], 32, 4),  # two per GPU
-        ([str(i) for i in range(8)], 128, 8),  # one per GPU
+        ([], None, 2, 2),  # the CPU tier's machines: one per core
+        ([], None, 16, 4),
+        ([], None, 1, 1),
+        (["0"], H200, 16, 8),  # one H200: eight share it (one per 16 GiB)
+        (["0"], H100, 16, 5),
+        (["0"], L4, 16, 1),  # a small GPU: one
+        (["0"], H200, 2, 1),  # never more than one per two cores
+        (["0"], H200, 1, 1),  # but always one
+        (["0", "1"], H200, 32, 16),  # eight per GPU
+        (["0", "1"], H200, 8, 4),
+        ([str(i) for i in range(8)], H200, 128, 64),
+        ([str(i) for i in range(8)], H200, 4, 8),  # at least one per GPU
     ],
 )
 def test_the_default_jobs(
-    gpus: list[str], cpus: int, jobs: int, monkeypatch: pytest.MonkeyPatch
+    gpus: list[str], memory: int | None, cpus: int, jobs: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sweep_pool, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(sweep_pool, "gpu_memory", lambda count: [memory] * count)
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     assert sweep_pool.default_jobs() == jobs
 
