@@ -31,8 +31,7 @@ Comparisons are bitwise: each element as an integer of its width, so a NaN paylo
 once the stage has finished (the runner synchronizes the device first), also when the stage
 raised: a write before the raise is still a write. A guard whose `writes()` was never called is
 checked when the next guard of the same inputs is made, so its writes are never blamed on the
-next stage.
-Single-threaded, as the runner is.
+next stage. Single-threaded, as the runner is.
 """
 
 from __future__ import annotations
@@ -281,8 +280,7 @@ class Guarded:
 
     def writes(self) -> list[str]:
         if self._writes is None:
-            # The upstream's copies are only evidence (kept as written); the inputs' copy is
-            # restored. One host sync for both.
+            # The upstream's copies stay as written; the inputs' copy is restored. One host sync.
             self._writes = _check(
                 [(w, False) for w in self._watches] + [(w, True) for w in self._tested.watches]
             )

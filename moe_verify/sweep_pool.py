@@ -239,7 +239,6 @@ class Device:
 def devices() -> list[Device]:
     """One Device per visible GPU (pinned when there are several), else the CPU; each with
     MEMORY_SHARE of its memory as its budget."""
-
     from moe_verify.preflight import free_bytes
 
     gpus = visible_gpus()
