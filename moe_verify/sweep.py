@@ -154,7 +154,7 @@ def release_memory() -> None:
 def run_in_process(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
     """One case in this process under its deadline; whatever the backend raises is the case's
     ERROR, except the user's Ctrl-C and our SIGTERM, which propagate. The outcome carries the
-    GPU memory the case took at most (`gpu_peak_bytes`) and where its time went
+    GPU memory the case took at most (`gpu_peaks`) and where its time went
     (moe_verify/timing.py); the case's memory is released before the next case
     (`release_memory`)."""
     reset_gpu_peak()
@@ -163,7 +163,7 @@ def run_in_process(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
         outcome = _run_case(problem, options)
     finally:
         release_memory()
-    outcome.peak_gpu_bytes = gpu_peak_bytes()
+    outcome.peak_gpu_bytes, outcome.peak_allocated_bytes = gpu_peaks()
     outcome.phase_seconds = timing.phase_seconds()
     return outcome
 
@@ -204,18 +204,20 @@ def reset_gpu_peak() -> None:
             torch.cuda.reset_peak_memory_stats()
 
 
-def gpu_peak_bytes() -> int | None:
-    """The most memory PyTorch's caching allocator held on the GPU since `reset_gpu_peak` (its
-    reserved bytes: what the device could not give to anyone else), or None without a CUDA
-    context or when the context is broken. Memory outside the allocator (the context, cuBLAS's
-    workspace, a library's own cudaMalloc) is not in it."""
+def gpu_peaks() -> tuple[int | None, int | None]:
+    """The most GPU memory PyTorch's caching allocator held since `reset_gpu_peak` (its reserved
+    bytes: what the device could not give to anyone else), and the most its live tensors took
+    (allocated bytes: what a pre-flight estimate estimates; the difference is the allocator's
+    caching and rounding). (None, None) without a CUDA context or when the context is broken.
+    Memory outside the allocator (the context, cuBLAS's workspace, a library's own cudaMalloc) is
+    in neither."""
     torch = _cuda_in_use()
     if torch is None:
-        return None
+        return None, None
     try:
-        return int(torch.cuda.max_memory_reserved())
+        return int(torch.cuda.max_memory_reserved()), int(torch.cuda.max_memory_allocated())
     except Exception:  # noqa: BLE001 - a context a kernel broke raises here
-        return None
+        return None, None
 
 
 def _error(problem: MoEProblem, start: float, what: str) -> CaseOutcome:
@@ -380,6 +382,7 @@ def summary_dict(summary: SweepSummary) -> dict:
                 "report": o.report,
                 "worker": o.worker,
                 "peak_gpu_bytes": o.peak_gpu_bytes,
+                "peak_allocated_bytes": o.peak_allocated_bytes,
                 "estimate_bytes": o.estimate_bytes,
                 "retried": o.retried,
                 "phase_seconds": o.phase_seconds,

@@ -97,9 +97,11 @@ class CaseOutcome:
     report: dict | None = None  # Report.to_dict() when the case produced one
     messages: list[str] = field(default_factory=list)
     worker: int | None = None  # the pid of the worker process that ran it (None: in process)
-    # The most GPU memory PyTorch's allocator held during the case (None: no GPU, or not known,
-    # e.g. the worker died), and the pre-flight estimate the memory gate used for it.
+    # The most GPU memory PyTorch's allocator held during the case and the most its tensors took
+    # (sweep.gpu_peaks; None: no GPU, or not known, e.g. the worker died), and the pre-flight
+    # estimate the memory gate used for it.
     peak_gpu_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
     estimate_bytes: int | None = None
     # Where the case's time went: seconds per phase of verify (moe_verify/timing.py); None when
     # the case ended with its worker.
@@ -415,6 +417,7 @@ class _Slot:
                 result["messages"],
                 worker.pid,
                 peak_gpu_bytes=result.get("peak_gpu_bytes"),
+                peak_allocated_bytes=result.get("peak_allocated_bytes"),
                 phase_seconds=result.get("phase_seconds"),
             )
             if outcome.status is Status.ERROR:

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             "messages": outcome.messages,
             "report": outcome.report,
             "peak_gpu_bytes": outcome.peak_gpu_bytes,
+            "peak_allocated_bytes": outcome.peak_allocated_bytes,
             "phase_seconds": outcome.phase_seconds,
         }
         write_atomic(outcome_path(folder, name), json.dumps(result))

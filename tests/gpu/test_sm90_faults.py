@@ -138,4 +138,5 @@ def test_a_segfault_and_an_exit_end_only_their_own_case_on_the_gpu(tmp_path: Pat
         else:
             assert outcome.status is Status.PASS, outcome.summary
             assert outcome.peak_gpu_bytes, "a case on the GPU measures its peak memory"
+            assert 0 < outcome.peak_allocated_bytes <= outcome.peak_gpu_bytes, outcome
     assert summary.exit_code == 2

@@ -403,7 +403,8 @@ def test_a_case_out_of_memory_alone_is_not_run_again(
     assert outcome.retried is None and len(list((tmp_path / "attempts").iterdir())) == 1
     data = json.loads((tmp_path / "summary.json").read_text())["cases"][0]
     assert data["retried"] is None and data["estimate_bytes"] == estimate(CASE).total
-    assert data["peak_gpu_bytes"] is None  # no GPU here: nothing measured, nothing made up
+    # no GPU here: nothing measured, nothing made up
+    assert data["peak_gpu_bytes"] is None and data["peak_allocated_bytes"] is None
 
 
 def test_a_workers_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
