@@ -17,7 +17,16 @@ import torch
 
 from moe_verify import progress
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import Engine, Mode, MoEProblem, Stage, Trace
+from moe_verify.spec import (
+    GEMM_OUTPUT,
+    Engine,
+    Mode,
+    MoEProblem,
+    Stage,
+    StageContext,
+    Trace,
+    call_stage,
+)
 from moe_verify.timing import median_seconds
 
 # Bytes moved by a bandwidth-bound stage, from its inputs and outputs (read + write).
@@ -84,11 +93,13 @@ def bench(
 ) -> list[StageTiming]:
     """Time every stage of rank 0 of `problem`; GEMM stages once per available engine."""
     from optimized.backend import OptimizedBackend
+    from optimized.topology import ShardCache
     from reference.moe import ReferenceBackend
 
     inputs = make_inputs(problem, device)
     dev = inputs.hidden_states.device
     golden = ReferenceBackend().run(problem, inputs, 0)
+    shards = ShardCache()
     bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
     timings: list[StageTiming] = []
     for stage in progress.steps(problem.stages, f"bench {problem.id}", "stage", label=str):
@@ -97,8 +108,10 @@ def bench(
         up = golden.upto(stage)
         for engine in engines if stage in _GEMM_STAGES else (Engine.TRITON,):
             backend = OptimizedBackend(engine=engine)
+            ctx = StageContext(problem, inputs, up, 0, shard_of=shards)
+            run = functools.partial(call_stage, backend, stage, ctx)
             try:
-                backend.run_stage(stage, problem, inputs, up, 0)
+                run()
             except Exception as exc:  # noqa: BLE001 - an engine that cannot run here is reported
                 timings.append(
                     StageTiming(
@@ -106,13 +119,12 @@ def bench(
                     )
                 )
                 continue
-            run = functools.partial(backend.run_stage, stage, problem, inputs, up, 0)
             seconds = median_seconds(run, repeats)
-            out = backend.run_stage(stage, problem, inputs, up, 0)
+            out = run()
             if stage in _GEMM_STAGES:
                 m_indices = up["permute"]["m_indices"]
                 live = int((m_indices >= 0).sum())
-                n = out["mm1" if stage == "gemm1" else "mm2"].shape[1]
+                n = out[GEMM_OUTPUT[stage]].shape[1]
                 k = (up["permute"]["a_perm"] if stage == "gemm1" else up["act_quant"]["a2q"]).shape[
                     1
                 ]

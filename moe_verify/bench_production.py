@@ -64,8 +64,11 @@ from moe_verify.spec import (
     MoEInputs,
     MoEProblem,
     Stage,
+    StageContext,
     Trace,
+    call_stage,
     check_int,
+    run_stages,
 )
 from moe_verify.timing import median_seconds, replay_seconds
 from optimized import deepgemm, op, production
@@ -77,10 +80,13 @@ from optimized.production import (
     Taps,
     forward_stages,
     prepare_rank_weights,
+    production_context,
     rank_inputs,
+    rank_shard,
     workspace_bytes,
     workspace_layout,
 )
+from optimized.topology import ShardCache
 from reference.moe import ReferenceBackend
 
 
@@ -226,7 +232,7 @@ def _measure(
     capture = on_gpu and cfg.capturable
     timing = GRAPH_TIMING if capture else (HT_TIMING if on_gpu else CPU_TIMING)
     judged = timing == GRAPH_TIMING
-    route = ReferenceBackend().run_stage(Stage.ROUTE, problem, inputs, Trace("golden"), rank)
+    route = ReferenceBackend().route(StageContext(problem, inputs, Trace("golden"), rank))
     hidden = inputs.hidden_states
     if "token_index" in route:  # ep:N+ht: this rank computes only the tokens it receives
         hidden = hidden[route["token_index"]]
@@ -242,7 +248,7 @@ def _measure(
     for name, outputs in taps.items():
         upstream.add(name, outputs)
     x = rank_inputs(hidden, weights)
-    buffers = CarvedBuffers(layout, workspace)
+    shard, buffers = rank_shard(cfg, weights), CarvedBuffers(layout, workspace)
     traffic = traffic_of(cfg, hidden, taps)
     absent = _deepgemm_absent(cfg, problem, engine, device)
 
@@ -253,8 +259,7 @@ def _measure(
     for stage in progress.steps(stages, f"bench --production {problem.id}", "stage", label=str):
 
         def call(stage: Stage = stage) -> None:
-            with runner.production(cfg, weights, buffers):
-                runner.run_stage(stage, problem, x, upstream, rank)
+            call_stage(runner, stage, production_context(cfg, x, upstream, shard, buffers))
 
         seconds = _time(call, capture, device, repeats)
         if stage in FLOORED_STAGES:
@@ -301,15 +306,19 @@ def _verification(
     problem: MoEProblem, inputs: MoEInputs, rank: int, engine: Engine, repeats: int, name: str
 ) -> tuple[VerificationRow, ...]:
     """Verification mode's stages, each fed the backend's own upstream (chained), on the
-    production engine: eager calls with every host check the backend runs (a fresh instance of
-    the registered backend's class)."""
-    backend = type(op.registered_backend(name))(engine=engine)
-    trace = backend.run(problem, inputs, rank)
+    production engine: eager calls of the registered backend's methods with every host check it
+    runs (a verification context: validation on, no workspaces)."""
+    backend = op.registered_backend(name)
+    shard_of = ShardCache()
+    trace = run_stages(backend, problem, inputs, rank, shard_of=shard_of, engine=engine)
     rows = []
     for stage in problem.stages:
         if stage is Stage.ROUTE:
             continue  # production takes the routing as its input
-        run = functools.partial(backend.run_stage, stage, problem, inputs, trace.upto(stage), rank)
+        ctx = StageContext(
+            problem, inputs, trace.upto(stage), rank, engine=engine, shard_of=shard_of
+        )
+        run = functools.partial(call_stage, backend, stage, ctx)
         rows.append(VerificationRow(stage.value, median_seconds(run, repeats) * 1e6))
     return tuple(rows)
 

@@ -21,6 +21,7 @@ import torch
 from moe_verify.error_map import ErrorMap, Measure, Segment
 from moe_verify.runner import RankRun
 from moe_verify.spec import (
+    GEMM_OUTPUT,
     GroupedLayout,
     Mode,
     MoEProblem,
@@ -52,7 +53,6 @@ BLOCK = 128
 _CHUNK_ELEMENTS = 1 << 24
 
 _TOKEN_OUTPUTS = (Stage.GATHER, Stage.SHARED, Stage.REDUCE)
-_GEMM_OUTPUTS = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
 
 
 class _NoPicture(Exception):
@@ -306,7 +306,7 @@ def _float_rows(x: torch.Tensor) -> RowValues:
 
 def _gemm_picture(ctx: Ctx, stage: Stage) -> _Picture:
     """gemm1 / gemm2: mm1 / mm2 of every live slot, keyed through the permute the GEMM read."""
-    name = _GEMM_OUTPUTS[stage]
+    name = GEMM_OUTPUT[stage]
     g, o = ctx.pair(stage, name)
     if o.dim() != 2 or g.dim() != 2 or o.shape[1] != g.shape[1]:
         raise _NoPicture(f"{name} is {tuple(o.shape)}, golden {tuple(g.shape)}")

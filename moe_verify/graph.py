@@ -56,10 +56,10 @@ from moe_verify.runner import RankRun
 from moe_verify.spec import (
     Engine,
     Mode,
-    MoEInputs,
     MoEProblem,
     Routing,
     Stage,
+    StageContext,
     TopologyKind,
     Trace,
     run_stages,
@@ -267,7 +267,7 @@ class _GivenRoute(ReferenceBackend):
         super().__init__()
         self._ids, self._weights = ids, weights
 
-    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
+    def route(self, ctx: StageContext) -> dict[str, object]:
         return {"topk_ids": self._ids, "topk_weights": self._weights}
 
 
@@ -356,7 +356,7 @@ class GraphSession:
             self.problem, tokens=replay.live, routing=replay.routing, seed=replay.seed
         )
         x = make_inputs(p).to(self.device)
-        route = ReferenceBackend().run_stage(Stage.ROUTE, p, x, Trace("golden"), 0)
+        route = ReferenceBackend().route(StageContext(p, x, Trace("golden")))
         live = replay.live
         self.hidden[:live].copy_(x.hidden_states)
         self.ids[:live].copy_(route["topk_ids"].to(torch.int32))

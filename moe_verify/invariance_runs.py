@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from moe_verify.options import check_invariance
-from moe_verify.runner import RankRun, resolve_backend
+from moe_verify.runner import RankRun, Side, resolve_backend
 from moe_verify.spec import (
     LL_BLOCK_ROWS,
     Backend,
@@ -30,7 +30,7 @@ class Twin:
     """The tested side's second run of a metamorphic pair: its backend and problem (the same
     problem, or one that differs only in the setting), the pair's label and the invariance."""
 
-    backend: Backend
+    backend: Backend | Side
     problem: MoEProblem
     label: str
     invariance: Invariance
@@ -60,15 +60,18 @@ def invariance_pair(
 ) -> tuple[Backend, Backend, MoEProblem, str]:
     """The two tested backends and the second run's problem of the invariance `kind`
     (tolerance/invariance.py INVARIANCES), and the pair's label; a ValueError saying why where
-    the setting has no second legal value here."""
+    the setting has no second legal value here. The problem's settings (alignment,
+    ll_capacity) pair any backend with itself on a second problem; the kernel settings (m_sum,
+    expected_m, num_sms) are constructor arguments of optimized.OptimizedBackend and its
+    subclasses."""
     check_invariance(kind)
     from optimized import OptimizedBackend
 
     first = resolve_backend(backend, engine)
-    if not isinstance(first, OptimizedBackend):
+    if kind in ("m_sum", "expected_m", "num_sms") and not isinstance(first, OptimizedBackend):
         raise ValueError(
-            f"invariance {kind}: its settings are the optimized backend's (or a module:Class "
-            f"subclass of it), got backend {backend!r}"
+            f"invariance {kind}: a setting of optimized.OptimizedBackend's constructor, so it "
+            f"needs that backend or a module:Class subclass of it, got backend {backend!r}"
         )
     cls = type(first)
     deepgemm_only = kind in ("expected_m", "num_sms")
@@ -82,7 +85,7 @@ def invariance_pair(
                 f"problem's alignment is {problem.alignment}"
             )
         second = dataclasses.replace(problem, alignment=other)
-        return first, cls(engine=engine), second, f"{problem.alignment} vs {other}"
+        return first, first, second, f"{problem.alignment} vs {other}"
     if kind == "m_sum":
         if problem.topology.kind in (TopologyKind.EP_HT, TopologyKind.EP_LL):
             raise ValueError(
@@ -99,7 +102,7 @@ def invariance_pair(
         rows = problem.ll_max_tokens
         doubled = 2 * max(rows, LL_BLOCK_ROWS)
         second = dataclasses.replace(problem, ll_capacity=doubled)
-        return first, cls(engine=engine), second, f"{rows} vs {doubled} rows"
+        return first, first, second, f"{rows} vs {doubled} rows"
     if kind == "expected_m":
         if problem.topology.kind is not TopologyKind.EP_LL:
             raise ValueError("invariance expected_m: the masked GEMM's hint needs ep:N+ll")

@@ -24,7 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from moe_verify.loader import class_spec
-from moe_verify.spec import Backend, Engine, GemmRecipe, Mode, check_bool, check_device, check_enum
+from moe_verify.spec import (
+    STAGES,
+    Backend,
+    Engine,
+    GemmRecipe,
+    Mode,
+    check_bool,
+    check_device,
+    check_enum,
+    missing_stages,
+)
 from tolerance.invariance import INVARIANCES
 
 # The backends `--backend` names; anything else is 'module:Class' (moe_verify/runner.py).
@@ -145,16 +155,15 @@ class RunOptions:
                 f"to the tested stages; mode {self.mode!r} would run unpoisoned (use 'isolated' or "
                 "'both')"
             )
-        if is_instance(self.backend) and (self.workspace or self.poison):
-            raise ValueError(
-                f"workspace={self.workspace}, poison={list(self.poison)}: they build the backend, "
-                f"so pass it by name (e.g. {class_spec(self.backend)!r}) or as a class, not as an "
-                "instance already built"
-            )
         if self.invariance is not None:
             given = self._changed(_NOT_WITH_INVARIANCE)
             if given:
                 raise ValueError(f"{', '.join(given)}: not supported with --invariance")
+        if self.poison and not self.workspace:
+            raise ValueError(
+                f"poison={list(self.poison)}: it fills the workspaces, so it needs "
+                "workspace=True (--workspace)"
+            )
 
     def _changed(self, names: tuple[str, ...]) -> list[str]:
         """The flags of the fields among `names` that differ from their defaults."""
@@ -250,8 +259,8 @@ def is_instance(backend: object) -> bool:
 
 
 def check_backend(backend: object) -> str | type | Backend:
-    """A name of BACKEND_NAMES or 'module:Class', a class, or an object with the Backend
-    protocol (`name`, `run_stage`)."""
+    """A name of BACKEND_NAMES or 'module:Class', a class, or an object of the stage protocol
+    (a `name` and one method per stage, moe_verify/spec/protocol.py)."""
     if isinstance(backend, str):
         if backend not in BACKEND_NAMES and ":" not in backend:
             raise ValueError(
@@ -259,7 +268,9 @@ def check_backend(backend: object) -> str | type | Backend:
                 f"'module:Class', got {backend!r}"
             )
         return backend
-    if isinstance(backend, type) or all(hasattr(backend, m) for m in ("name", "run_stage")):
+    if isinstance(backend, type) or (
+        hasattr(backend, "name") and not missing_stages(backend, STAGES)
+    ):
         return backend
     raise TypeError(
         "backend: expected a name, 'module:Class', a Backend class or instance, got "

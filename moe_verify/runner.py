@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import traceback
@@ -29,17 +30,24 @@ from moe_verify.options import check_backend
 from moe_verify.poison import poisoned_allocations
 from moe_verify.protect import Guarded, guards_own_upstream
 from moe_verify.spec import (
+    NO_BUFFERS,
     Backend,
+    Buffers,
     Engine,
     Mode,
     MoEInputs,
     MoEProblem,
+    Outputs,
     Stage,
+    StageContext,
     StageSkipped,
     StageViolation,
     Trace,
+    check_backend_object,
+    stage_method,
 )
 from moe_verify.timing import phase
+from optimized.topology import ShardCache
 from reference.topology import REDUCE_INPUTS
 from tolerance.contract import contract_violations
 
@@ -63,42 +71,24 @@ ADAPTERS = {
 }
 
 
-def resolve_backend(
-    spec: str | type | Backend,
-    engine: Engine | str = Engine.AUTO,
-    workspace: bool = False,
-    poison: int | None = None,
-) -> Backend:
+def resolve_backend(spec: str | type | Backend, engine: Engine | str = Engine.AUTO) -> Backend:
     """'optimized', 'golden', 'vllm' (vLLM's installed kernels, docs/vllm.md), 'lmdeploy'
     (LMDeploy's fused_moe_v3_fp8 kernels, moe_verify/adapters/lmdeploy.py), 'sglang'
-    (SGLang's, moe_verify/adapters/sglang.py),
-    'package.module:Class' or a class (any class with the Backend protocol), built here; an
-    instance is returned as it is. `workspace` and `poison` (optimized/workspace.py) go to the
-    optimized backend and to subclasses of it."""
+    (SGLang's, moe_verify/adapters/sglang.py), 'package.module:Class' or a class (any class of
+    the stage protocol, moe_verify/spec/protocol.py), built here; an instance is returned as it
+    is. `engine` goes to the optimized backend, its subclasses and the adapters."""
     if not isinstance(spec, (str, type)):
+        check_backend_object(spec)
         return spec
-    workspaces = (
-        {"workspace": workspace, "poison": poison} if workspace or poison is not None else {}
-    )
-
-    def refuse() -> None:
-        if workspaces:
-            raise ValueError(
-                f"backend {spec!r}: workspace={workspace}, poison={poison} apply to the optimized "
-                "backend and module:Class subclasses of optimized.OptimizedBackend only"
-            )
-
     if spec == "optimized":
         from optimized import OptimizedBackend
 
-        return OptimizedBackend(engine=engine, **workspaces)
+        return OptimizedBackend(engine=engine)
     if spec == "golden":
         from reference import ReferenceBackend
 
-        refuse()
         return ReferenceBackend()
     if spec in ADAPTERS:
-        refuse()
         module_name, class_name, unavailable = ADAPTERS[spec]
         module = importlib.import_module(f"moe_verify.adapters.{module_name}")
         try:
@@ -106,47 +96,43 @@ def resolve_backend(
         except getattr(module, unavailable) as exc:
             raise ValueError(f"backend {spec!r}: {exc}") from exc
     cls = load_class(check_backend(spec), "backend") if isinstance(spec, str) else spec
-    from optimized import OptimizedBackend
-
-    options: dict[str, object] = dict(workspaces)
-    if issubclass(cls, OptimizedBackend):
-        options["engine"] = engine  # --engine holds for the optimized path's subclasses too
-    else:
-        refuse()
-        if Engine(engine) is not Engine.AUTO:
-            raise ValueError(
-                f"backend {spec!r}: --engine {engine} applies to the optimized backend and "
-                "module:Class subclasses of optimized.OptimizedBackend only"
-            )
+    options: dict[str, object] = {}
+    if _takes_engine(cls):
+        options["engine"] = engine  # --engine holds for every class whose constructor takes it
+    elif Engine(engine) is not Engine.AUTO:
+        raise ValueError(
+            f"backend {spec!r}: --engine {engine} applies to backends whose constructor takes "
+            "`engine` (optimized.OptimizedBackend, its subclasses, your own)"
+        )
+    backend = cls(**options)
     try:
-        backend = cls(**options)
-    except TypeError as exc:  # a subclass whose constructor takes other arguments
-        if not workspaces:
-            raise
-        raise ValueError(f"backend {spec!r} cannot take {workspaces} ({exc})") from exc
-    missing = [m for m in ("name", "run_stage") if not hasattr(backend, m)]
-    if missing:
-        raise ValueError(f"backend {spec!r} lacks {missing} of the Backend protocol")
+        check_backend_object(backend)
+    except TypeError as exc:
+        raise ValueError(f"backend {spec!r}: {exc}") from None
     return backend
+
+
+def _takes_engine(cls: type) -> bool:
+    try:
+        return "engine" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # no signature to read: pass nothing
+        return False
 
 
 def production_backend(spec: str | Backend, engine: Engine | str = Engine.AUTO) -> str:
     """Register the backend `spec` names (`resolve_backend`'s specs: 'optimized', 'vllm',
     'module:Class', a class or an instance) for production mode, a fresh instance each time, and
-    return the name the op runs it by. Production mode runs the stage methods of an
-    optimized.OptimizedBackend (or a subclass) graph-safe, so only those are taken."""
-    from optimized import OptimizedBackend, op
+    return the name the op runs it by. Production mode runs any backend of the stage protocol:
+    its stage methods, called with a graph-safe context."""
+    from optimized import op
+    from reference import ReferenceBackend
 
-    if spec == "optimized":
-        return op.register_backend(OptimizedBackend())
     backend = resolve_backend(spec, engine)
     name = spec if isinstance(spec, str) else class_spec(type(backend))
-    if not isinstance(backend, OptimizedBackend):
+    if isinstance(backend, ReferenceBackend):
         raise ValueError(
-            f"backend {name!r} ({type(backend).__name__}) has no production mode: the op runs "
-            "the stage methods of optimized.OptimizedBackend graph-safe, so graph and bench "
-            "--production take OptimizedBackend and its subclasses (the class `run --backend` "
-            "takes, written once)"
+            f"backend {name!r} is the golden: production mode compares a backend under test "
+            "with it, so it has no production mode of its own"
         )
     return op.register_backend(backend, name)
 
@@ -221,9 +207,77 @@ def _at(exc: BaseException) -> str:
     return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
 
 
+@dataclass
+class Side:
+    """A backend as the harness runs it: its stage methods, the buffers the harness hands them
+    (moe_verify's guarded, poisoned workspaces, or none) and its rank shards, built once per
+    inputs object for every stage and mode."""
+
+    backend: Backend
+    buffers: Buffers = NO_BUFFERS
+    shards: ShardCache = field(default_factory=ShardCache)
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def context(
+        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
+    ) -> StageContext:
+        """A verification context: host validation on, the side's buffers, the rank's shard of
+        `inputs` (the protected copy the stage is handed, so a write into a weight is seen)."""
+        return StageContext(
+            problem,
+            inputs,
+            upstream,
+            rank,
+            buffers=self.buffers,
+            shard_of=self.shards,
+        )
+
+    def run(self, stage: str, ctx: StageContext) -> Outputs:
+        """The stage's outputs; a write outside the workspaces handed out (their guard bands) is
+        the stage's StageViolation, also when the stage raised."""
+        method = stage_method(self.backend, stage)
+        try:
+            outputs = method(ctx)
+        except StageSkipped:
+            self.buffers.guard_hits()  # re-armed; a stage that did not run wrote nothing
+            raise
+        except Exception as exc:
+            hits = self.buffers.guard_hits()
+            if hits:  # the stage failed and wrote out of bounds: report both
+                raise StageViolation(f"{type(exc).__name__}: {exc}; and {stage} {hits}") from exc
+            raise
+        hits = self.buffers.guard_hits()
+        if hits:
+            raise StageViolation(f"{stage} {hits}")
+        return outputs
+
+
+def as_side(backend: Backend | Side) -> Side:
+    """`backend` as the harness runs it (a plain backend: no workspaces)."""
+    return backend if isinstance(backend, Side) else Side(backend)
+
+
+def run_one_stage(
+    backend: Backend | Side,
+    stage: str,
+    problem: MoEProblem,
+    inputs: MoEInputs,
+    upstream: Trace,
+    rank: int = 0,
+) -> Outputs:
+    """One stage of `backend` with a verification context (host validation on, the side's
+    workspaces, the rank's shard of `inputs`), its outputs as returned: no protection, no
+    contract check, no comparison (`run_stage_into` adds those)."""
+    side = as_side(backend)
+    return side.run(stage, side.context(problem, inputs, upstream, rank))
+
+
 def run_stage_into(
     trace: Trace,
-    backend: Backend,
+    backend: Backend | Side,
     stage: str,
     problem: MoEProblem,
     inputs: MoEInputs,
@@ -241,17 +295,20 @@ def run_stage_into(
             raise CaseTimeout(timeout.seconds, timeout.where)
         trace.add_skipped(stage, f"the case timeout ran out during {timeout.where}")
         return
-    side = GOLDEN_SIDE if golden else str(Mode(mode))
-    progress.stage_started(trace.rank, side, stage)
-    _breadcrumb(problem, trace.rank, stage, side)
+    where = GOLDEN_SIDE if golden else str(Mode(mode))
+    progress.stage_started(trace.rank, where, stage)
+    _breadcrumb(problem, trace.rank, stage, where)
     poison = poisoned_allocations() if stage in POISONED_STAGES else contextlib.nullcontext()
     own = Mode(mode) is Mode.CHAINED  # the upstream is the tested side's own trace
     guard = None if golden else Guarded(upstream, inputs, not own or guards_own_upstream())
     handed_upstream = upstream if guard is None else guard.upstream
     handed_inputs = inputs if guard is None else guard.inputs
+    side = as_side(backend)
     try:
         with poison:
-            outputs = backend.run_stage(stage, problem, handed_inputs, handed_upstream, trace.rank)
+            outputs = side.run(
+                stage, side.context(problem, handed_inputs, handed_upstream, trace.rank)
+            )
         _sync()  # an asynchronous kernel fault surfaces here, attributed to this stage
     except StageSkipped as exc:
         trace.add_skipped(stage, str(exc))
@@ -277,8 +334,8 @@ def run_stage_into(
     except BaseException as exc:  # noqa: BLE001 - reported per stage, never fatal to the run
         if _device_lost():
             raise DeviceLost(
-                f"{problem.id} rank {trace.rank} {side} {stage} left the GPU unusable, so the case "
-                f"ends here: {type(exc).__name__}: {_first_line(exc)}{_at(exc)}"
+                f"{problem.id} rank {trace.rank} {where} {stage} left the GPU unusable, so the "
+                f"case ends here: {type(exc).__name__}: {_first_line(exc)}{_at(exc)}"
             ) from exc
         trace.add_error(stage, f"{type(exc).__name__}: {exc}{_at(exc)}")
         return
@@ -298,7 +355,7 @@ def _short(text: str) -> str:
 
 
 def run_chained(
-    backend: Backend, problem: MoEProblem, inputs: MoEInputs, rank: int, golden: bool = False
+    backend: Backend | Side, problem: MoEProblem, inputs: MoEInputs, rank: int, golden: bool = False
 ) -> Trace:
     """Every stage on the backend's own upstream; after a stage that did not pass (skipped,
     raised, broke the contract), the rest skip."""
@@ -316,7 +373,7 @@ def run_chained(
 
 
 def run_isolated(
-    backend: Backend, problem: MoEProblem, inputs: MoEInputs, golden: Trace, rank: int
+    backend: Backend | Side, problem: MoEProblem, inputs: MoEInputs, golden: Trace, rank: int
 ) -> Trace:
     """Each stage fed the golden's upstream: a divergence belongs to exactly that stage."""
     trace = Trace(backend.name, rank)
@@ -344,7 +401,7 @@ def run_golden(golden: Backend, problem: MoEProblem, inputs: MoEInputs, rank: in
 def run_rank(
     problem: MoEProblem,
     inputs: MoEInputs,
-    tested: Backend,
+    tested: Backend | Side,
     golden: Backend,
     rank: int,
     modes: tuple[Mode, ...],

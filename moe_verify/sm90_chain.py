@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from moe_verify.spec import (
+    GEMM_OUTPUT,
     Backend,
     Engine,
     GemmRecipe,
@@ -32,7 +33,6 @@ from tolerance.slots import slot_order
 
 # The scale formats DeepGEMM's SM90 FP8 GEMM reads (fp32 scales; ceil-UE8M0 ones are fp32 too).
 _SM90_FORMATS = (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0)
-_GEMM_OUTPUTS = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
 
 
 def sm90_device(t: torch.Tensor) -> bool:
@@ -68,7 +68,7 @@ def gemm_recipe_applies(
         return False
     if recipe is GemmRecipe.TENSOR_CORE:
         return True
-    out = tested[stage].get(_GEMM_OUTPUTS[stage])
+    out = tested[stage].get(GEMM_OUTPUT[stage])
     engine, declared = tested[stage].get("engine"), tested[stage].get("recipe")
     model = engine == Engine.DEEPGEMM or declared == GemmRecipe.TENSOR_CORE
     return model and isinstance(out, torch.Tensor) and sm90_device(out)
@@ -87,7 +87,7 @@ def with_gemm_recipe(
     after the tested side because the tested stage says which engine ran it; the comparison then
     holds that stage bit for bit to the recipe (tolerance/bounded_stages.py `gemm_checks`)."""
     reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
-    for stage in _GEMM_OUTPUTS:
+    for stage in GEMM_OUTPUT:
         if stage in golden_trace and gemm_recipe_applies(problem, tested, stage, gemm_recipe):
             golden_trace = reference.with_tensor_core(problem, inputs, golden_trace, stage)
     return golden_trace
@@ -153,7 +153,7 @@ def with_sm90_chain(
     recipe = GemmRecipe(gemm_recipe) if gemm_recipe is not None else None
     if recipe is GemmRecipe.FP32_DEQUANT or Stage.GEMM2 not in golden_trace:
         return None
-    if any(not gemm_recipe_applies(problem, tested, s, gemm_recipe) for s in _GEMM_OUTPUTS):
+    if any(not gemm_recipe_applies(problem, tested, s, gemm_recipe) for s in GEMM_OUTPUT):
         return None
     legit = act_quant_recipes(problem)
     declared = tested[Stage.ACT_QUANT].get("recipe") if Stage.ACT_QUANT in tested else None

@@ -30,7 +30,7 @@ from moe_verify.invariance_runs import Twin, invariance_pair, with_agreement
 from moe_verify.options import RunOptions, options_of
 from moe_verify.poison import poison_padding
 from moe_verify.preflight import preflight
-from moe_verify.runner import RankRun, resolve_backend, run_golden, run_rank
+from moe_verify.runner import RankRun, Side, resolve_backend, run_golden, run_rank
 from moe_verify.sm90_chain import (
     check_gemm_recipe,
     declare_hardware_gate,
@@ -55,6 +55,7 @@ from moe_verify.spec import (
     check_type,
 )
 from moe_verify.timing import phase
+from moe_verify.workspaces import Workspaces
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
 from tolerance.invariance import INVARIANCES
@@ -247,32 +248,36 @@ def verify(
     return report
 
 
-def tested_sides(problem: MoEProblem, options: RunOptions) -> tuple[Backend, Twin | None]:
-    """The tested backend, and the second run of its metamorphic pair: the invariance's, or the
-    second poison's (the first poison is the first run's), or None."""
+def tested_sides(problem: MoEProblem, options: RunOptions) -> tuple[Side, Twin | None]:
+    """The tested side (the backend with the workspaces the options ask for), and the second
+    run of its metamorphic pair: the invariance's, or the second poison's (the first poison is
+    the first run's), or None."""
     if options.invariance is not None:
         kind = options.invariance
         first, second, second_problem, label = invariance_pair(
             problem, kind, options.backend, options.engine
         )
-        return first, Twin(second, second_problem, label, INVARIANCES[kind])
+        return Side(first), Twin(Side(second), second_problem, label, INVARIANCES[kind])
     poisons = options.poison
+    backend = resolve_backend(options.backend, options.engine)
 
-    def build(poison: int | None) -> Backend:
-        return resolve_backend(
-            options.backend, options.engine, workspace=options.workspace, poison=poison
-        )
+    def side(poison: int | None) -> Side:
+        if not options.workspace:
+            return Side(backend)
+        return Side(backend, Workspaces(True, poison))
 
-    tested = build(poisons[0] if poisons else None)
+    tested = side(poisons[0] if poisons else None)
     if len(poisons) < 2:
         return tested, None
     label = " vs ".join(f"0x{b:02x}" for b in poisons)
-    return tested, Twin(build(poisons[1]), problem, label, INVARIANCES["poison"])
+    return tested, Twin(side(poisons[1]), problem, label, INVARIANCES["poison"])
 
 
-def engine_ran(tested: Backend, asked: Engine) -> Engine:
+def engine_ran(tested: Backend | Side, asked: Engine) -> Engine:
     """The engine the tested backend says it runs (the optimized one resolves auto), for the
     dump; `asked` where it names none of ours."""
+    if isinstance(tested, Side):
+        tested = tested.backend
     try:
         return Engine(getattr(tested, "engine", None) or asked)
     except ValueError:  # a backend's own `engine` attribute

@@ -455,6 +455,13 @@ def _weight_recipe(w: QuantizedWeight) -> tuple[int, int, int]:
     return (1, w.block[0], w.block[1])
 
 
+def prepared_scale_key(which: str, use_ue8m0: bool) -> str:
+    """The key of `which`'s ("w13", "w2") scales in DeepGEMM's layout among a shard's prepared
+    weights (`RankShard.prepared`): production mode fills it at load time, verification on
+    first use."""
+    return f"deepgemm_scale:{which}:{'ue8m0' if use_ue8m0 else 'fp32'}"
+
+
 def prepare_weight_scales(w: QuantizedWeight, use_ue8m0: bool) -> torch.Tensor:
     """The weight scales in the layout this arch's kernel reads.
 

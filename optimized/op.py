@@ -11,8 +11,9 @@ graph-safe (no host syncs; the exact-count path reads the counts once), workspac
 token bound, DeepGEMM's alignment scope set inside the op.
 
 Which backend runs is a registered name (`register_backend`): `OptimizedBackend`, a kernel
-developer's subclass of it, or a deliberately wrong one, runs under capture and compile exactly
-as ours does, through the same stage methods `moe-verify run` verifies. The problem travels as its
+developer's subclass or wrapper of it, any backend of the stage protocol, or a deliberately wrong
+one, runs under capture and compile exactly as ours does, through the same stage methods
+`moe-verify run` verifies. The problem travels as its
 JSON (`MoEProblem.to_dict`), so the op needs nothing but its arguments. `recording` collects the
 stage outputs of every call made inside it (the taps of a CUDA-graph capture).
 """
@@ -23,34 +24,24 @@ import contextlib
 import functools
 import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
-from moe_verify.spec import Engine, MoEProblem, QuantizedWeight
+from moe_verify.spec import Backend, Engine, MoEProblem, QuantizedWeight, check_backend_object
 from optimized import production
 from optimized.production import ForwardConfig, RankWeights, Taps
 
-if TYPE_CHECKING:
-    from optimized.backend import OptimizedBackend
-
 OP_NAME = "moe_verify::fused_moe"
 
-_BACKENDS: dict[str, OptimizedBackend] = {}
+_BACKENDS: dict[str, Backend] = {}
 _sinks: list[Taps] = []
 
 
-def register_backend(backend: OptimizedBackend, name: str | None = None) -> str:
-    """Make `backend` callable through the op under `name` (default: its `name`), replacing one
-    of that name. Returns the name to pass as the op's `backend` argument."""
-    from optimized.backend import OptimizedBackend
-
-    if not isinstance(backend, OptimizedBackend):
-        raise TypeError(
-            "register_backend: production mode runs an OptimizedBackend's stage methods "
-            f"graph-safe; expected an instance of optimized.OptimizedBackend (or a subclass), "
-            f"got {backend!r}"
-        )
+def register_backend(backend: Backend, name: str | None = None) -> str:
+    """Make `backend` (any backend of the stage protocol) callable through the op under `name`
+    (default: its `name`), replacing one of that name. Returns the name to pass as the op's
+    `backend` argument."""
+    check_backend_object(backend, "register_backend: backend")
     key = backend.name if name is None else name
     if not isinstance(key, str) or not key:
         raise ValueError(f"register_backend: name must be a non-empty string, got {key!r}")
@@ -62,7 +53,7 @@ def registered_names() -> frozenset[str]:
     return frozenset(_BACKENDS)
 
 
-def registered_backend(name: str) -> OptimizedBackend:
+def registered_backend(name: str) -> Backend:
     if name not in _BACKENDS and name == "optimized":
         from optimized.backend import OptimizedBackend
 

@@ -2,8 +2,9 @@
 
 vLLM runs the MoE layer as one custom op over preallocated workspaces, captured in CUDA graphs at a
 token bound. There is no second pipeline here: `forward` runs the backend's own stage methods
-(`OptimizedBackend` or a user's subclass of it, the signature `(problem, inputs, upstream, rank)`)
-under `backend.production(...)`, which makes them graph-safe:
+(`OptimizedBackend`, a user's subclass or wrapper of it, an adapter: any backend of the stage
+protocol, `stage(ctx) -> outputs`)
+with a graph-safe stage context (moe_verify/spec/context.py):
 
 - no value validation (every kernel is called with `validate=False`: a host check reads the
   device, which breaks capture and costs a sync per check);
@@ -30,20 +31,24 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from moe_verify.spec import (
+    Backend,
+    Buffers,
     Engine,
     MoEInputs,
     MoEProblem,
     QuantizedWeight,
+    RankShard,
     Recipe,
     ScaleFmt,
     Stage,
+    StageContext,
     TopologyKind,
     Trace,
+    call_stage,
 )
 from optimized import deepgemm
 from optimized.deepgemm import choose_engine, choose_grouped_layout
@@ -52,21 +57,6 @@ from optimized.kernels._validate import fail
 from optimized.topology import hosted_experts, shard
 
 Outputs = dict[str, object]
-
-
-class StageBackend(Protocol):
-    """What production mode drives: the stage surface (`run_stage`, one method per stage) and
-    `production`, which makes those methods graph-safe (optimized.OptimizedBackend has both)."""
-
-    name: str
-
-    def run_stage(
-        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs: ...
-
-    def production(
-        self, cfg: ForwardConfig, weights: RankWeights, buffers: CarvedBuffers
-    ) -> contextlib.AbstractContextManager[None]: ...
 
 
 Taps = dict[str, Outputs]
@@ -292,10 +282,42 @@ class CarvedBuffers:
         return ""
 
 
+def rank_shard(cfg: ForwardConfig, weights: RankWeights) -> RankShard:
+    """The shard a stage sees in production mode: the op's weights, with DeepGEMM's scale
+    layouts already prepared (as vLLM transforms them at load time, never per call)."""
+    prepared = {}
+    if cfg.engine is Engine.DEEPGEMM:
+        ue8m0 = cfg.scale_fmt.is_ue8m0
+        prepared = {
+            deepgemm.prepared_scale_key("w13", ue8m0): weights.w13_scale,
+            deepgemm.prepared_scale_key("w2", ue8m0): weights.w2_scale,
+        }
+    experts = tuple(hosted_experts(cfg.problem, cfg.rank))
+    return RankShard(experts, weights.expert_map, weights.w13, weights.w2, prepared)
+
+
+def production_context(
+    cfg: ForwardConfig, inputs: MoEInputs, upstream: Trace, shard: RankShard, buffers: Buffers
+) -> StageContext:
+    """A graph-safe stage context: no validation, no host reads, the op's weights and buffers,
+    the engine resolved for the token bound."""
+    return StageContext(
+        cfg.problem,
+        inputs,
+        upstream,
+        cfg.rank,
+        buffers=buffers,
+        validate=False,
+        graph_safe=True,
+        engine=cfg.engine,
+        shard_of=lambda problem, inputs, rank: shard,
+    )
+
+
 def rank_inputs(hidden_states: torch.Tensor, weights: RankWeights) -> MoEInputs:
     """The `inputs` a stage method sees in production mode: this call's hidden states and this
     rank's weights (the op's arguments). No router logits or master weights travel into the op,
-    so those fields are empty; the stage methods read weights through `backend.shard`."""
+    so those fields are empty; the stage methods read weights through `ctx.shard`."""
     none = hidden_states.new_empty(0)
     return MoEInputs(
         hidden_states=hidden_states,
@@ -339,7 +361,7 @@ def forward_stages(problem: MoEProblem) -> tuple[Stage, ...]:
 
 
 def forward(
-    backend: StageBackend,
+    backend: Backend,
     cfg: ForwardConfig,
     hidden_states: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -351,19 +373,20 @@ def forward(
     """out bf16 [T, H]: `backend`'s own stage methods, graph-safe, for `hidden_states` [T, H]
     bf16 routed by topk_ids / topk_weights [T, k] (global ids, -1 = none; ids outside
     [0, E_global) are skipped, as stale ids in CUDA-graph padding rows must be). The route is the
-    caller's; every stage after it runs through `backend.run_stage`, exactly the method
+    caller's; every stage after it runs the backend's method for it, exactly the one
     verification calls. `taps`, when given, receives each stage's outputs."""
     fn = "production.forward"
     layout = workspace_layout(cfg, hidden_states.shape[0])
     check_workspace(fn, workspace, layout.nbytes, hidden_states.device)
-    problem, rank = cfg.problem, cfg.rank
+    rank = cfg.rank
     inputs = rank_inputs(hidden_states, weights)
     up = Trace(backend.name, rank)
     up.add(Stage.ROUTE, {"topk_ids": topk_ids, "topk_weights": topk_weights})
-    with backend.production(cfg, weights, CarvedBuffers(layout, workspace)):
-        for stage in forward_stages(problem):
-            with _stage(stage.value):
-                up.add(stage, backend.run_stage(stage, problem, inputs, up, rank))
+    shard, buffers = rank_shard(cfg, weights), CarvedBuffers(layout, workspace)
+    for stage in forward_stages(cfg.problem):
+        with _stage(stage.value):
+            ctx = production_context(cfg, inputs, up, shard, buffers)
+            up.add(stage, call_stage(backend, stage, ctx))
     if taps is not None:
         taps.update(up.items())
     out = up[Stage.GATHER]["out"]
@@ -376,15 +399,15 @@ class ProductionForward:
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         raise TypeError(
-            f"{cls.__name__}: ProductionForward is gone. Write your kernel once as a subclass of "
-            "optimized.OptimizedBackend, overriding the stage method with the signature "
-            "(problem, inputs, upstream, rank) -> outputs; `moe-verify run --backend "
+            f"{cls.__name__}: ProductionForward is gone. Write your kernel once as a backend of "
+            "the stage protocol (a subclass or a wrapper of optimized.OptimizedBackend), with "
+            "the stage method `stage(ctx) -> outputs`; `moe-verify run --backend "
             "module:Class` and `moe-verify graph --backend module:Class` both run it "
-            "(docs/architecture.md, 'One stage surface')."
+            "(docs/architecture.md, 'One stage protocol')."
         )
 
     def __init__(self) -> None:
         raise TypeError(
-            "ProductionForward is gone: production mode runs an OptimizedBackend's stage "
-            "methods (optimized.production.forward, optimized.op.register_backend)"
+            "ProductionForward is gone: production mode runs a backend's stage methods "
+            "(optimized.production.forward, optimized.op.register_backend)"
         )

@@ -6,25 +6,19 @@ remainder-to-first-ranks rule, round-robin, replica tables) shows up as a disagr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from moe_verify.spec import MoEProblem, Placement, QuantizedWeight, TopologyKind
+from moe_verify.spec import (
+    MoEInputs,
+    MoEProblem,
+    Placement,
+    QuantizedWeight,
+    RankShard,
+    TopologyKind,
+)
 
-
-@dataclass(frozen=True)
-class Shard:
-    """One rank's weights and id map. `expert_map` is None when every expert is local (TP)."""
-
-    experts: tuple[int, ...]
-    expert_map: torch.Tensor | None
-    w13: QuantizedWeight
-    w2: QuantizedWeight
-
-    @property
-    def num_local_experts(self) -> int:
-        return len(self.experts)
+# One rank's weights and id map (the vocabulary's type: the stage context hands it in).
+Shard = RankShard
 
 
 def hosted_experts(problem: MoEProblem, rank: int) -> list[int]:
@@ -99,6 +93,27 @@ def shard(problem: MoEProblem, w13: QuantizedWeight, w2: QuantizedWeight, rank: 
         w13.select(experts),
         w2.select(experts),
     )
+
+
+class ShardCache:
+    """Each rank's shard of one inputs object, built once and kept for every stage and mode
+    (the inputs object is held, so a new one can never alias a stale entry through its id)."""
+
+    def __init__(self) -> None:
+        self._inputs: MoEInputs | None = None
+        self._shards: dict[tuple[MoEProblem, int], Shard] = {}
+
+    def get(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Shard:
+        if inputs is not self._inputs:
+            self._inputs, self._shards = inputs, {}
+        key = (problem, rank)
+        if key not in self._shards:
+            self._shards[key] = shard(problem, inputs.w13_q, inputs.w2_q, rank)
+        return self._shards[key]
+
+    def __call__(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Shard:
+        """A StageContext's `shard_of`: `rank`'s shard of `inputs`, built once."""
+        return self.get(problem, inputs, rank)
 
 
 def tp_gate_up_shard(w: QuantizedWeight, inter: int, per_rank: int, rank: int) -> QuantizedWeight:

@@ -3,17 +3,17 @@
 Each public method named after a `Stage` (`route`, `quant_input`, ..., `gather`, `shared`)
 computes that stage of the stage contract (docs/stage-contract.md) from the upstream stages'
 outputs (its own when chained; in isolated mode the golden is the upstream for everyone else).
-They take `(problem, inputs, upstream, rank)` like the optimized backend's, so a subclass
-overrides one stage the same way on either side.
+They have the stage protocol's one signature, `stage(ctx) -> outputs`, like every backend's, so
+a subclass overrides one stage the same way on either side. The golden builds its rank shards
+itself (reference/topology.py), never from the context: independence is the point.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from moe_verify.spec import (
+    GEMM_OUTPUT,
     ActQuantRecipe,
     GemmRecipe,
     GroupedLayout,
@@ -24,6 +24,7 @@ from moe_verify.spec import (
     Recipe,
     Routing,
     Stage,
+    StageContext,
     TopologyKind,
     Trace,
     run_stages,
@@ -60,9 +61,6 @@ from reference.topology import (
 
 Outputs = dict[str, object]
 
-# The stages one rank computes; `reduce` is made across ranks by the topology runner.
-_RANK_STAGES = frozenset(Stage) - {Stage.REDUCE}
-
 
 def _slots_in_order(
     trace: Trace, slots: torch.Tensor | None, topk_weights: torch.Tensor | None
@@ -80,8 +78,8 @@ def _slots_in_order(
 class ReferenceBackend:
     """The golden. `precision` is the GEMM accumulation dtype (float64 for calibration).
 
-    One public method per stage, `stage(problem, inputs, upstream, rank) -> outputs`; a subclass
-    that overrides one of them changes that stage only (`run_stage` dispatches by name).
+    One public method per stage, `stage(ctx) -> outputs`; a subclass that overrides one of
+    them changes that stage only.
     """
 
     name = "golden"
@@ -95,14 +93,6 @@ class ReferenceBackend:
     def run(self, problem: MoEProblem, inputs: MoEInputs, rank: int = 0) -> Trace:
         return run_stages(self, problem, inputs, rank)
 
-    def run_stage(
-        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
-        if stage not in _RANK_STAGES:
-            raise ValueError(f"stage {stage!r} is not a stage of the golden MoE")
-        method: Callable[..., Outputs] = getattr(self, Stage(stage).value)
-        return method(problem, inputs, upstream, rank)
-
     def shard(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Shard:
         """The weights and expert map `rank` holds, built once per inputs object."""
         if inputs is not self._shards_of:
@@ -114,7 +104,8 @@ class ReferenceBackend:
 
     # -- stages ----------------------------------------------------------------------------------
 
-    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def route(self, ctx: StageContext) -> Outputs:
+        p, x, rank = ctx.problem, ctx.inputs, ctx.rank
         local = self.shard(p, x, rank)
         if x.topk_ids is not None and x.topk_weights is not None:
             ids, weights = x.topk_ids, x.topk_weights
@@ -141,7 +132,8 @@ class ReferenceBackend:
             "token_index": token_index,
         }
 
-    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def quant_input(self, ctx: StageContext) -> Outputs:
+        p, x, up = ctx.problem, ctx.inputs, ctx.upstream
         hidden = x.hidden_states
         if p.topology.kind is TopologyKind.EP_HT:
             hidden = hidden[up["route"]["token_index"]]
@@ -160,10 +152,11 @@ class ReferenceBackend:
         }
         return recipe_outputs(by_recipe, ("a1q", "a1q_scale"))
 
-    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def align(self, ctx: StageContext) -> Outputs:
         """M_sum by vLLM's current formula: the exact sum where DeepEP HT puts the counts on the
         host, else the min-active bound. "M_sum_recipes" holds every legitimate M_sum (both
         upper bounds and the exact sum), which a tested align may equal instead."""
+        p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
         local = self.shard(p, x, rank)
         ids = up["route"]["topk_ids"]
         counts = expert_counts(local_expert_ids(ids, local.expert_map), local.num_local_experts)
@@ -180,7 +173,8 @@ class ReferenceBackend:
             "M_sum_recipes": {r.value: m for r, m in recipes.items()},
         }
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def permute(self, ctx: StageContext) -> Outputs:
+        p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
         local = self.shard(p, x, rank)
         plan = permute_plan(
             up["route"]["topk_ids"],
@@ -215,7 +209,8 @@ class ReferenceBackend:
         )
         return rows, GroupedLayout.PSUM
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
         local = self.shard(p, x, rank)
         if "dispatch" in up:
             return self._gemm1_batched(p, up, local)
@@ -231,7 +226,8 @@ class ReferenceBackend:
         )
         return {"mm1": mm1, "engine": "torch", "layout": layout.value}
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        p, up = ctx.problem, ctx.upstream
         return self._act_quant(p, up["gemm1"]["mm1"], act_quant_recipes(p))
 
     def _act_quant(self, p: MoEProblem, mm1: torch.Tensor, recipes: tuple) -> Outputs:
@@ -251,7 +247,8 @@ class ReferenceBackend:
             )
         return recipe_outputs(by_recipe, ("a2q", "a2q_scale"))
 
-    def gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm2(self, ctx: StageContext) -> Outputs:
+        p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
         local = self.shard(p, x, rank)
         if "dispatch" in up:
             return self._gemm2_batched(p, up, local)
@@ -352,12 +349,12 @@ class ReferenceBackend:
         result = Trace(trace.backend, trace.rank)
         for stage, outs in trace.items():
             if stage in (Stage.GEMM1, Stage.GEMM2):
-                name = "mm1" if stage == Stage.GEMM1 else "mm2"
+                name = GEMM_OUTPUT[Stage(stage)]
                 if stage == Stage.GEMM1:
                     fp32 = outs["mm1"]
                     tc = outs.get("mm1@tensor_core")
                 else:
-                    fp32 = self.gemm2(p, x, result, trace.rank)["mm2"]
+                    fp32 = self.gemm2(StageContext(p, x, result, trace.rank))["mm2"]
                     tc = None
                 if tc is None:
                     tc = self._tensor_core(p, local, result, stage)
@@ -367,14 +364,17 @@ class ReferenceBackend:
             elif stage == Stage.ACT_QUANT:
                 outs = self._act_quant(p, result["gemm1"]["mm1"], recipes)
             elif stage == Stage.GATHER:
-                outs = self.gather(p, x, _slots_in_order(result, slots, topk_weights), trace.rank)
+                outs = self.gather(
+                    StageContext(p, x, _slots_in_order(result, slots, topk_weights), trace.rank)
+                )
             elif stage == Stage.SHARED and shared:
                 outs = self._shared(p, x, trace.rank, recipes[0], tensor_core=True)
             result.add(stage, outs)
         return result
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         """The weighted fp32 sum per token, once per legitimate recipe (gather_recipes)."""
+        p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
         route = up["route"]
         if "dispatch" in up:  # LL combine: the same weighted fp32 sum over the batched rows
             mm2 = up["gemm2"]["mm2"]
@@ -392,10 +392,11 @@ class ReferenceBackend:
         by_recipe = {r: (gather(*args, recipe=r),) for r in gather_recipes(p)}
         return recipe_outputs(by_recipe, ("out",))
 
-    def shared(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def shared(self, ctx: StageContext) -> Outputs:
         """The shared experts: a dense gated MLP over every token (weight 1), this rank's shard
         of its intermediate dimension, quantized like the routed experts; vLLM
         all-reduces it with the routed output (MoERunner `_maybe_reduce_final_output`)."""
+        p, x, rank = ctx.problem, ctx.inputs, ctx.rank
         return self._shared(p, x, rank)
 
     def _shared(
@@ -430,8 +431,9 @@ class ReferenceBackend:
         out = gemm(a2, a2_scale, w2)
         return {"out": out, "recipe": GemmRecipe.TENSOR_CORE.value} if tensor_core else {"out": out}
 
-    def dispatch(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def dispatch(self, ctx: StageContext) -> Outputs:
         """DeepEP low-latency dispatch: each local expert's slots in a [max_tokens, H] batch."""
+        p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
         local = self.shard(p, x, rank)
         ids = up["route"]["topk_ids"]
         max_tokens = p.ll_max_tokens  # DeepEP's capacity: >= T, so every slot fits

@@ -16,7 +16,7 @@ from functools import cached_property, partial
 
 import torch
 
-from moe_verify.spec import GemmRecipe, Mode, Stage
+from moe_verify.spec import GEMM_OUTPUT, GemmRecipe, Mode, Stage
 from tolerance.checks import (
     bound_check,
     bounded_checks,
@@ -51,9 +51,8 @@ from tolerance.recipes import golden_as, golden_recipes, match_recipe, sm90_chai
 from tolerance.results import CheckResult, ContractError, Worst
 
 _LIVE_ROWS = "live (token, k) rows"
-GEMM_OUTPUTS = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
 TOKEN_STAGES = (Stage.GATHER, Stage.SHARED, Stage.REDUCE)
-_BOUNDED = [*GEMM_OUTPUTS, Stage.ACT_QUANT, *TOKEN_STAGES]
+_BOUNDED = [*GEMM_OUTPUT, Stage.ACT_QUANT, *TOKEN_STAGES]
 
 
 # Keyed rows --------------------------------------------------------------------------------------
@@ -218,8 +217,8 @@ def bounded_values(ctx: Ctx, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(tested, golden) values of a bounded stage as its checks read them; a ContractError when
     they cannot all be keyed (shape off contract, or a live slot's row outside the tested tensor).
     """
-    if stage in GEMM_OUTPUTS:
-        keyed = gemm_rows(ctx, stage, GEMM_OUTPUTS[stage])
+    if stage in GEMM_OUTPUT:
+        keyed = gemm_rows(ctx, stage, GEMM_OUTPUT[stage])
     elif stage == Stage.ACT_QUANT:
         rows = act_quant_rows(ctx)
         keyed = rows if isinstance(rows, CheckResult) else rows.values()

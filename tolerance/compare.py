@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 from moe_verify.spec import (
+    GEMM_OUTPUT,
     Mode,
     MoEProblem,
     Stage,
@@ -31,7 +32,6 @@ from moe_verify.spec import (
     check_type,
 )
 from tolerance.bounded_stages import (
-    GEMM_OUTPUTS,
     act_quant_checks,
     bounded_values,
     gemm_checks,
@@ -63,9 +63,9 @@ _COMPARERS: dict[str, Callable[[Ctx], list[CheckResult]]] = {
     Stage.QUANT_INPUT: quant_input_checks,
     Stage.ALIGN: align_checks,
     Stage.PERMUTE: permute_checks,
-    Stage.GEMM1: partial(gemm_checks, stage=Stage.GEMM1, name=GEMM_OUTPUTS[Stage.GEMM1]),
+    Stage.GEMM1: partial(gemm_checks, stage=Stage.GEMM1, name=GEMM_OUTPUT[Stage.GEMM1]),
     Stage.ACT_QUANT: act_quant_checks,
-    Stage.GEMM2: partial(gemm_checks, stage=Stage.GEMM2, name=GEMM_OUTPUTS[Stage.GEMM2]),
+    Stage.GEMM2: partial(gemm_checks, stage=Stage.GEMM2, name=GEMM_OUTPUT[Stage.GEMM2]),
     Stage.GATHER: partial(token_output_checks, stage=Stage.GATHER),
     Stage.SHARED: partial(token_output_checks, stage=Stage.SHARED),
     Stage.REDUCE: partial(token_output_checks, stage=Stage.REDUCE),

@@ -28,9 +28,18 @@ from typing import Any
 
 import torch
 
-from moe_verify.spec import Engine, MoEInputs, MoEProblem, Trace, compute_capability
-from optimized.backend import OptimizedBackend, Outputs
-from optimized.deepgemm import choose_engine, choose_grouped_layout
+from moe_verify.spec import (
+    GEMM_OUTPUT,
+    GEMM_WEIGHT,
+    Engine,
+    MoEProblem,
+    Stage,
+    StageContext,
+    Trace,
+    compute_capability,
+)
+from optimized.backend import OptimizedBackend, Outputs, gemm_operands
+from optimized.deepgemm import choose_grouped_layout
 
 Unavailable = type[Exception]
 # A GEMM operand as DeepGEMM's wrappers take it: (fp8 values, their scales).
@@ -189,33 +198,33 @@ class AdaptedBackend(OptimizedBackend):
         capability = compute_capability(out.device)
         return capability is not None and capability[0] == 9
 
+    @staticmethod
     def _buffer(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+        ctx: StageContext,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> torch.Tensor:
         """The workspace `name` (verification with workspaces, production mode), else
         torch.empty as the engine allocates it."""
-        buf = self.workspaces.get(name, shape, dtype, device)
+        buf = ctx.buffers.get(name, shape, dtype, device)
         return torch.empty(shape, dtype=dtype, device=device) if buf is None else buf
 
     # -- GEMMs: the engine's DeepGEMM wrapper, or the suite's engine ---------------------------
 
-    def gemm1(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        if "dispatch" in upstream or not self._through_wrapper(problem, upstream):
-            return self._noted(super().gemm1(problem, inputs, upstream, rank))
-        perm = upstream["permute"]
-        mm1 = self._wrapper_gemm(
-            problem, inputs, upstream, rank, "w13", (perm["a_perm"], perm["a_scale_perm"])
-        )
-        return {"mm1": mm1, **self._wrapper_record(problem, upstream)}
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        return self._engine_gemm(ctx, Stage.GEMM1)
 
-    def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        if "dispatch" in upstream or not self._through_wrapper(problem, upstream):
-            return self._noted(super().gemm2(problem, inputs, upstream, rank))
-        act = upstream["act_quant"]
-        mm2 = self._wrapper_gemm(
-            problem, inputs, upstream, rank, "w2", (act["a2q"], act["a2q_scale"])
-        )
-        return {"mm2": mm2, **self._wrapper_record(problem, upstream)}
+    def gemm2(self, ctx: StageContext) -> Outputs:
+        return self._engine_gemm(ctx, Stage.GEMM2)
+
+    def _engine_gemm(self, ctx: StageContext, stage: Stage) -> Outputs:
+        """The GEMM through the engine's DeepGEMM wrapper where it runs, else the suite's."""
+        if "dispatch" in ctx.upstream or not self._through_wrapper(ctx):
+            return self._noted(super()._gemm(ctx, stage))
+        out = self._wrapper_gemm(ctx, GEMM_WEIGHT[stage], gemm_operands(ctx.upstream, stage))
+        return {GEMM_OUTPUT[stage]: out, **self._wrapper_record(ctx)}
 
     def _noted(self, outputs: Outputs) -> Outputs:
         """The suite's GEMM record, with why the engine's wrapper did not run it."""
@@ -223,39 +232,26 @@ class AdaptedBackend(OptimizedBackend):
             outputs["engine_reason"] = self._engine_note
         return outputs
 
-    def _through_wrapper(self, problem: MoEProblem, upstream: Trace) -> bool:
-        if not self._wrapper_runs:
-            return False
-        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
-        return choice.engine is Engine.DEEPGEMM
+    def _through_wrapper(self, ctx: StageContext) -> bool:
+        return self._wrapper_runs and self.choose_engine(ctx).engine is Engine.DEEPGEMM
 
-    def _wrapper_record(self, problem: MoEProblem, upstream: Trace) -> Outputs:
-        choice = choose_engine(problem, upstream["route"]["topk_ids"].shape[0], self.engine)
+    def _wrapper_record(self, ctx: StageContext) -> Outputs:
         return {
             "engine": Engine.DEEPGEMM,
-            "engine_reason": f"{choice.reason}; through {self.gemm_wrapper}",
-            "layout": choose_grouped_layout(problem).layout.value,
+            "engine_reason": f"{self.choose_engine(ctx).reason}; through {self.gemm_wrapper}",
+            "layout": choose_grouped_layout(ctx.problem).layout.value,
         }
 
-    def _wrapper_gemm(
-        self,
-        problem: MoEProblem,
-        inputs: MoEInputs,
-        upstream: Trace,
-        rank: int,
-        which: str,
-        a: Operand,
-    ) -> torch.Tensor:
+    def _wrapper_gemm(self, ctx: StageContext, which: str, a: Operand) -> torch.Tensor:
         """bf16 [rows, N]: the rank's `which` weights (DeepGEMM's scale layout) times `a`
         (activations, scales) through the engine's wrapper (`_check_gemm`, `_call_gemm`)."""
-        self._check_gemm(problem)
-        sh = self.shard(problem, inputs, rank)
-        w = sh.w13 if which == "w13" else sh.w2
-        w_scale = self._deepgemm_weight_scales(problem, inputs, rank, which, w)
+        self._check_gemm(ctx.problem)
+        w = ctx.shard.weight(which)
+        w_scale = self.deepgemm_weight_scales(ctx, which)
         rows = a[0].shape[0]
         out = torch.empty((rows, w.shape[1]), dtype=torch.bfloat16, device=a[0].device)
         if rows:
-            self._call_gemm(problem, upstream, a, (w.q, w_scale), out)
+            self._call_gemm(ctx.problem, ctx.upstream, a, (w.q, w_scale), out)
         return out
 
     def _check_gemm(self, problem: MoEProblem) -> None:

@@ -69,12 +69,12 @@ from moe_verify.spec import (
     Engine,
     GroupedLayout,
     InputQuantRecipe,
-    MoEInputs,
     MoEProblem,
     MSumRecipe,
     Placement,
     Recipe,
     ScaleFmt,
+    StageContext,
     StageSkipped,
     TopologyKind,
     Trace,
@@ -292,16 +292,13 @@ class LmdeployBackend(AdaptedBackend):
 
     # -- stages ----------------------------------------------------------------------------------
 
-    def dispatch(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def dispatch(self, ctx: StageContext) -> Outputs:
         raise StageSkipped("ep:N+ll runs LMDeploy's FusedMoELowLatency; not adapted")
 
-    def quant_input(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def quant_input(self, ctx: StageContext) -> Outputs:
         """FusedMoENormal.forward's quantizer (blocked_fp8.py:79): per_token_group_quant_fp8 with
         the model's scale_fmt ('ue8m0' rounds the scale up to a power of two)."""
+        problem, inputs, upstream = ctx.problem, ctx.inputs, ctx.upstream
         self._require_supported(problem)
         hidden = inputs.hidden_states
         if "token_index" in upstream["route"]:
@@ -322,9 +319,10 @@ class LmdeployBackend(AdaptedBackend):
             return out
         return self._declare(out, InputQuantRecipe.AMAX_RECIPROCAL.value)
 
-    def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+    def align(self, ctx: StageContext) -> Outputs:
         """DeepEP's count (the suite's here) and the M_sum fused_moe_v3_fp8 allocates:
         sum(num_recv_tokens_per_expert), the counts rounded up to 128 (exact_counts)."""
+        problem, rank = ctx.problem, ctx.rank
         self._require_supported(problem)
         self._check_placement(problem, rank)
         if problem.alignment != ALIGNMENT:
@@ -332,18 +330,17 @@ class LmdeployBackend(AdaptedBackend):
                 f"LMDeploy's DeepEP dispatch aligns each expert to {ALIGNMENT} "
                 f"(expert_alignment, blocked_fp8.py:48); run it with --alignment {ALIGNMENT}"
             )
-        out = super().align(problem, inputs, upstream, rank)
+        out = super().align(ctx)
         out["recipe"] = MSumRecipe.EXACT_COUNTS.value
         out["kernel"] = "DeepEP's role: the suite's count; M_sum as fused_moe_v3_fp8 sizes it"
         return out
 
-    def permute(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def permute(self, ctx: StageContext) -> Outputs:
         """ep_scatter_fp8 on DeepEP's inputs: local ids, the aligned counts, M_sum rows."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         self._require_layout(problem)
-        sh = self.shard(problem, inputs, rank)
+        sh = ctx.shard
         align, quant = upstream["align"], upstream["quant_input"]
         a1q, a1q_scale = quant["a1q"], quant["a1q_scale"]
         if a1q_scale.dtype != torch.float32:
@@ -351,11 +348,13 @@ class LmdeployBackend(AdaptedBackend):
         ids = local_ids(upstream["route"]["topk_ids"], sh.expert_map)
         m_sum, hidden = int(align["M_sum"]), a1q.shape[1]
         dev = a1q.device
-        ws = self.workspaces
+        ws = ctx.buffers
         # allocated as fused_moe_v3_fp8 does (torch.empty, ep_fp8.py:167-171), or the workspace's
-        a_perm = self._buffer("a_perm", (m_sum, hidden), a1q.dtype, dev)
-        a_scale_perm = self._buffer("a_scale_perm", (m_sum, a1q_scale.shape[1]), torch.float32, dev)
-        m_indices = self._buffer("m_indices", (m_sum,), torch.int32, dev)
+        a_perm = self._buffer(ctx, "a_perm", (m_sum, hidden), a1q.dtype, dev)
+        a_scale_perm = self._buffer(
+            ctx, "a_scale_perm", (m_sum, a1q_scale.shape[1]), torch.float32, dev
+        )
+        m_indices = self._buffer(ctx, "m_indices", (m_sum,), torch.int32, dev)
         output_index = torch.empty_like(ids)
         recv = aligned_counts(align["counts"], int(align["alignment"]))
         expert_start_loc = torch.empty_like(recv)
@@ -383,11 +382,10 @@ class LmdeployBackend(AdaptedBackend):
             "kernel": self._kernel("ep_scatter_fp8"),
         }
 
-    def act_quant(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
         """silu_and_mul into bf16, then per_token_group_quant_fp8 with no scale_fmt, as
         fused_moe_v3_fp8 calls them (ep_fp8.py:186-189)."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         self._require_layout(problem)
         act = problem.activation
@@ -414,8 +412,9 @@ class LmdeployBackend(AdaptedBackend):
             return out
         return self._declare(out, ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL.value)
 
-    def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         """ep_gather: each token's weighted sum over its local slots."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         mm2 = upstream["gemm2"]["mm2"]
         if mm2.shape[1] % GATHER_BLOCK_D:
@@ -425,10 +424,10 @@ class LmdeployBackend(AdaptedBackend):
                 "(docs/implementations.md, finding 7)"
             )
         route = upstream["route"]
-        ids = local_ids(route["topk_ids"], self.shard(problem, inputs, rank).expert_map)
-        out = self._buffer("out", (ids.shape[0], mm2.shape[1]), torch.bfloat16, mm2.device)
+        ids = local_ids(route["topk_ids"], ctx.shard.expert_map)
+        out = self._buffer(ctx, "out", (ids.shape[0], mm2.shape[1]), torch.bfloat16, mm2.device)
         self.lmd.ep.ep_gather(mm2, ids, route["topk_weights"], upstream["permute"]["inv_perm"], out)
-        return {"out": self.workspaces.own(out), "kernel": self._kernel("ep_gather")}
+        return {"out": ctx.buffers.own(out), "kernel": self._kernel("ep_gather")}
 
     # -- GEMMs: LMDeploy's DeepGEMM wrapper where DeepGEMM runs (common.AdaptedBackend) -------
 

@@ -64,12 +64,12 @@ from moe_verify.spec import (
     Engine,
     GroupedLayout,
     InputQuantRecipe,
-    MoEInputs,
     MoEProblem,
     MSumRecipe,
     Placement,
     Recipe,
     ScaleFmt,
+    StageContext,
     StageSkipped,
     TopologyKind,
     Trace,
@@ -356,8 +356,9 @@ class SglangBackend(AdaptedBackend):
                 "adapted; SM90 scatters fp32 scales"
             )
 
-    def _expert_start(self, problem: MoEProblem, inputs: MoEInputs, rank: int) -> int:
-        return expert_start(problem, self.shard(problem, inputs, rank).experts, rank)
+    @staticmethod
+    def _expert_start(ctx: StageContext) -> int:
+        return expert_start(ctx.problem, ctx.shard.experts, ctx.rank)
 
     def _jit_cuda(self, stage: str, what: str) -> None:
         if not self.sglang.on_cuda:
@@ -403,17 +404,14 @@ class SglangBackend(AdaptedBackend):
 
     # -- stages ----------------------------------------------------------------------------------
 
-    def dispatch(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def dispatch(self, ctx: StageContext) -> Outputs:
         raise StageSkipped("ep:N+ll runs SGLang's DeepEP low-latency path: not adapted")
 
-    def quant_input(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def quant_input(self, ctx: StageContext) -> Outputs:
         """sglang_per_token_group_quant_fp8(x, 128), as pre_permute_standard_to_deep_gemm calls
         it on SM90 (row-major fp32); float32_ceil_ue8m0: its row-major UE8M0 flavour (fp32
         powers of two)."""
+        problem, inputs = ctx.problem, ctx.inputs
         self._require_supported(problem)
         self._jit_cuda("quant_input", "sglang_per_token_group_quant_fp8 -> per_token_group_quant")
         ceil = problem.scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0
@@ -429,12 +427,13 @@ class SglangBackend(AdaptedBackend):
             return self._declare(out, InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA.value)
         return out
 
-    def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+    def align(self, ctx: StageContext) -> Outputs:
         """fused_moe_dispatch_index's per-expert counts; the runner's alignment and compact M_sum
         (get_contiguous_layout_alignment, _get_compact_all_tokens)."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         sg = self.sglang
-        sh = self.shard(problem, inputs, rank)
+        sh = ctx.shard
         ids = upstream["route"]["topk_ids"]
         e_l = sh.num_local_experts
         slots = ids.numel()
@@ -445,7 +444,7 @@ class SglangBackend(AdaptedBackend):
                 f"the problem asks A={problem.alignment}: run it with --alignment {block_e}"
             )
         counts, _unused_dst = sg.ep.fused_moe_dispatch_index(
-            ids, e_l, 1, expert_start=self._expert_start(problem, inputs, rank)
+            ids, e_l, 1, expert_start=self._expert_start(ctx)
         )
         return {
             "M_sum": int(sg.compact_all_tokens(slots, e_l, block_e)),
@@ -458,11 +457,10 @@ class SglangBackend(AdaptedBackend):
             ),
         }
 
-    def permute(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def permute(self, ctx: StageContext) -> Outputs:
         """pad_expert_counts (the tail folded into the last expert) and ep_scatter, fed align's
         counts as the valid counts, as pre_permute_standard_to_deep_gemm does on CUDA."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         sg = self.sglang
         align, quant = upstream["align"], upstream["quant_input"]
@@ -473,7 +471,7 @@ class SglangBackend(AdaptedBackend):
         device, hidden = a1q.device, a1q.shape[1]
         padded = sg.pad.pad_expert_counts(counts, block_e, all_tokens)
         # the workspace, or torch.empty: the runner's non-deterministic allocation
-        a_perm = self._buffer("a_perm", (all_tokens, hidden), a1q.dtype, device)
+        a_perm = self._buffer(ctx, "a_perm", (all_tokens, hidden), a1q.dtype, device)
         scale = torch.zeros((all_tokens, a1q_scale.shape[1]), dtype=a1q_scale.dtype, device=device)
         cursor = torch.empty(counts.shape[0], dtype=torch.int32, device=device)
         m_indices = torch.empty(all_tokens, dtype=torch.int32, device=device)
@@ -493,10 +491,10 @@ class SglangBackend(AdaptedBackend):
                 scale_ue8m0=False,
                 quant_block_size=problem.recipe.act_group,
                 expert_alignment=block_e,
-                expert_start=self._expert_start(problem, inputs, rank),
+                expert_start=self._expert_start(ctx),
             )
         return {
-            "a_perm": self.workspaces.own(a_perm),
+            "a_perm": ctx.buffers.own(a_perm),
             "a_scale_perm": scale,
             "m_indices": m_indices,
             # ep_scatter's expert_start_loc: seeded with each padded segment's start, advanced by
@@ -507,11 +505,10 @@ class SglangBackend(AdaptedBackend):
             "kernel": self._kernel("pad_expert_counts + ep_scatter"),
         }
 
-    def act_quant(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
         """The SM90 branch of _run_contiguous_gemm: silu_and_mul (silu_and_mul_clamp with a
         swiglu limit) into bf16, then sglang_per_token_group_quant_fp8 (row-major fp32)."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         act = problem.activation
         if act.kind != "silu":
@@ -543,16 +540,17 @@ class SglangBackend(AdaptedBackend):
             return self._declare(out, recipe.value)
         return out
 
-    def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         """post_reorder_deepgemm: each token's fp32 weighted sum over the slots whose src2dst row
         is >= 0, routed_scaling_factor 1, one rounding to the output dtype."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         route = upstream["route"]
         ids, weights = route["topk_ids"], route["topk_weights"]
         # the kernel indexes rows by hidden_size: hand it a contiguous mm2
         mm2 = upstream["gemm2"]["mm2"].contiguous()
         tokens, hidden = ids.shape[0], mm2.shape[1]
-        out = self._buffer("out", (tokens, hidden), torch.bfloat16, mm2.device)
+        out = self._buffer(ctx, "out", (tokens, hidden), torch.bfloat16, mm2.device)
         if tokens:
             with self._on_host(launch=True):
                 self.sglang.ep.post_reorder_deepgemm(
@@ -566,7 +564,7 @@ class SglangBackend(AdaptedBackend):
                     hidden,
                     1.0,
                 )
-        return {"out": self.workspaces.own(out), "kernel": self._kernel("post_reorder_deepgemm")}
+        return {"out": ctx.buffers.own(out), "kernel": self._kernel("post_reorder_deepgemm")}
 
     # -- GEMMs: the suite's engine (SGLang's deep_gemm_wrapper is not adapted: no gemm_wrapper) --
 

@@ -52,11 +52,11 @@ from moe_verify.spec import (
     Engine,
     GroupedLayout,
     InputQuantRecipe,
-    MoEInputs,
     MoEProblem,
     MSumRecipe,
     Recipe,
     ScaleFmt,
+    StageContext,
     StageSkipped,
     TopologyKind,
     Trace,
@@ -313,19 +313,16 @@ class VllmBackend(AdaptedBackend):
 
     # -- stages ----------------------------------------------------------------------------------
 
-    def dispatch(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def dispatch(self, ctx: StageContext) -> Outputs:
         raise StageSkipped(
             "ep:N+ll runs vLLM's BatchedDeepGemmExperts (DeepEP low-latency); the adapter covers "
             "DeepGemmExperts' contiguous layout"
         )
 
-    def quant_input(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def quant_input(self, ctx: StageContext) -> Outputs:
         """moe_kernel_quantize_input's FP8 block quantizer, row-major fp32 scales; UE8M0 (ceil to
         a power of two) as vLLM's E8M0 oracle would set it for the problem's scale format."""
+        problem, inputs, upstream = ctx.problem, ctx.inputs, ctx.upstream
         self._require_supported(problem)
         hidden = inputs.hidden_states
         if problem.topology.kind is TopologyKind.EP_HT:
@@ -347,11 +344,12 @@ class VllmBackend(AdaptedBackend):
         }
         return self._declare(out, recipe.value)
 
-    def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+    def align(self, ctx: StageContext) -> Outputs:
         """count_expert_num_tokens (the count deepgemm_moe_permute makes without metadata) and
         compute_aligned_M_and_alignment with DeepGEMM's BLOCK_M."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
-        sh = self.shard(problem, inputs, rank)
+        sh = ctx.shard
         ids = upstream["route"]["topk_ids"]
         v = self.vllm
         with self._deepgemm_alignment():
@@ -376,12 +374,11 @@ class VllmBackend(AdaptedBackend):
         }
         return self._declare(out, recipe.value)
 
-    def permute(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def permute(self, ctx: StageContext) -> Outputs:
         """deepgemm_moe_permute fed align's counts; both grouped layouts, one of them vLLM's."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
-        sh = self.shard(problem, inputs, rank)
+        sh = ctx.shard
         align, quant = upstream["align"], upstream["quant_input"]
         v = self.vllm
         layout = choose_grouped_layout(problem).layout
@@ -413,12 +410,11 @@ class VllmBackend(AdaptedBackend):
             "kernel": self._kernel(f"deepgemm_moe_permute(use_psum_layout={psum})"),
         }
 
-    def act_quant(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
         """The kernel DeepGemmExperts._act_mul_quant dispatches to for silu/swigluoai: the packed
         UE8M0 kernel when vLLM's scale format is UE8M0, else the column-major fp32 one (ceil to
         UE8M0 for float32_ceil_ue8m0); with the psum layout they skip the gap rows."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         mm1 = upstream["gemm1"]["mm1"]
         act = problem.activation
@@ -464,8 +460,9 @@ class VllmBackend(AdaptedBackend):
         }
         return self._declare(out, recipe.value)
 
-    def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         """deepgemm_unpermute_and_reduce: each token's fp32 weighted sum over its live slots."""
+        problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         route = upstream["route"]
         ids = route["topk_ids"]
@@ -477,7 +474,7 @@ class VllmBackend(AdaptedBackend):
             topk_ids=ids,
             topk_weights=route["topk_weights"],
             inv_perm=upstream["permute"]["inv_perm"],
-            expert_map=self.shard(problem, inputs, rank).expert_map,
+            expert_map=ctx.shard.expert_map,
             output=out,
         )
         return {"out": out, "kernel": self._kernel("deepgemm_unpermute_and_reduce")}

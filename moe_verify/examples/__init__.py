@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from moe_verify.examples.padding import PaddingInfBleedsIntoTile, accumulators
 from moe_verify.examples.permute import SwappedExpertRows, row_view
-from moe_verify.examples.stale_counts import StaleCounts, scatter_with
+from moe_verify.examples.stale_counts import StaleCounts
 from moe_verify.examples.tensor_core import (
     NoFmaPromotion,
     Sm90Chain,
@@ -39,6 +39,5 @@ __all__ = [
     "TensorCoreGemm",
     "accumulators",
     "row_view",
-    "scatter_with",
     "table_gate_facts",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_verify.spec import MoEInputs, MoEProblem, Recipe, Trace
+from moe_verify.spec import Recipe, StageContext
 from optimized.backend import OptimizedBackend, Outputs
 from reference.formats import dequantize_fp8_blocks
 
@@ -40,13 +40,14 @@ class PaddingInfBleedsIntoTile(OptimizedBackend):
 
     name = "padding_inf_bleeds_into_tile"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p, up = ctx.problem, ctx.upstream
         if p.recipe is not Recipe.FP8_BLOCK:
             raise ValueError(f"{self.name} models fp8_block scales only, got {p.recipe}")
-        out = super().gemm1(p, x, up, rank)
+        out = super().gemm1(ctx)
         mm1 = out["mm1"].clone()
         perm, align = up["permute"], up["align"]
-        w = self.shard(p, x, rank).w13
+        w = ctx.shard.w13
         weights = dequantize_fp8_blocks(w.q, w.scale, w.block)
         group = p.recipe.act_group
         tile = align["alignment"]

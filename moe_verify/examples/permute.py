@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from moe_verify.spec import StageContext
 from optimized.backend import OptimizedBackend, Outputs
 
 
@@ -25,8 +25,8 @@ class SwappedExpertRows(OptimizedBackend):
 
     name = "swapped_expert_rows"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        out = super().permute(ctx)
         inv, m = out["inv_perm"], out["m_indices"]
         (t0, k0), *others = ((int(t), int(k)) for t, k in (inv >= 0).nonzero())
         first = int(inv[t0, k0])

@@ -17,14 +17,11 @@ from unittest import mock
 import torch
 
 import reference.tensor_core as tensor_core
-from moe_verify.spec import MoEInputs, MoEProblem, Stage, Trace
+from moe_verify.spec import GEMM_OUTPUT, Stage, StageContext, Trace
 from optimized.backend import OptimizedBackend, Outputs
 from reference.activation import act_quant, fused_act_quant_recipe, sm90_triton_recipe
 from reference.gate_table import gate_table_provenance
 from reference.moe import ReferenceBackend
-
-# Each GEMM stage's output.
-GEMM_OUTPUTS = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
 
 
 class TensorCoreGemm(OptimizedBackend):
@@ -34,10 +31,11 @@ class TensorCoreGemm(OptimizedBackend):
     name = "tensor_core_gemm"
     recipe = "tensor_core"
 
-    def _gemm(self, stage: str, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def _gemm(self, ctx: StageContext, stage: Stage) -> Outputs:
+        p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
         golden = ReferenceBackend()
-        outs = golden.run_stage(stage, p, x, up, rank)
-        name = GEMM_OUTPUTS[stage]
+        outs = getattr(golden, stage.value)(ctx)
+        name = GEMM_OUTPUT[stage]
         if self.recipe == "tensor_core":
             trace = Trace(up.backend, rank)
             for s, o in up.items():
@@ -49,11 +47,11 @@ class TensorCoreGemm(OptimizedBackend):
             }
         return {**outs, "engine": "deepgemm"}
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        return self._gemm(Stage.GEMM1, p, x, up, rank)
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        return self._gemm(ctx, Stage.GEMM1)
 
-    def gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        return self._gemm(Stage.GEMM2, p, x, up, rank)
+    def gemm2(self, ctx: StageContext) -> Outputs:
+        return self._gemm(ctx, Stage.GEMM2)
 
 
 def table_gate_facts() -> dict[str, str]:
@@ -68,7 +66,8 @@ class Sm90Chain(TensorCoreGemm):
 
     name = "sm90_chain"
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        p, up = ctx.problem, ctx.upstream
         mm1 = up["gemm1"]["mm1"]
         recipe = sm90_triton_recipe(fused_act_quant_recipe(p.scale_fmt), p.activation)
         q, s = act_quant(
@@ -83,9 +82,10 @@ class Sm90Chain(TensorCoreGemm):
     # the shared experts' GEMMs by the tensor-core recipe (False: exact fp32 math, a fault here)
     shared_tensor_core = True
 
-    def shared(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def shared(self, ctx: StageContext) -> Outputs:
         """The shared experts as SM90 computes them (both GEMMs by the tensor-core recipe,
         act_quant with the table gate), declared as the optimized backend declares its own."""
+        p, x, rank = ctx.problem, ctx.inputs, ctx.rank
         twin = sm90_triton_recipe(fused_act_quant_recipe(p.scale_fmt), p.activation)
         outs = ReferenceBackend()._shared(p, x, rank, twin, tensor_core=self.shared_tensor_core)
         return {**outs, "recipe": "tensor_core", **table_gate_facts()}
@@ -100,6 +100,6 @@ class NoFmaPromotion(Sm90Chain):
 
     name = "no_fma_promotion"
 
-    def _gemm(self, stage: str, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def _gemm(self, ctx: StageContext, stage: Stage) -> Outputs:
         with mock.patch.object(tensor_core, "fma_fp32", _mul_then_add):
-            return super()._gemm(stage, p, x, up, rank)
+            return super()._gemm(ctx, stage)

@@ -6,13 +6,13 @@ MoE math; it only names things and validates them. It imports torch and nothing 
 project: reference/, optimized/ and tolerance/ all stand on it (tests/harness/test_layering.py).
 
 One idea per module: checks (argument checks, bounds), stages, recipes, activation, routing,
-topology, problem, inputs, trace, backend, arch. Every name is re-exported here, so
+topology, problem, inputs, trace, context (what the harness hands a stage), protocol (the
+stage methods every backend has), arch. Every name is re-exported here, so
 `from moe_verify.spec import X` is the way to import any of them.
 """
 
 from moe_verify.spec.activation import Activation
 from moe_verify.spec.arch import DeviceLike, cc_major, compute_capability, is_sm90, is_sm100
-from moe_verify.spec.backend import Backend, run_stages
 from moe_verify.spec.checks import (
     ALIGNMENT_STEP,
     MAX_ALIGNMENT,
@@ -33,8 +33,19 @@ from moe_verify.spec.checks import (
     check_type,
     exact_keys,
 )
+from moe_verify.spec.context import NO_BUFFERS, Buffers, NoBuffers, Outputs, RankShard, StageContext
 from moe_verify.spec.inputs import MoEInputs, QuantizedWeight
 from moe_verify.spec.problem import MoEProblem
+from moe_verify.spec.protocol import (
+    RANK_STAGES,
+    Backend,
+    StageDelegate,
+    call_stage,
+    check_backend_object,
+    missing_stages,
+    run_stages,
+    stage_method,
+)
 from moe_verify.spec.recipes import (
     E2M1_MAX,
     FP8_MAX,
@@ -51,6 +62,8 @@ from moe_verify.spec.recipes import (
 )
 from moe_verify.spec.routing import Routing, check_routing
 from moe_verify.spec.stages import (
+    GEMM_OUTPUT,
+    GEMM_WEIGHT,
     LL_STAGES,
     MODE_CHOICES,
     PER_SLOT_OUTPUTS,
@@ -67,6 +80,8 @@ __all__ = [
     "ALIGNMENT_STEP",
     "E2M1_MAX",
     "FP8_MAX",
+    "GEMM_OUTPUT",
+    "GEMM_WEIGHT",
     "LL_BLOCK_ROWS",
     "LL_STAGES",
     "MAX_ALIGNMENT",
@@ -78,12 +93,15 @@ __all__ = [
     "MAX_SHARED_EXPERTS",
     "MAX_TOKENS",
     "MODE_CHOICES",
+    "NO_BUFFERS",
     "PER_SLOT_OUTPUTS",
+    "RANK_STAGES",
     "REPORT_STAGES",
     "STAGES",
     "ActQuantRecipe",
     "Activation",
     "Backend",
+    "Buffers",
     "DeviceLike",
     "Engine",
     "GatherRecipe",
@@ -91,15 +109,20 @@ __all__ = [
     "GroupedLayout",
     "InputQuantRecipe",
     "MSumRecipe",
-    "Mode",
     "MoEInputs",
     "MoEProblem",
+    "Mode",
+    "NoBuffers",
+    "Outputs",
     "Placement",
     "QuantizedWeight",
+    "RankShard",
     "Recipe",
     "Routing",
     "ScaleFmt",
     "Stage",
+    "StageContext",
+    "StageDelegate",
     "StageFailure",
     "StageSkipped",
     "StageViolation",
@@ -107,7 +130,9 @@ __all__ = [
     "Topology",
     "TopologyKind",
     "Trace",
+    "call_stage",
     "cc_major",
+    "check_backend_object",
     "check_bool",
     "check_device",
     "check_enum",
@@ -115,12 +140,14 @@ __all__ = [
     "check_int",
     "check_output_dir",
     "check_output_file",
-    "check_type",
     "check_routing",
+    "check_type",
     "compute_capability",
     "exact_keys",
     "explicit_lists",
     "is_sm100",
     "is_sm90",
+    "missing_stages",
     "run_stages",
+    "stage_method",
 ]

@@ -61,6 +61,10 @@ REPORT_STAGES: tuple[Stage, ...] = (
     Stage.SHARED,
     Stage.REDUCE,
 )
+# The two GEMM stages: the output each writes and the weight it multiplies by.
+GEMM_OUTPUT: dict[Stage, str] = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
+GEMM_WEIGHT: dict[Stage, str] = {Stage.GEMM1: "w13", Stage.GEMM2: "w2"}
+
 # Each stage's per-slot outputs: [T, k], indexed like route's topk_ids, so a token's slot order
 # runs through them.
 PER_SLOT_OUTPUTS: dict[Stage, tuple[str, ...]] = {

@@ -52,6 +52,17 @@ class Trace:
             raise ValueError(f"trace of {self.backend!r} already has stage {stage!r}")
         self._stages[stage] = dict(outputs)
 
+    def replaced(self, stage: str, **entries: object) -> Trace:
+        """A copy of this trace whose `stage` has `entries` replaced (the tensors are shared,
+        this trace is left as it is): how a wrapping stage hands its inner backend a changed
+        upstream, `ctx.replace(upstream=ctx.upstream.replaced("align", counts=c))`."""
+        if stage not in self._stages:
+            raise KeyError(f"trace of {self.backend!r} has no stage {stage!r} to replace")
+        out = Trace(self.backend, self.rank)
+        for name, outputs in self._stages.items():
+            out._stages[name] = {**outputs, **entries} if name == stage else dict(outputs)
+        return out
+
     def add_skipped(self, stage: str, reason: str) -> None:
         """`stage` did not run here, for `reason` (e.g. "needs SM100"); never a pass."""
         self.add(stage, {_SKIPPED: reason})

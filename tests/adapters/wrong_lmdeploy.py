@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 
 from moe_verify.adapters.lmdeploy import LmdeployBackend
-from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from moe_verify.spec import StageContext
 
 Outputs = dict[str, object]
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -27,7 +27,7 @@ class QuantScalesFloored(LmdeployBackend):
     amax/448 instead of its ceiling: the scale is up to 2x too small and the group's largest
     values saturate at +-448."""
 
-    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def quant_input(self, ctx: StageContext) -> Outputs:
         quant = self.lmd.quant
         original = quant.per_token_group_quant_fp8
 
@@ -41,14 +41,14 @@ class QuantScalesFloored(LmdeployBackend):
             return codes, scale
 
         with mock.patch.object(quant, "per_token_group_quant_fp8", floored):
-            return super().quant_input(p, x, up, rank)
+            return super().quant_input(ctx)
 
 
 class QuantScaleFmtDropped(LmdeployBackend):
     """quant_input: the model's scale_fmt='ue8m0' is not passed on to per_token_group_quant_fp8,
     so the input's scales are plain amax/448 where the problem asks for powers of two."""
 
-    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def quant_input(self, ctx: StageContext) -> Outputs:
         quant = self.lmd.quant
         original = quant.per_token_group_quant_fp8
 
@@ -58,7 +58,7 @@ class QuantScaleFmtDropped(LmdeployBackend):
             return original(*args, **kwargs)
 
         with mock.patch.object(quant, "per_token_group_quant_fp8", dropped):
-            return super().quant_input(p, x, up, rank)
+            return super().quant_input(ctx)
 
 
 class ScatterSlotToNeighbour(LmdeployBackend):
@@ -66,7 +66,7 @@ class ScatterSlotToNeighbour(LmdeployBackend):
     (expert + 1): that slot's row, scales and output_index land in the neighbouring expert's
     segment (which has room: DeepEP's counts are aligned up to 128)."""
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def permute(self, ctx: StageContext) -> Outputs:
         ep_fp8 = self.lmd.ep_fp8
         original = ep_fp8.ep_scatter_fp8
 
@@ -84,14 +84,14 @@ class ScatterSlotToNeighbour(LmdeployBackend):
             return original(a, s, ids, recv, *rest)
 
         with mock.patch.object(ep_fp8, "ep_scatter_fp8", misplaced):
-            return super().permute(p, x, up, rank)
+            return super().permute(ctx)
 
 
 class ActGateUpSwapped(LmdeployBackend):
     """act_quant: silu_and_mul reads the gate from the second half of gemm1's output and up from
     the first (silu(up) * gate instead of silu(gate) * up)."""
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
         activation = self.lmd.activation
         original = activation.silu_and_mul
 
@@ -101,13 +101,13 @@ class ActGateUpSwapped(LmdeployBackend):
             return original(torch.cat([up_, gate], dim=-1), *args, **kwargs)
 
         with mock.patch.object(activation, "silu_and_mul", swapped):
-            return super().act_quant(p, x, up, rank)
+            return super().act_quant(ctx)
 
 
 class GatherWeightsReversed(LmdeployBackend):
     """gather: ep_gather reads each token's topk weights in reverse k order."""
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         ep = self.lmd.ep
         original = ep.ep_gather
 
@@ -116,13 +116,13 @@ class GatherWeightsReversed(LmdeployBackend):
             return original(mm2, ids, weights.flip(1).contiguous(), *rest)
 
         with mock.patch.object(ep, "ep_gather", reversed_weights):
-            return super().gather(p, x, up, rank)
+            return super().gather(ctx)
 
 
 class GatherIgnoresWeights(LmdeployBackend):
     """gather: ep_gather sums each token's expert rows unweighted (every topk weight taken as 1)."""
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         ep = self.lmd.ep
         original = ep.ep_gather
 
@@ -131,7 +131,7 @@ class GatherIgnoresWeights(LmdeployBackend):
             return original(mm2, ids, torch.ones_like(weights), *rest)
 
         with mock.patch.object(ep, "ep_gather", unweighted):
-            return super().gather(p, x, up, rank)
+            return super().gather(ctx)
 
 
 WRONG_VARIANTS: tuple[type[LmdeployBackend], ...] = (

@@ -14,7 +14,7 @@ from unittest import mock
 import torch
 
 from moe_verify.adapters.sglang import SglangBackend
-from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from moe_verify.spec import StageContext
 
 Outputs = dict[str, object]
 
@@ -23,7 +23,7 @@ class CountsMissLastSlot(SglangBackend):
     """align: fused_moe_dispatch_index drops the last slot of the flat id list (a `< num_toks - 1`
     bound): its expert's count is one short."""
 
-    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def align(self, ctx: StageContext) -> Outputs:
         ep = self.sglang.ep
         count = ep.fused_moe_dispatch_index
 
@@ -34,14 +34,14 @@ class CountsMissLastSlot(SglangBackend):
             return count(ids, *args, **kwargs)
 
         with mock.patch.object(ep, "fused_moe_dispatch_index", short):
-            return super().align(p, x, up, rank)
+            return super().align(ctx)
 
 
 class ScalesOfTheNextToken(SglangBackend):
     """permute: ep_scatter copies each token's fp8 row with the scales of the next token (a row
     offset in the scale loads), so every live row is dequantized with another token's scales."""
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def permute(self, ctx: StageContext) -> Outputs:
         ep = self.sglang.ep
         scatter = ep.ep_scatter
 
@@ -50,7 +50,7 @@ class ScalesOfTheNextToken(SglangBackend):
             return scatter(x_, torch.roll(s_, -1, 0), *rest, **kwargs)
 
         with mock.patch.object(ep, "ep_scatter", shifted):
-            return super().permute(p, x, up, rank)
+            return super().permute(ctx)
 
 
 class PaddingRowsClaimed(SglangBackend):
@@ -59,7 +59,7 @@ class PaddingRowsClaimed(SglangBackend):
     (segment_owned_padding). But the compact layout's slack past the last segment is claimed too,
     by the last expert: a tile of it beyond the segment align's counts give it."""
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def permute(self, ctx: StageContext) -> Outputs:
         ep = self.sglang.ep
         scatter = ep.ep_scatter
 
@@ -68,13 +68,13 @@ class PaddingRowsClaimed(SglangBackend):
             return scatter(x_, s_, ids, padded, padded, *rest, **kwargs)
 
         with mock.patch.object(ep, "ep_scatter", claimed):
-            return super().permute(p, x, up, rank)
+            return super().permute(ctx)
 
 
 class GatherWeightsReversed(SglangBackend):
     """gather: post_reorder_deepgemm reads each token's topk weights in reverse k order."""
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         ep = self.sglang.ep
         reorder = ep.post_reorder_deepgemm
 
@@ -83,13 +83,13 @@ class GatherWeightsReversed(SglangBackend):
             return reorder(down, out, src2dst, ids, weights.flip(1).contiguous(), *rest, **kw)
 
         with mock.patch.object(ep, "post_reorder_deepgemm", reversed_weights):
-            return super().gather(p, x, up, rank)
+            return super().gather(ctx)
 
 
 class GatherScaledTwice(SglangBackend):
     """gather: routed_scaling_factor applied as 2.0 where the model has none (1.0)."""
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         ep = self.sglang.ep
         reorder = ep.post_reorder_deepgemm
 
@@ -98,7 +98,7 @@ class GatherScaledTwice(SglangBackend):
             return reorder(*args[:-1], 2.0)
 
         with mock.patch.object(ep, "post_reorder_deepgemm", doubled):
-            return super().gather(p, x, up, rank)
+            return super().gather(ctx)
 
 
 WRONG_VARIANTS: tuple[type[SglangBackend], ...] = (

@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 
 from moe_verify.adapters.vllm import VllmBackend
-from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from moe_verify.spec import StageContext
 
 Outputs = dict[str, object]
 
@@ -40,7 +40,7 @@ class OffByOnePrefixSum(VllmBackend):
     row late for every expert after the first (start_e + 1): each of their slots lands one row
     below where m_indices / expert_ends put the segment (`_fwd_kernel_ep_scatter_1`)."""
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def permute(self, ctx: StageContext) -> Outputs:
         dg = self.vllm.dg_utils
 
         def one_late(args: tuple[Any, ...]) -> None:
@@ -49,7 +49,7 @@ class OffByOnePrefixSum(VllmBackend):
 
         kernel = _LaunchThen(dg._fwd_kernel_ep_scatter_1, one_late)
         with mock.patch.object(dg, "_fwd_kernel_ep_scatter_1", kernel):
-            return super().permute(p, x, up, rank)
+            return super().permute(ctx)
 
 
 class UnzeroedPaddingScales(VllmBackend):
@@ -58,10 +58,10 @@ class UnzeroedPaddingScales(VllmBackend):
     packer device-asserts on it). Caught every time only because the harness poisons the
     permute's allocations (moe_verify/poison.py)."""
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def permute(self, ctx: StageContext) -> Outputs:
         dg = self.vllm.dg_utils
         with mock.patch.object(dg, "torch", _ZerosAreEmpty()):
-            return super().permute(p, x, up, rank)
+            return super().permute(ctx)
 
 
 class _ZerosAreEmpty:
@@ -76,7 +76,7 @@ class PackedScaleBytesReversed(VllmBackend):
     order (byte j must be group 4p + j, as DeepGEMM's
     `get_mn_major_tma_aligned_packed_ue8m0_tensor` packs them)."""
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
         experts = self.vllm.experts
         packed = experts.fused_silu_mul_fp8_quant_packed
 
@@ -89,7 +89,7 @@ class PackedScaleBytesReversed(VllmBackend):
             return q, s
 
         with mock.patch.object(experts, "fused_silu_mul_fp8_quant_packed", reversed_bytes):
-            return super().act_quant(p, x, up, rank)
+            return super().act_quant(ctx)
 
 
 class OneSidedUpClamp(VllmBackend):
@@ -97,11 +97,11 @@ class OneSidedUpClamp(VllmBackend):
     The kernel gets the input already clamped that way and no clamp of its own; with a bf16 L
     that is exactly the kernel with the one-sided clamp."""
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
         experts = self.vllm.experts
         names = ("fused_silu_mul_fp8_quant_packed", "silu_mul_per_token_group_quant_fp8_colmajor")
         with mock.patch.multiple(experts, **{n: _one_sided(getattr(experts, n)) for n in names}):
-            return super().act_quant(p, x, up, rank)
+            return super().act_quant(ctx)
 
 
 def _one_sided(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,7 +119,7 @@ class MinusOneCheckSkipped(VllmBackend):
     """gather: ep_gather's `expert_id >= 0` check skipped, so a -1 slot is summed too: its weight
     times the row its (uninitialised) inv_perm entry names, here row 0."""
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         dg = self.vllm.dg_utils
         gather = dg.ep_gather
 
@@ -140,14 +140,14 @@ class MinusOneCheckSkipped(VllmBackend):
             gather(input_tensor, ids, recv_topk_weight, rows, expert_map, output_tensor)
 
         with mock.patch.object(dg, "ep_gather", unchecked):
-            return super().gather(p, x, up, rank)
+            return super().gather(ctx)
 
 
 class GatherWeightsReversed(VllmBackend):
     """gather: ep_gather reads each token's topk weights in reverse k order, so slot k is scaled by
     slot K-1-k's weight."""
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
         dg = self.vllm.dg_utils
         gather = dg.ep_gather
 
@@ -164,7 +164,7 @@ class GatherWeightsReversed(VllmBackend):
             gather(input_tensor, recv_topk_ids, weights, input_index, expert_map, output_tensor)
 
         with mock.patch.object(dg, "ep_gather", reversed_weights):
-            return super().gather(p, x, up, rank)
+            return super().gather(ctx)
 
 
 WRONG_VARIANTS: tuple[type[VllmBackend], ...] = (

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from moe_verify.sanitize import sanitize_run
 from moe_verify.sanitize_report import SanitizeReport
-from moe_verify.spec import MoEProblem
+from moe_verify.spec import MoEProblem, StageContext
 from optimized.backend import OptimizedBackend
 from tests.tester.gpu_fault_backends import FAULT_SEED
 
@@ -73,8 +73,8 @@ class OnePastTheEndInPermute(OptimizedBackend):
 
     name = "one-past-the-end-in-permute"
 
-    def permute(self, problem, inputs, upstream, rank):
-        out = super().permute(problem, inputs, upstream, rank)
+    def permute(self, ctx: StageContext):
+        out = super().permute(ctx)
         buf = torch.zeros(16, device="cuda")
         _store_one_past[(1,)](buf, buf.numel())
         return out
@@ -85,8 +85,8 @@ class SharedRaceInActQuant(OptimizedBackend):
 
     name = "shared-race-in-act-quant"
 
-    def act_quant(self, problem, inputs, upstream, rank):
-        out = super().act_quant(problem, inputs, upstream, rank)
+    def act_quant(self, ctx: StageContext):
+        out = super().act_quant(ctx)
         buf = torch.zeros(128, dtype=torch.int32, device="cuda")
         _racy_shared_kernel[(1,)](buf, BLOCK=128, num_warps=4)
         return out
@@ -97,8 +97,8 @@ class UnwrittenReadInGemm2(OptimizedBackend):
 
     name = "unwritten-read-in-gemm2"
 
-    def gemm2(self, problem, inputs, upstream, rank):
-        out = super().gemm2(problem, inputs, upstream, rank)
+    def gemm2(self, ctx: StageContext):
+        out = super().gemm2(ctx)
         src, dst = torch.empty(16, device="cuda"), torch.zeros(1, device="cuda")
         _read_unwritten[(1,)](src, dst)
         return out

@@ -1409,13 +1409,6 @@ def _public_api_rows() -> list[Bad]:
             "1",
         ),
         bad(
-            "OptimizedBackend-workspace-yes",
-            lambda: OptimizedBackend(workspace="yes"),
-            TypeError,
-            "workspace",
-            "'yes'",
-        ),
-        bad(
             "OptimizedBackend-exact_m_sum-1",
             lambda: OptimizedBackend(exact_m_sum=1),
             TypeError,

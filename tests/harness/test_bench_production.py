@@ -27,8 +27,8 @@ from moe_verify.production_targets import (
     gemm_row,
     memory_row,
 )
-from moe_verify.runner import production_backend
-from moe_verify.spec import MoEInputs, MoEProblem, Stage, Trace
+from moe_verify.runner import production_backend, run_one_stage
+from moe_verify.spec import MoEProblem, Stage, StageContext, Trace
 from optimized import OptimizedBackend, deepgemm
 from optimized.production import forward_stages
 from reference.moe import ReferenceBackend
@@ -90,7 +90,9 @@ def test_traffic_counts_only_this_ranks_slots(topology: str) -> None:
     # The golden's routing, counted here: slots on rank 1's experts (the LL capacity of 128
     # rows drops none of 16 slots).
     x = make_inputs(problem)
-    ids = ReferenceBackend().run_stage("route", problem.replace(topology="ep:2"), x, Trace("g"), 1)
+    ids = run_one_stage(
+        ReferenceBackend(), "route", problem.replace(topology="ep:2"), x, Trace("g"), 1
+    )
     ids = ids["topk_ids"]
     hosted = torch.tensor(placement(problem)[1])
     live = torch.isin(ids, hosted)
@@ -267,9 +269,9 @@ class CountsGathers(OptimizedBackend):
 
     calls = 0
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
+    def gather(self, ctx: StageContext) -> dict[str, object]:
         type(self).calls += 1
-        return super().gather(p, x, up, rank)
+        return super().gather(ctx)
 
 
 def test_production_times_the_backend_it_is_given() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from moe_verify import verification
 from moe_verify.cli import build_parser, main
-from moe_verify.spec import MoEProblem, StageSkipped
+from moe_verify.spec import MoEProblem, StageContext, StageSkipped
 from moe_verify.verification import verify
 from optimized import deepgemm
 from optimized.backend import OptimizedBackend
@@ -113,7 +113,7 @@ class DeclinesGemm2(OptimizedBackend):
 
     name = "declines-gemm2"
 
-    def gemm2(self, p, x, up, rank):
+    def gemm2(self, ctx: StageContext):
         raise StageSkipped("not implemented by this backend")
 
 
@@ -153,8 +153,8 @@ class SharedTwice(OptimizedBackend):
 
     name = "shared-twice"
 
-    def shared(self, p, x, up, rank):
-        out = super().shared(p, x, up, rank)["out"]
+    def shared(self, ctx: StageContext):
+        out = super().shared(ctx)["out"]
         return {"out": (out.float() * 2).to(out.dtype), "engine": "triton"}
 
 
@@ -251,8 +251,10 @@ class SkipsEverything(OptimizedBackend):
 
     name = "skips-everything"
 
-    def run_stage(self, stage, problem, inputs, upstream, rank):
+    def route(self, ctx):
         raise StageSkipped("this backend runs nothing")
+
+    quant_input = align = permute = dispatch = gemm1 = act_quant = gemm2 = gather = shared = route
 
 
 class ExitsInRoute(OptimizedBackend):
@@ -260,7 +262,7 @@ class ExitsInRoute(OptimizedBackend):
 
     name = "exits-in-route"
 
-    def route(self, p, x, up, rank):
+    def route(self, ctx: StageContext):
         sys.exit(0)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from moe_verify import runner
 from moe_verify.runner import DeviceLost
-from moe_verify.spec import MoEProblem
+from moe_verify.spec import MoEProblem, StageContext
 from moe_verify.verification import verify
 from optimized.backend import OptimizedBackend
 
@@ -20,7 +20,7 @@ PROBLEM = MoEProblem(tokens=4, hidden=128, intermediate=128, num_experts=4, topk
 class FaultsInGemm1(OptimizedBackend):
     name = "faults-in-gemm1"
 
-    def gemm1(self, p, x, up, rank):
+    def gemm1(self, ctx: StageContext):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 

@@ -22,7 +22,7 @@ from moe_verify.distributed.launch import failed_ranks
 from moe_verify.distributed.worker import _reduce_result
 from moe_verify.inputs import make_inputs
 from moe_verify.runner import run_golden
-from moe_verify.spec import MoEInputs, MoEProblem, StageSkipped, Trace
+from moe_verify.spec import MoEProblem, StageContext, StageSkipped, Trace
 from optimized.backend import OptimizedBackend
 from reference.moe import ReferenceBackend
 from reference.topology import rank_partial, reduce_ranks
@@ -40,11 +40,9 @@ class SwapsTokensOnRank1(OptimizedBackend):
 
     name = "swaps-tokens-on-rank1"
 
-    def run_stage(
-        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> dict[str, object]:
-        outputs = super().run_stage(stage, problem, inputs, upstream, rank)
-        if stage == "gather" and rank == 1:
+    def gather(self, ctx: StageContext) -> dict[str, object]:
+        outputs = super().gather(ctx)
+        if ctx.rank == 1:
             outputs = {**outputs, "out": outputs["out"].roll(1, dims=0)}
         return outputs
 
@@ -54,11 +52,9 @@ class SharedTwiceOnRank1(OptimizedBackend):
 
     name = "shared-twice-on-rank1"
 
-    def run_stage(
-        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> dict[str, object]:
-        outputs = super().run_stage(stage, problem, inputs, upstream, rank)
-        if stage == "shared" and rank == 1:
+    def shared(self, ctx: StageContext) -> dict[str, object]:
+        outputs = super().shared(ctx)
+        if ctx.rank == 1:
             outputs = {**outputs, "out": (outputs["out"].float() * 2).to(torch.bfloat16)}
         return outputs
 
@@ -68,12 +64,10 @@ class RaisesOnRank1(OptimizedBackend):
 
     name = "raises-on-rank1"
 
-    def run_stage(
-        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> dict[str, object]:
-        if stage == "gemm1" and rank == 1:
+    def gemm1(self, ctx: StageContext) -> dict[str, object]:
+        if ctx.rank == 1:
             raise RuntimeError("deliberate failure on rank 1")
-        return super().run_stage(stage, problem, inputs, upstream, rank)
+        return super().gemm1(ctx)
 
 
 class DiesOnRank1(OptimizedBackend):
@@ -81,12 +75,10 @@ class DiesOnRank1(OptimizedBackend):
 
     name = "dies-on-rank1"
 
-    def run_stage(
-        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> dict[str, object]:
-        if stage == "gemm1" and rank == 1:
+    def gemm1(self, ctx: StageContext) -> dict[str, object]:
+        if ctx.rank == 1:
             os._exit(3)
-        return super().run_stage(stage, problem, inputs, upstream, rank)
+        return super().gemm1(ctx)
 
 
 class HangsOnRank1(OptimizedBackend):
@@ -94,12 +86,10 @@ class HangsOnRank1(OptimizedBackend):
 
     name = "hangs-on-rank1"
 
-    def run_stage(
-        self, stage: str, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> dict[str, object]:
-        if stage == "gemm1" and rank == 1:
+    def gemm1(self, ctx: StageContext) -> dict[str, object]:
+        if ctx.rank == 1:
             time.sleep(LAUNCH_TIMEOUT_S)
-        return super().run_stage(stage, problem, inputs, upstream, rank)
+        return super().gemm1(ctx)
 
 
 def _launch(

@@ -28,6 +28,7 @@ from moe_verify.contain import CaseTimeout, deadline, run_contained, watch_inter
 from moe_verify.runner import run_stage_into
 from moe_verify.spec import Mode, MoEProblem, Stage, Status, Trace
 from moe_verify.sweep import SweepSummary, sweep
+from tests.tester import fault_backends as fb
 from tests.tester.fault_backends import CRASHES, EXPECTED, FAULT_SEED
 
 pytestmark = pytest.mark.cpu
@@ -53,6 +54,19 @@ def _spec(name: str) -> str:
     return f"tests.tester.fault_backends:{name}"
 
 
+# The faults that show only in the harness's workspaces: run with them (and a poison).
+WORKSPACES = {
+    "OverrunsWorkspace": {"workspace": True},
+    "LeavesRowUnwritten": {"workspace": True, "poison": (fb.POISON,)},
+}
+
+
+def _workspace_flags(name: str) -> list[str]:
+    opts = WORKSPACES.get(name, {})
+    flags = ["--workspace"] if opts.get("workspace") else []
+    return flags + [f for b in opts.get("poison", ()) for f in ("--poison", str(b))]
+
+
 def _timeout(name: str) -> float:
     return HANG_TIMEOUT_S if name == "HangsInGemm1" else contain.DEFAULT_CASE_TIMEOUT_S
 
@@ -73,6 +87,7 @@ def _python(code: str, **kwargs: object) -> subprocess.Popen[str]:
 
 def _run_args(name: str) -> list[str]:
     args = ["run", *FLAGS, "--seed", str(FAULT_SEED), "--backend", _spec(name), "--mode", MODE]
+    args += _workspace_flags(name)
     return [*args, "--case-timeout", f"{_timeout(name):g}"]
 
 
@@ -137,6 +152,7 @@ def test_an_in_process_sweep_records_the_fault_and_goes_on(name: str, tmp_path: 
         out_dir=tmp_path,
         isolate=False,
         case_timeout_s=_timeout(name),
+        **WORKSPACES.get(name, {}),
     )
     _check_sweep(name, tmp_path, summary)
 
@@ -361,11 +377,13 @@ class _Interrupts:
     def __init__(self, real: bool) -> None:
         self.real = real
 
-    def run_stage(self, stage, problem, inputs, upstream, rank):
+    def route(self, ctx):
         if self.real:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)  # the handler raises here
         raise KeyboardInterrupt
+
+    quant_input = align = permute = dispatch = gemm1 = act_quant = gemm2 = gather = shared = route
 
 
 def test_the_users_ctrl_c_propagates_but_a_backends_keyboard_interrupt_is_its_error() -> None:

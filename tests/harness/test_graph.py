@@ -35,12 +35,12 @@ from moe_verify.runner import production_backend
 from moe_verify.spec import (
     Engine,
     GroupedLayout,
-    MoEInputs,
     MoEProblem,
     Recipe,
     Routing,
     ScaleFmt,
     Stage,
+    StageContext,
     Trace,
 )
 from optimized import OptimizedBackend, op
@@ -276,12 +276,13 @@ def test_graph_refuses_no_replays() -> None:
     ("spec", "match"),
     [
         ("nope", "expected 'optimized', 'golden', 'vllm', .* or 'module:Class', got 'nope'"),
-        ("golden", "has no production mode: the op runs the stage methods of optimized"),
+        ("golden", "is the golden: production mode compares a backend under test with it"),
         ("reference.moe:ReferenceBackend", "has no production mode"),
+        ("collections:OrderedDict", r"is not a backend: it lacks name \(a str\), route\(ctx\)"),
         ("tests.tester.production_wrong:Nope", "cannot load it"),
         (":StaleCounts", "expected 'module:Class', got ':StaleCounts'"),
     ],
-    ids=["unknown", "golden", "not-an-optimized-backend", "missing-class", "no-module"],
+    ids=["unknown", "golden", "golden-class", "not-a-backend", "missing-class", "no-module"],
 )
 def test_production_backend_refuses(spec: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -298,8 +299,8 @@ class ReadsTheCounts(OptimizedBackend):
     """The optimized path, its align reading the per-expert counts back to the host: correct,
     and not graph-safe."""
 
-    def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> dict:
-        out = super().align(problem, inputs, upstream, rank)
+    def align(self, ctx: StageContext) -> dict:
+        out = super().align(ctx)
         if int(out["counts"].sum()) < 0:
             raise AssertionError("unreachable: counts are never negative")
         return out
@@ -375,7 +376,7 @@ def test_one_class_fails_run_and_graph_at_the_same_stage(
 class RaisesInGemm2(OptimizedBackend):
     """A backend's own error (not a kernel fault): gemm2 raises on the first call."""
 
-    def gemm2(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> dict:
+    def gemm2(self, ctx: StageContext) -> dict:
         raise RuntimeError("my gemm2: workspace too small")
 
 

@@ -9,7 +9,16 @@ import torch
 
 from moe_verify.cli import main
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import LL_BLOCK_ROWS, LL_STAGES, Mode, MoEProblem, Stage, Status, Trace
+from moe_verify.spec import (
+    LL_BLOCK_ROWS,
+    LL_STAGES,
+    Mode,
+    MoEProblem,
+    Stage,
+    StageContext,
+    Status,
+    Trace,
+)
 from moe_verify.verification import verify_invariance
 from optimized import OptimizedBackend
 from optimized.kernels import slot_counts
@@ -43,8 +52,9 @@ class CapacityDependentGemm1(OptimizedBackend):
 
     name = "capacity_dependent_gemm1"
 
-    def gemm1(self, problem, inputs, upstream, rank):  # type: ignore[no-untyped-def]
-        out = super().gemm1(problem, inputs, upstream, rank)
+    def gemm1(self, ctx: StageContext):
+        upstream = ctx.upstream
+        out = super().gemm1(ctx)
         align = upstream["align"]
         need = slot_counts.aligned_m_sum_exact(align["counts"], align["alignment"])
         if align["M_sum"] > need:
@@ -63,8 +73,9 @@ class CapacityDependentMaskedGemm1(OptimizedBackend):
 
     name = "capacity_dependent_masked_gemm1"
 
-    def gemm1(self, problem, inputs, upstream, rank):  # type: ignore[no-untyped-def]
-        out = super().gemm1(problem, inputs, upstream, rank)
+    def gemm1(self, ctx: StageContext):
+        upstream = ctx.upstream
+        out = super().gemm1(ctx)
         dispatch = upstream["dispatch"]
         if dispatch["a_batched"].shape[1] > LL_BLOCK_ROWS:
             out = _bump_first_live_mm1(out, dispatch)
@@ -208,7 +219,7 @@ def test_batched_agreement_catches_a_gemm1_difference_in_isolated_mode() -> None
         ("expected_m", "ep:2+ll", 128, "triton", "optimized", "needs --engine deepgemm"),
         ("ll_capacity", "ep:2", 128, "triton", "optimized", "has no batches"),
         ("num_sms", "tp:1", 128, "auto", "optimized", "needs --engine deepgemm"),
-        ("alignment", "tp:1", 128, "triton", "golden", "optimized backend"),
+        ("m_sum", "tp:1", 128, "triton", "golden", "a setting of optimized.OptimizedBackend's"),
     ],
     ids=lambda v: str(v),
 )

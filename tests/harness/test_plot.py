@@ -20,7 +20,15 @@ from moe_verify.error_map import ErrorMap
 from moe_verify.error_measure import MAX_COLUMNS, MAX_ROWS, error_maps
 from moe_verify.inputs import make_inputs
 from moe_verify.plot import write_plots
-from moe_verify.spec import Mode, MoEInputs, MoEProblem, Recipe, ScaleFmt, Stage, Trace
+from moe_verify.spec import (
+    Mode,
+    MoEProblem,
+    Recipe,
+    ScaleFmt,
+    Stage,
+    StageContext,
+    Trace,
+)
 from moe_verify.verification import verify_rank
 from reference import ReferenceBackend
 from reference.topology import placement
@@ -51,11 +59,12 @@ class WrongExpertSegment(ReferenceBackend):
 
     name = "wrong_expert_segment"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
         m = up["permute"]["m_indices"].clone()
         e = _first_expert(up)
         m[m == e] = (e + 1) % len(up["align"]["counts"])
-        return super().gemm1(p, x, _with(up, "permute", m_indices=m), rank)
+        return super().gemm1(ctx.replace(upstream=_with(up, "permute", m_indices=m)))
 
 
 class HalfScaleGroup(ReferenceBackend):
@@ -65,8 +74,8 @@ class HalfScaleGroup(ReferenceBackend):
     name = "half_scale_group"
     GROUP = 1
 
-    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = dict(super().quant_input(p, x, up, rank))
+    def quant_input(self, ctx: StageContext) -> Outputs:
+        out = dict(super().quant_input(ctx))
         scale = out["a1q_scale"].clone()
         if scale.dtype == torch.uint8:
             scale[:, self.GROUP] -= 1
@@ -89,11 +98,12 @@ class UnweightedGatherOnRank1(ReferenceBackend):
 
     name = "unweighted_gather_on_rank1"
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
+        up, rank = ctx.upstream, ctx.rank
         if rank != 1:
-            return super().gather(p, x, up, rank)
+            return super().gather(ctx)
         ones = torch.ones_like(up["route"]["topk_weights"])
-        return super().gather(p, x, _with(up, "route", topk_weights=ones), rank)
+        return super().gather(ctx.replace(upstream=_with(up, "route", topk_weights=ones)))
 
 
 class MSumNotAligned(ReferenceBackend):
@@ -101,8 +111,8 @@ class MSumNotAligned(ReferenceBackend):
 
     name = "m_sum_not_aligned"
 
-    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = dict(super().align(p, x, up, rank))
+    def align(self, ctx: StageContext) -> Outputs:
+        out = dict(super().align(ctx))
         out["M_sum"] += 1
         return out
 
@@ -112,7 +122,7 @@ class Gemm2Raises(ReferenceBackend):
 
     name = "gemm2_raises"
 
-    def gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm2(self, ctx: StageContext) -> Outputs:
         raise RuntimeError("planted: gemm2 raised")
 
 

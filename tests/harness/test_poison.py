@@ -26,11 +26,11 @@ from moe_verify.runner import POISONED_STAGES, run_stage_into
 from moe_verify.spec import (
     GroupedLayout,
     Mode,
-    MoEInputs,
     MoEProblem,
     Recipe,
     ScaleFmt,
     Stage,
+    StageContext,
     Status,
     Trace,
 )
@@ -81,7 +81,7 @@ def test_the_permute_stage_runs_poisoned() -> None:
         name = "allocates"
         buffer: torch.Tensor | None = None
 
-        def run_stage(self, stage, problem, inputs, upstream, rank):
+        def permute(self, ctx):
             self.buffer = torch.empty(8, dtype=torch.float32)
             return {"buffer": self.buffer}
 
@@ -108,8 +108,8 @@ class EmptyPaddingScales(OptimizedBackend):
 
     name = "empty_padding_scales"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> dict[str, object]:
+        out = super().permute(ctx)
         live = out["m_indices"] >= 0
         scales = torch.empty_like(out["a_scale_perm"])
         scales[live] = out["a_scale_perm"][live]
@@ -215,11 +215,12 @@ class BatchedPaddingBleeds(OptimizedBackend):
 
     name = "batched_padding_bleeds"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
-        out = super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext) -> dict[str, object]:
+        p, up = ctx.problem, ctx.upstream
+        out = super().gemm1(ctx)
         d = up["dispatch"]
         mm1 = out["mm1"].clone()
-        w = self.shard(p, x, rank).w13
+        w = ctx.shard.w13
         weights = dequantize_fp8_blocks(w.q, w.scale, w.block)
         for e, live in enumerate(d["masked_m"].tolist()):
             if 0 < live < mm1.shape[1]:

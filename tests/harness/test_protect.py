@@ -12,8 +12,8 @@ import torch
 from moe_verify.host_reads import HostReads
 from moe_verify.inputs import make_inputs
 from moe_verify.protect import SANITIZER_TOOL_ENV, Guarded, guarded_inputs
-from moe_verify.runner import run_chained, run_isolated
-from moe_verify.spec import MoEInputs, MoEProblem, ScaleFmt, Trace
+from moe_verify.runner import run_chained, run_isolated, run_one_stage
+from moe_verify.spec import MoEInputs, MoEProblem, ScaleFmt, StageContext, Trace
 from optimized import OptimizedBackend
 from reference import ReferenceBackend
 from tolerance.contract import contract_violations
@@ -128,7 +128,9 @@ def test_a_write_is_named_and_the_golden_is_untouched(case: str) -> None:
 def test_a_stage_that_writes_nothing() -> None:
     inputs, golden = _golden()
     guard = Guarded(golden.upto("gemm1"), inputs)
-    OptimizedBackend(engine="triton").run_stage("gemm1", PROBLEM, guard.inputs, guard.upstream, 0)
+    run_one_stage(
+        OptimizedBackend(engine="triton"), "gemm1", PROBLEM, guard.inputs, guard.upstream, 0
+    )
     assert guard.writes() == []
 
 
@@ -222,9 +224,10 @@ class WritesIntoItsUpstream(OptimizedBackend):
     """The issue's culprit: act_quant negates rows of mm1 in place (a fused kernel reusing its
     input as scratch); -0.0 counts, so every element of those rows is a write."""
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
+    def act_quant(self, ctx: StageContext) -> dict[str, object]:
+        up = ctx.upstream
         up["gemm1"]["mm1"][:8].neg_()
-        return super().act_quant(p, x, up, rank)
+        return super().act_quant(ctx)
 
 
 def test_isolated_run_blames_the_write_on_the_stage_that_made_it() -> None:
@@ -236,7 +239,7 @@ def test_isolated_run_blames_the_write_on_the_stage_that_made_it() -> None:
     blamed = {}
     for stage in PROBLEM.stages:
         guard = Guarded(golden.upto(stage), inputs)
-        outputs = backend.run_stage(stage, PROBLEM, guard.inputs, guard.upstream, 0)
+        outputs = run_one_stage(backend, stage, PROBLEM, guard.inputs, guard.upstream, 0)
         found = guard.writes() + contract_violations(stage, PROBLEM, golden.upto(stage), outputs, 0)
         if found:
             blamed[stage] = found
@@ -267,9 +270,10 @@ def test_what_is_not_a_trace_or_inputs_is_refused() -> None:
 class WritesIntoItsInputs(OptimizedBackend):
     """act_quant flips a bit of the shared w2 scales in place."""
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
+    def act_quant(self, ctx: StageContext) -> dict[str, object]:
+        x = ctx.inputs
         _flip(x.w2_q.scale)
-        return super().act_quant(p, x, up, rank)
+        return super().act_quant(ctx)
 
 
 def _act_quant_failure(trace: Trace) -> str:

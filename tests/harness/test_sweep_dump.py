@@ -12,7 +12,7 @@ import torch
 
 from moe_verify.dump import load_trace
 from moe_verify.options import RunOptions
-from moe_verify.spec import REPORT_STAGES, MoEProblem
+from moe_verify.spec import REPORT_STAGES, MoEProblem, StageContext
 from moe_verify.sweep import sweep
 from moe_verify.verification import replay, verify
 from optimized.backend import OptimizedBackend
@@ -28,7 +28,7 @@ class CrashesInGemm1(OptimizedBackend):
 
     name = "crashes-in-gemm1"
 
-    def gemm1(self, p, x, up, rank):
+    def gemm1(self, ctx: StageContext):
         os._exit(139)
 
 

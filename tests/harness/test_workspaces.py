@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import MoEProblem, Routing, ScaleFmt
+from moe_verify.runner import Side, run_chained
+from moe_verify.spec import MoEInputs, MoEProblem, Routing, ScaleFmt, StageContext, Trace
 from moe_verify.verification import verify
+from moe_verify.workspaces import GUARD_BYTES, Workspaces
 from optimized.backend import OptimizedBackend
-from optimized.workspace import GUARD_BYTES
 from tolerance.context import live_slots
 
 pytestmark = pytest.mark.cpu
@@ -31,15 +32,25 @@ CASES = [
 ]
 
 
+def _side(backend: OptimizedBackend, poison: int | None = None) -> Side:
+    """The backend with the harness's workspaces (and a poison), as `--workspace` runs it."""
+    return Side(backend, Workspaces(True, poison))
+
+
+def _run(side: Side, problem: MoEProblem, inputs: MoEInputs) -> Trace:
+    """Every stage chained on `side`, as `moe-verify run --mode chained` feeds them."""
+    return run_chained(side, problem, inputs, 0)
+
+
 @pytest.mark.parametrize("problem", CASES, ids=lambda p: p.id)
 def test_two_poisons_agree_bitwise_with_a_fresh_run(problem: MoEProblem) -> None:
     inputs = make_inputs(problem, "cpu")
     fresh = OptimizedBackend(engine="triton").run(problem, inputs)
     runs = []
     for poison in (0x00, 0xFF):
-        backend = OptimizedBackend(engine="triton", workspace=True, poison=poison)
-        backend.run(problem, inputs)  # a first call leaves its values in the workspaces
-        runs.append(backend.run(problem, inputs))
+        side = _side(OptimizedBackend(engine="triton"), poison)
+        _run(side, problem, inputs)  # a first call leaves its values in the workspaces
+        runs.append(_run(side, problem, inputs))
     for trace in runs:
         assert torch.equal(trace["gather"]["out"], fresh["gather"]["out"])
         # Rows keyed by (token, k): on a GPU ep_scatter orders a segment's rows by atomics.
@@ -53,11 +64,11 @@ def test_two_poisons_agree_bitwise_with_a_fresh_run(problem: MoEProblem) -> None
 def test_workspaces_are_reused_across_calls() -> None:
     problem = CASES[0]
     inputs = make_inputs(problem, "cpu")
-    backend = OptimizedBackend(engine="triton", workspace=True)
-    backend.run(problem, inputs)
-    buffers = {k: v.data_ptr() for k, v in backend.workspaces.buffers.items()}
-    backend.run(problem, inputs)
-    assert buffers and {k: v.data_ptr() for k, v in backend.workspaces.buffers.items()} == buffers
+    side = _side(OptimizedBackend(engine="triton"))
+    _run(side, problem, inputs)
+    buffers = {k: v.data_ptr() for k, v in side.buffers.buffers.items()}
+    _run(side, problem, inputs)
+    assert buffers and {k: v.data_ptr() for k, v in side.buffers.buffers.items()} == buffers
 
 
 def test_a_kernel_that_skips_rows_is_caught_by_the_poison() -> None:
@@ -67,16 +78,13 @@ def test_a_kernel_that_skips_rows_is_caught_by_the_poison() -> None:
     class SkipsLastToken(OptimizedBackend):
         """ep_gather that never writes the last token's row (an off-by-one grid)."""
 
-        def gather(self, p, x, up, rank):
-            out = super().gather(p, x, up, rank)["out"]
-            if self.poison is not None:
-                out[-1].view(torch.uint8).fill_(self.poison)
+        def gather(self, ctx: StageContext):
+            out = super().gather(ctx)["out"]
+            if ctx.buffers.poison is not None:
+                out[-1].view(torch.uint8).fill_(ctx.buffers.poison)
             return {"out": out}
 
-    outs = [
-        SkipsLastToken(engine="triton", workspace=True, poison=b).run(problem, inputs)
-        for b in (0x00, 0xFF)
-    ]
+    outs = [_run(_side(SkipsLastToken(engine="triton"), b), problem, inputs) for b in (0x00, 0xFF)]
     assert not torch.equal(
         outs[0]["gather"]["out"].view(torch.int16), outs[1]["gather"]["out"].view(torch.int16)
     )
@@ -89,9 +97,9 @@ class WritesPastItsOutput(OptimizedBackend):
     name = "writes-past-its-output"
     spill = 8
 
-    def gemm1(self, p, x, up, rank):
-        out = super().gemm1(p, x, up, rank)
-        ((key, buf),) = [(k, b) for k, b in self.workspaces.buffers.items() if k[0] == "mm1"]
+    def gemm1(self, ctx: StageContext):
+        out = super().gemm1(ctx)
+        ((key, buf),) = [(k, b) for k, b in ctx.buffers.buffers.items() if k[0] == "mm1"]
         flat = buf.view(-1)
         if self.spill > 0:
             torch.as_strided(flat, (self.spill,), (1,), flat.storage_offset() + flat.numel())[:] = 1
@@ -102,9 +110,9 @@ class WritesPastItsOutput(OptimizedBackend):
 
 @pytest.mark.parametrize(("spill", "where"), [(8, "after"), (-3, "before")])
 def test_a_write_outside_a_workspace_fails_its_stage_by_name(spill: int, where: str) -> None:
-    backend = WritesPastItsOutput(engine="triton", workspace=True, poison=0)
+    backend = WritesPastItsOutput(engine="triton")
     backend.spill = spill
-    report = verify(CASES[0], backend=backend, mode="isolated")
+    report = verify(CASES[0], backend=backend, mode="isolated", workspace=True, poison=[0])
     failing = {r.stage: r for r in report.isolated if r.status != "pass"}
     # an out-of-bounds write that did not fault is a failed check of gemm1, not an error
     assert list(failing) == ["gemm1"] and failing["gemm1"].status == "fail"
@@ -119,14 +127,14 @@ class OverrunsThenRaises(WritesPastItsOutput):
 
     name = "overruns-then-raises"
 
-    def gemm1(self, p, x, up, rank):
-        super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext):
+        super().gemm1(ctx)
         raise ValueError("the kernel's own failure")
 
 
 def test_a_stage_that_overruns_and_raises_reports_both_at_that_stage() -> None:
-    backend = OverrunsThenRaises(engine="triton", workspace=True)
-    report = verify(CASES[0], backend=backend, mode="isolated")
+    backend = OverrunsThenRaises(engine="triton")
+    report = verify(CASES[0], backend=backend, mode="isolated", workspace=True)
     failing = {r.stage: r for r in report.isolated if r.status != "pass"}
     assert list(failing) == ["gemm1"]
     reason = failing["gemm1"].reason
@@ -134,9 +142,9 @@ def test_a_stage_that_overruns_and_raises_reports_both_at_that_stage() -> None:
 
 
 def test_guard_bands_keep_the_workspace_aligned_and_intact() -> None:
-    backend = OptimizedBackend(engine="triton", workspace=True, poison=0xFF)
-    backend.run(CASES[0], make_inputs(CASES[0], "cpu"))
-    spaces = backend.workspaces
+    side = _side(OptimizedBackend(engine="triton"), 0xFF)
+    _run(side, CASES[0], make_inputs(CASES[0], "cpu"))
+    spaces = side.buffers
     assert spaces.buffers and spaces.buffers.keys() == spaces.guarded.keys()
     for key, buf in spaces.buffers.items():
         whole = spaces.guarded[key]
@@ -180,9 +188,9 @@ class ReversesSegmentsUnderOnePoison(OptimizedBackend):
 
     name = "reverses-segments-under-one-poison"
 
-    def permute(self, p, x, up, rank):
-        out = super().permute(p, x, up, rank)
-        if self.poison != 0xFF:
+    def permute(self, ctx: StageContext):
+        out = super().permute(ctx)
+        if getattr(ctx.buffers, "poison", None) != 0xFF:
             return out
         m = out["m_indices"]
         new = torch.arange(m.shape[0])
@@ -214,10 +222,11 @@ class LeavesTheLastTokenUnwritten(OptimizedBackend):
 
     name = "leaves-the-last-token-unwritten"
 
-    def gather(self, p, x, up, rank):
-        out = super().gather(p, x, up, rank)["out"]
-        if self.poison is not None:
-            out[-1].view(torch.uint8).fill_(self.poison)
+    def gather(self, ctx: StageContext):
+        out = super().gather(ctx)["out"]
+        poison = getattr(ctx.buffers, "poison", None)
+        if poison is not None:
+            out[-1].view(torch.uint8).fill_(poison)
         return {"out": out}
 
 
@@ -232,6 +241,13 @@ def test_a_row_left_unwritten_fails_the_two_poison_check_at_its_stage() -> None:
     assert failed[0].detail.startswith("1 of ") and failed[0].worst.token == CASES[0].tokens - 1
 
 
-def test_poisons_for_a_backend_already_built_are_refused() -> None:
-    with pytest.raises(ValueError, match="pass it by name"):
+def test_poisons_without_workspaces_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"needs workspace=True \(--workspace\)"):
         verify(CASES[0], backend=OptimizedBackend(engine="triton"), poison=TWO_POISONS)
+
+
+def test_the_harness_gives_a_backend_already_built_its_workspaces() -> None:
+    """Workspaces are the harness's, not the backend's: an instance gets them too."""
+    backend = OptimizedBackend(engine="triton")
+    report = verify(CASES[0], backend=backend, workspace=True, poison=TWO_POISONS)
+    assert report.passed and report.files["poison"] == ["0x00", "0xff"]

@@ -45,8 +45,8 @@ SCRIPT = textwrap.dedent(
 
         name = "my-kernels"
 
-        def permute(self, problem, inputs, upstream, rank):
-            return super().permute(problem, inputs, upstream, rank)
+        def permute(self, ctx):
+            return super().permute(ctx)
 
 
     class FlipsOneCode(optimized.OptimizedBackend):
@@ -54,8 +54,8 @@ SCRIPT = textwrap.dedent(
 
         name = "flips-one-code"
 
-        def quant_input(self, problem, inputs, upstream, rank):
-            out = super().quant_input(problem, inputs, upstream, rank)
+        def quant_input(self, ctx):
+            out = super().quant_input(ctx)
             a1q = out["a1q"].clone()
             a1q.view(torch.uint8)[0, 0] ^= 1
             return {**out, "a1q": a1q}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
+from moe_verify.runner import Side, run_chained
 from moe_verify.spec import (
     Activation,
     GroupedLayout,
@@ -21,10 +22,12 @@ from moe_verify.spec import (
     Recipe,
     Routing,
     ScaleFmt,
+    StageContext,
     Topology,
     Trace,
 )
 from moe_verify.verification import verify
+from moe_verify.workspaces import Workspaces
 from optimized import deepgemm
 from optimized.backend import OptimizedBackend
 from optimized.kernels import slot_counts
@@ -97,9 +100,12 @@ def test_psum_leaves_gap_rows_unwritten_and_the_comparison_does_not_read_them() 
     still pass verification: what the layout leaves unspecified is never compared."""
     problem = BASE.replace(grouped_layout=PSUM)
     inputs = make_inputs(problem, "cpu")
-    backends = [OptimizedBackend(engine="triton", workspace=True, poison=b) for b in (0x00, 0xFF)]
-    traces = [backend.run(problem, inputs) for backend in backends]
-    assert verify(problem, backend=backends[1], mode="both", inputs=inputs).passed
+    sides = [Side(OptimizedBackend(engine="triton"), Workspaces(True, b)) for b in (0x00, 0xFF)]
+    traces = [run_chained(side, problem, inputs, 0) for side in sides]
+    report = verify(
+        problem, backend=sides[1].backend, mode="both", inputs=inputs, workspace=True, poison=[0xFF]
+    )
+    assert report.passed
     gap = traces[0]["permute"]["m_indices"] == -1
     for stage, name in (("gemm1", "mm1"), ("act_quant", "a2q"), ("gemm2", "mm2")):
         a, b = (t[stage][name][gap].view(torch.uint8) for t in traces)
@@ -115,8 +121,9 @@ class AllExpertsBoundAlign(OptimizedBackend):
         super().__init__(engine="triton")
         self.declare = declare
 
-    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> dict[str, object]:
-        out = super().align(p, x, up, rank)
+    def align(self, ctx: StageContext) -> dict[str, object]:
+        p, up = ctx.problem, ctx.upstream
+        out = super().align(ctx)
         ids = up["route"]["topk_ids"]
         e_l = out["counts"].numel()
         slots = ids.shape[0] * ids.shape[1]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import Engine, MoEInputs, MoEProblem, Stage, Trace
+from moe_verify.runner import run_one_stage
+from moe_verify.spec import Engine, MoEProblem, Stage, StageContext, Trace, stage_method
 from optimized.backend import OptimizedBackend
 
 pytestmark = pytest.mark.cpu
@@ -18,26 +19,24 @@ SMALL = MoEProblem(tokens=4, hidden=128, intermediate=128, num_experts=4, topk=2
 @pytest.mark.parametrize("stage", RANK_STAGES, ids=str)
 def test_every_stage_has_a_public_hook(stage: Stage) -> None:
     backend = OptimizedBackend()
-    assert backend.stage_hook(stage) == getattr(backend, stage.value)
-    assert backend.stage_hook(stage.value) == getattr(backend, stage.value)
+    assert stage_method(backend, stage) == getattr(backend, stage.value)
+    assert stage_method(backend, stage.value) == getattr(backend, stage.value)
 
 
 @pytest.mark.parametrize("stage", ["reduce", "_permute", "run"])
 def test_a_name_that_is_no_stage_is_refused(stage: str) -> None:
     inputs = make_inputs(SMALL, "cpu")
-    with pytest.raises(ValueError, match="is not a stage of the optimized MoE"):
-        OptimizedBackend().run_stage(stage, SMALL, inputs, Trace("optimized"), 0)
+    with pytest.raises(ValueError, match="is not a stage a backend runs"):
+        run_one_stage(OptimizedBackend(), stage, SMALL, inputs, Trace("optimized"), 0)
 
 
 class MarksRoute(OptimizedBackend):
-    def route(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> dict[str, object]:
-        return {**super().route(problem, inputs, upstream, rank), "marked": True}
+    def route(self, ctx: StageContext) -> dict[str, object]:
+        return {**super().route(ctx), "marked": True}
 
 
 def test_run_stage_calls_the_overridden_hook() -> None:
-    out = MarksRoute().run_stage("route", SMALL, make_inputs(SMALL, "cpu"), Trace("x"), 0)
+    out = run_one_stage(MarksRoute(), "route", SMALL, make_inputs(SMALL, "cpu"), Trace("x"), 0)
     assert out["marked"] is True
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import MoEProblem, MSumRecipe, Routing, Trace
+from moe_verify.spec import MoEProblem, MSumRecipe, Routing, StageContext, Trace
 from reference.layout import (
     aligned_m_sum_all_experts_bound,
     aligned_m_sum_exact,
@@ -43,7 +43,9 @@ def _ids(case: Case) -> torch.Tensor:
     p = MoEProblem(
         tokens=t, num_experts=e, topk=k, routing=routing, alignment=a, hidden=128, intermediate=128
     )
-    return ReferenceBackend().route(p, make_inputs(p, "cpu"), Trace("golden"), 0)["topk_ids"]
+    return ReferenceBackend().route(StageContext(p, make_inputs(p, "cpu"), Trace("golden"), 0))[
+        "topk_ids"
+    ]
 
 
 def _case_id(case: Case) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Routing, Trace
+from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Routing, StageContext, Trace
 from reference.master import master_moe
 from reference.moe import ReferenceBackend
 
@@ -69,7 +69,7 @@ Case = tuple[MoEProblem, MoEInputs, torch.Tensor, torch.Tensor]
 def case(request: pytest.FixtureRequest) -> Case:
     problem: MoEProblem = request.param
     inputs = make_inputs(problem, "cpu")
-    route = ReferenceBackend().route(problem, inputs, Trace("golden"), 0)
+    route = ReferenceBackend().route(StageContext(problem, inputs, Trace("golden"), 0))
     return problem, inputs, route["topk_ids"], route["topk_weights"]
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
+from moe_verify.runner import run_one_stage
 from moe_verify.spec import (
     Activation,
     ActQuantRecipe,
@@ -150,9 +151,9 @@ def test_the_golden_offers_table_recipes_for_bf16_input_only() -> None:
     instead of refusing the problem."""
     p = MoEProblem(tokens=4, hidden=256, intermediate=256, num_experts=4, topk=2, alignment=32)
     inputs = make_inputs(p, "cpu")
-    bf16 = ReferenceBackend().run_stage(Stage.QUANT_INPUT, p, inputs, Trace("golden"), 0)
+    bf16 = run_one_stage(ReferenceBackend(), Stage.QUANT_INPUT, p, inputs, Trace("golden"), 0)
     fp16 = dataclasses.replace(inputs, hidden_states=inputs.hidden_states.half())
-    half = ReferenceBackend().run_stage(Stage.QUANT_INPUT, p, fp16, Trace("golden"), 0)
+    half = run_one_stage(ReferenceBackend(), Stage.QUANT_INPUT, p, fp16, Trace("golden"), 0)
     tabled = {r.value for r in TABLE_QUOTIENT_RECIPES}
     assert tabled <= set(bf16["recipe_outputs"])
     assert not tabled & set(half["recipe_outputs"]) and "amax_reciprocal" in half["recipe_outputs"]

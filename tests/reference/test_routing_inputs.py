@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import Activation, MoEProblem, Recipe, Routing, ScaleFmt, Topology, Trace
+from moe_verify.spec import (
+    Activation,
+    MoEProblem,
+    Recipe,
+    Routing,
+    ScaleFmt,
+    StageContext,
+    Topology,
+    Trace,
+)
 from reference.moe import ReferenceBackend
 from reference.routing import grouped_topk, softmax_topk
 
@@ -62,7 +71,9 @@ def test_make_inputs_is_deterministic_per_seed(routing: Routing) -> None:
 
 
 def _route(p: MoEProblem) -> torch.Tensor:
-    return ReferenceBackend().route(p, make_inputs(p, "cpu"), Trace("golden"), 0)["topk_ids"]
+    return ReferenceBackend().route(StageContext(p, make_inputs(p, "cpu"), Trace("golden"), 0))[
+        "topk_ids"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -98,7 +109,7 @@ def test_grouped_routing_weights_carry_the_scaling_factor() -> None:
         topk_group=2,
         routed_scaling_factor=2.5,
     )
-    route = ReferenceBackend().route(p, make_inputs(p, "cpu"), Trace("golden"), 0)
+    route = ReferenceBackend().route(StageContext(p, make_inputs(p, "cpu"), Trace("golden"), 0))
     sums = route["topk_weights"].sum(-1)
     assert torch.allclose(sums, torch.full_like(sums, 2.5))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moe_verify.spec import Engine, MoEInputs, MoEProblem, Stage, Status, Trace
+from moe_verify.spec import MoEProblem, Stage, StageContext, Status
 from optimized.backend import OptimizedBackend
 
 FAULT_SEED = 1
@@ -37,10 +37,11 @@ class RaisesInGemm1(OptimizedBackend):
 
     name = "raises-in-gemm1"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
         if _faults(p):
             raise RuntimeError("deliberate fault in gemm1")
-        return super().gemm1(p, x, up, rank)
+        return super().gemm1(ctx)
 
 
 class WrongShapeMm1(OptimizedBackend):
@@ -48,8 +49,9 @@ class WrongShapeMm1(OptimizedBackend):
 
     name = "wrong-shape-mm1"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
+        out = super().gemm1(ctx)
         if _faults(p):
             out["mm1"] = out["mm1"][:-1]
         return out
@@ -60,8 +62,9 @@ class WrongDtypeMm1(OptimizedBackend):
 
     name = "wrong-dtype-mm1"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
+        out = super().gemm1(ctx)
         if _faults(p):
             out["mm1"] = out["mm1"].float()
         return out
@@ -72,8 +75,9 @@ class NanInLiveRow(OptimizedBackend):
 
     name = "nan-in-live-row"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p, up = ctx.problem, ctx.upstream
+        out = super().gemm1(ctx)
         if _faults(p):
             live = (up["permute"]["m_indices"] >= 0).nonzero()[0, 0]
             mm1 = out["mm1"].clone()
@@ -87,10 +91,11 @@ class SegfaultsInGemm1(OptimizedBackend):
 
     name = "segfaults-in-gemm1"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
         if _faults(p):
             os.kill(os.getpid(), signal.SIGSEGV)
-        return super().gemm1(p, x, up, rank)
+        return super().gemm1(ctx)
 
 
 class AbortsInGemm1(OptimizedBackend):
@@ -98,10 +103,11 @@ class AbortsInGemm1(OptimizedBackend):
 
     name = "aborts-in-gemm1"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
         if _faults(p):
             os.abort()
-        return super().gemm1(p, x, up, rank)
+        return super().gemm1(ctx)
 
 
 class HangsInGemm1(OptimizedBackend):
@@ -109,10 +115,11 @@ class HangsInGemm1(OptimizedBackend):
 
     name = "hangs-in-gemm1"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
         while _faults(p):
             time.sleep(3600)
-        return super().gemm1(p, x, up, rank)
+        return super().gemm1(ctx)
 
 
 class ExitsZeroInGemm1(OptimizedBackend):
@@ -120,10 +127,11 @@ class ExitsZeroInGemm1(OptimizedBackend):
 
     name = "exits-zero-in-gemm1"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
         if _faults(p):
             raise SystemExit(0)
-        return super().gemm1(p, x, up, rank)
+        return super().gemm1(ctx)
 
 
 class RaisesKeyboardInterruptInGemm1(OptimizedBackend):
@@ -131,10 +139,11 @@ class RaisesKeyboardInterruptInGemm1(OptimizedBackend):
 
     name = "raises-keyboard-interrupt-in-gemm1"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
         if _faults(p):
             raise KeyboardInterrupt
-        return super().gemm1(p, x, up, rank)
+        return super().gemm1(ctx)
 
 
 class ScalesUpstreamInPlace(OptimizedBackend):
@@ -143,8 +152,9 @@ class ScalesUpstreamInPlace(OptimizedBackend):
 
     name = "scales-upstream-in-place"
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().act_quant(p, x, up, rank)
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        p, up = ctx.problem, ctx.upstream
+        out = super().act_quant(ctx)
         if _faults(p):
             up["gemm1"]["mm1"].mul_(2)
         return out
@@ -156,15 +166,11 @@ class OverrunsWorkspace(OptimizedBackend):
 
     name = "overruns-workspace"
 
-    def __init__(
-        self, engine: Engine | str = Engine.AUTO, workspace: bool = True, poison: int | None = None
-    ) -> None:
-        super().__init__(engine=engine, workspace=workspace, poison=poison)
-
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
+        out = super().gemm1(ctx)
         if _faults(p):
-            (buf,) = [b for k, b in self.workspaces.buffers.items() if k[0] == "mm1"]
+            (buf,) = [b for k, b in ctx.buffers.buffers.items() if k[0] == "mm1"]
             flat = buf.view(-1)
             torch.as_strided(flat, (8,), (1,), flat.storage_offset() + flat.numel())[:] = 1
         return out
@@ -176,18 +182,12 @@ class LeavesRowUnwritten(OptimizedBackend):
 
     name = "leaves-row-unwritten"
 
-    def __init__(
-        self,
-        engine: Engine | str = Engine.AUTO,
-        workspace: bool = True,
-        poison: int | None = POISON,
-    ) -> None:
-        super().__init__(engine=engine, workspace=workspace, poison=poison)
-
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().gather(p, x, up, rank)
-        if _faults(p) and self.poison is not None:
-            out["out"][0].view(torch.uint8).fill_(self.poison)
+    def gather(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
+        out = super().gather(ctx)
+        poison = getattr(ctx.buffers, "poison", None)  # the harness's workspaces (--poison)
+        if _faults(p) and poison is not None:
+            out["out"][0].view(torch.uint8).fill_(poison)
         return out
 
 
@@ -200,7 +200,8 @@ class FaultsBySeed(OptimizedBackend):
 
     name = "faults-by-seed"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
         if p.seed in (OOM_ONCE_SEED, OOM_ALWAYS_SEED):
             runs = Path(os.environ[ATTEMPTS_DIR_VAR])
             runs.mkdir(parents=True, exist_ok=True)
@@ -218,7 +219,7 @@ class FaultsBySeed(OptimizedBackend):
             raise SystemExit(0)
         if p.seed == HARD_EXIT_SEED:
             os._exit(0)
-        return super().gemm1(p, x, up, rank)
+        return super().gemm1(ctx)
 
 
 SEGFAULT_SEED, HANG_SEED, EXIT_SEED, HARD_EXIT_SEED = 11, 12, 13, 14

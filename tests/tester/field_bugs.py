@@ -32,13 +32,12 @@ from moe_verify.examples import PaddingInfBleedsIntoTile
 from moe_verify.spec import (
     ActQuantRecipe,
     GroupedLayout,
-    MoEInputs,
     MoEProblem,
     QuantizedWeight,
     Recipe,
     ScaleFmt,
+    StageContext,
     Topology,
-    Trace,
 )
 from optimized.backend import OptimizedBackend, Outputs
 from optimized.kernels import slot_counts
@@ -77,8 +76,9 @@ class CeilScaleAfterQuant(OptimizedBackend):
 
     name = "ceil_scale_after_quant"
 
-    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().quant_input(p.replace(scale_fmt=ScaleFmt.FLOAT32), x, up, rank)
+    def quant_input(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
+        out = super().quant_input(ctx.replace(problem=p.replace(scale_fmt=ScaleFmt.FLOAT32)))
         bits = _fp32_bits(out["a1q_scale"])
         exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
         out["a1q_scale"] = _from_bits((exponent + (mantissa != 0).to(torch.int32)) << 23)
@@ -98,8 +98,9 @@ class NonPow2ScalesIntoUe8m0(OptimizedBackend):
 
     name = "non_pow2_scales_into_ue8m0"
 
-    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        return super().quant_input(p.replace(scale_fmt=ScaleFmt.FLOAT32), x, up, rank)
+    def quant_input(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
+        return super().quant_input(ctx.replace(problem=p.replace(scale_fmt=ScaleFmt.FLOAT32)))
 
 
 # -- gemm1 ---------------------------------------------------------------------------------------
@@ -126,11 +127,12 @@ class E8m0ZeroByteAsZero(OptimizedBackend):
 
     name = "e8m0_zero_byte_as_zero"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p, up = ctx.problem, ctx.upstream
         packed = up["permute"]["a_scale_perm"]
         byte = _packed_bytes(packed, p.hidden // p.recipe.act_group)
         decoded = decode_e8m0_zero_as_zero(byte)
-        return super().gemm1(p, x, _with(up, "permute", a_scale_perm=decoded), rank)
+        return super().gemm1(ctx.replace(upstream=_with(up, "permute", a_scale_perm=decoded)))
 
 
 def scale_bytes_as_numbers(scale: torch.Tensor) -> torch.Tensor:
@@ -153,10 +155,11 @@ class E8m0BytesCopiedAsNumbers(OptimizedBackend):
 
     name = "e8m0_bytes_copied_as_numbers"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        x = ctx.inputs
         w = x.w13_q
         loaded = QuantizedWeight(w.q, scale_bytes_as_numbers(w.scale), w.block)
-        return super().gemm1(p, dataclasses.replace(x, w13_q=loaded), up, rank)
+        return super().gemm1(ctx.replace(inputs=dataclasses.replace(x, w13_q=loaded)))
 
 
 # -- act_quant -----------------------------------------------------------------------------------
@@ -175,9 +178,10 @@ class ScaleFmtFromArch(OptimizedBackend):
     name = "scale_fmt_from_arch"
     arch = (10, 0)
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
         fmt = ScaleFmt.UE8M0_PACKED if self.arch[0] >= 10 else ScaleFmt.FLOAT32_CEIL_UE8M0
-        return super().act_quant(p.replace(scale_fmt=fmt), x, up, rank)
+        return super().act_quant(ctx.replace(problem=p.replace(scale_fmt=fmt)))
 
 
 WARPS = 8  # the LL kernel's warps for H >= 4096 (vLLM PR #28366)
@@ -197,7 +201,8 @@ class LlActQuantWarpRemainder(OptimizedBackend):
 
     name = "ll_act_quant_warp_remainder"
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        p, up = ctx.problem, ctx.upstream
         q, s = bf16_steps(up["gemm1"]["mm1"], p.scale_fmt)
         groups = s.shape[-1]
         if groups >= MANY_WARPS_FROM:
@@ -224,13 +229,14 @@ class LocalCountBoundsIds(OptimizedBackend):
 
     name = "local_count_bounds_ids"
 
-    def align(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        out = super().align(problem, inputs, upstream, rank)
-        sh = self.shard(problem, inputs, rank)
+    def align(self, ctx: StageContext) -> Outputs:
+        upstream = ctx.upstream
+        out = super().align(ctx)
+        sh = ctx.shard
         ids = upstream["route"]["topk_ids"]
         bounded = torch.where((ids >= 0) & (ids < sh.num_local_experts), ids, -1)
         out["counts"] = slot_counts.count_expert_tokens(
-            bounded, sh.num_local_experts, sh.expert_map, validate=self.validate
+            bounded, sh.num_local_experts, sh.expert_map, validate=ctx.validate
         )
         return out
 

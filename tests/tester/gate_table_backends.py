@@ -7,7 +7,7 @@ suite on a CPU: the optimized path with act_quant replaced, declaring the hardwa
 
 from __future__ import annotations
 
-from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from moe_verify.spec import StageContext
 from optimized.backend import OptimizedBackend
 from reference.activation import act_quant, fused_act_quant_recipe, sm90_triton_recipe
 
@@ -21,7 +21,8 @@ class TableGateActQuant(OptimizedBackend):
     name = "table_gate_act_quant"
     declares = True
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        p, up = ctx.problem, ctx.upstream
         recipe = sm90_triton_recipe(fused_act_quant_recipe(p.scale_fmt), p.activation)
         if recipe is None:
             raise ValueError(f"no H200 gate table applies to activation {p.activation.tag}")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_verify.examples.tensor_core import GEMM_OUTPUTS, TensorCoreGemm
-from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from moe_verify.examples.tensor_core import TensorCoreGemm
+from moe_verify.spec import GEMM_OUTPUT, Stage, StageContext
 
 Outputs = dict[str, object]
 
@@ -34,10 +34,10 @@ class OneUlpGemm(TensorCoreGemm):
     name = "one_ulp_gemm"
     ROW, COLUMN = 0, 5
 
-    def _gemm(self, stage: str, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        outs = super()._gemm(stage, p, x, up, rank)
-        mm = outs[GEMM_OUTPUTS[stage]].clone()
+    def _gemm(self, ctx: StageContext, stage: Stage) -> Outputs:
+        outs = super()._gemm(ctx, stage)
+        mm = outs[GEMM_OUTPUT[stage]].clone()
         flat = mm.view(-1, mm.shape[-1])
         bits = flat.view(torch.int16)
         bits[self.ROW, self.COLUMN] += 1
-        return {**outs, GEMM_OUTPUTS[stage]: mm}
+        return {**outs, GEMM_OUTPUT[stage]: mm}

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_verify.spec import MoEProblem
+from moe_verify.spec import MoEProblem, StageContext
 from optimized.backend import OptimizedBackend
 
 FAULT_SEED = 1
@@ -41,8 +41,9 @@ class IllegalAddressInGemm1(OptimizedBackend):
 
     name = "illegal-address-in-gemm1"
 
-    def gemm1(self, p, x, up, rank):
-        out = super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext):
+        p = ctx.problem
+        out = super().gemm1(ctx)
         if _faults(p):
             buf = torch.zeros(16, device="cuda")
             _store_far[(1,)](buf, 2**40)
@@ -54,8 +55,9 @@ class KernelHangsInGemm1(OptimizedBackend):
 
     name = "kernel-hangs-in-gemm1"
 
-    def gemm1(self, p, x, up, rank):
-        out = super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext):
+        p = ctx.problem
+        out = super().gemm1(ctx)
         if _faults(p):
             flag = torch.zeros(1, dtype=torch.int32, device="cuda")
             _spin_until_set[(1,)](flag)

@@ -15,13 +15,14 @@ reuse an address.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from moe_verify.examples import StaleCounts, scatter_with
-from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from moe_verify.examples import StaleCounts
+from moe_verify.spec import StageContext
 from optimized import OptimizedBackend
 from optimized.backend import Outputs
 from optimized.kernels import slot_counts
@@ -41,18 +42,19 @@ class ClampedStaleIds(OptimizedBackend):
 
     name = "clamped_stale_ids"
 
-    def permute(
-        self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int
-    ) -> Outputs:
-        sh = self.shard(problem, inputs, rank)
-        ids = upstream["route"]["topk_ids"].long()
+    def permute(self, ctx: StageContext) -> Outputs:
+        sh = ctx.shard
+        ids = ctx.upstream["route"]["topk_ids"].long()
         table = sh.expert_map
         if table is None:
             table = torch.arange(sh.num_local_experts, dtype=torch.int32, device=ids.device)
         mapped = table.long()[ids.clamp(0, table.numel() - 1)]  # the bug: clamp, not skip
         local = torch.where(ids >= 0, mapped, -1).to(torch.int32)
         counts = slot_counts.count_expert_tokens(local, sh.num_local_experts, validate=False)
-        return scatter_with(self, problem, upstream, sh, local, counts, None)
+        # the optimized scatter on the local ids, with no map (the table is already applied)
+        up = ctx.upstream.replaced("route", topk_ids=local).replaced("align", counts=counts)
+        no_map = dataclasses.replace(sh, expert_map=None)
+        return super().permute(ctx.replace(upstream=up, shard_of=lambda *_: no_map))
 
 
 class CachedOutput(OptimizedBackend):
@@ -71,9 +73,9 @@ class CachedOutput(OptimizedBackend):
         super().__init__(**options)  # type: ignore[arg-type]
         self._out: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def gather(self, problem: MoEProblem, inputs: MoEInputs, upstream: Trace, rank: int) -> Outputs:
-        out = super().gather(problem, inputs, upstream, rank)["out"]
-        key = self.shard(problem, inputs, rank).w13.q
+    def gather(self, ctx: StageContext) -> Outputs:
+        out = super().gather(ctx)["out"]
+        key = ctx.shard.w13.q
         if key not in self._out:
             self._out[key] = out
             return {"out": out}

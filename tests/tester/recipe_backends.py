@@ -15,11 +15,9 @@ import torch
 from moe_verify.spec import (
     ActQuantRecipe,
     InputQuantRecipe,
-    MoEInputs,
-    MoEProblem,
     ScaleFmt,
+    StageContext,
     TopologyKind,
-    Trace,
 )
 from optimized.backend import OptimizedBackend
 
@@ -48,7 +46,8 @@ class TritonReciprocalQuant(OptimizedBackend):
     declares: str | None = None
     inverse = torch.tensor(1.0 / 448.0, dtype=torch.float32)
 
-    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def quant_input(self, ctx: StageContext) -> Outputs:
+        p, x, up = ctx.problem, ctx.inputs, ctx.upstream
         hidden = x.hidden_states
         if p.topology.kind is TopologyKind.EP_HT:
             hidden = hidden[up["route"]["token_index"]]
@@ -101,7 +100,8 @@ class Bf16StepsActQuant(OptimizedBackend):
     declares: str | None = None
     scale_in_bf16 = True
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        p, up = ctx.problem, ctx.upstream
         if p.scale_fmt is ScaleFmt.UE8M0_PACKED:
             raise ValueError("this test backend writes fp32 scales only")
         q, s = bf16_steps(up["gemm1"]["mm1"], p.scale_fmt, self.scale_in_bf16)

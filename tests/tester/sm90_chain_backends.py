@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from moe_verify.examples import Sm90Chain
-from moe_verify.spec import MoEInputs, MoEProblem, Trace
+from moe_verify.spec import StageContext
 from tests.tester.gemm_recipe_backends import OneUlpGemm
 
 Outputs = dict[str, object]
@@ -47,8 +47,8 @@ class OtherSumOrder(Sm90Chain):
     name = "other_sum_order"
     ULPS = 5  # 2k + 1 at k = 2
 
-    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        outs = super().route(p, x, up, rank)
+    def route(self, ctx: StageContext) -> Outputs:
+        outs = super().route(ctx)
         weights = outs["topk_weights"].clone()
         weights.view(torch.int32).add_(self.ULPS)
         return {**outs, "topk_weights": weights}
@@ -60,7 +60,8 @@ class ReciprocalQuant(Sm90Chain):
 
     name = "reciprocal_quant"
 
-    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def quant_input(self, ctx: StageContext) -> Outputs:
+        p, x = ctx.problem, ctx.inputs
         from reference.formats import quantize_fp8_groups
 
         q, s = quantize_fp8_groups(x.hidden_states, 128, p.scale_fmt, recipe="triton_reciprocal")
@@ -74,8 +75,8 @@ class RotatedSlots(Sm90Chain):
 
     name = "rotated_slots"
 
-    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        outs = super().route(p, x, up, rank)
+    def route(self, ctx: StageContext) -> Outputs:
+        outs = super().route(ctx)
         return {
             **outs,
             "topk_ids": outs["topk_ids"].roll(1, dims=1),

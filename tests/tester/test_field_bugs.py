@@ -15,6 +15,7 @@ from moe_verify.examples import accumulators
 from moe_verify.graph import default_replays, verify_graph
 from moe_verify.inputs import TINY_AMAX, make_inputs
 from moe_verify.poison import FP8_MAX_CODE, FP32_MAX, poison_padding
+from moe_verify.runner import run_one_stage
 from moe_verify.spec import STAGES, Engine, MoEProblem, Stage, Trace
 from moe_verify.verification import verify
 from optimized import op
@@ -74,7 +75,7 @@ def test_correct_backend_passes_the_same_inputs(catch: fb.Catch, record_report) 
 def test_tiny_token_has_e8m0_byte_zero_and_live_codes() -> None:
     problem = fb.TINY
     x = make_inputs(problem, "cpu")
-    out = ReferenceBackend().run_stage("quant_input", problem, x, Trace("golden"), 0)
+    out = run_one_stage(ReferenceBackend(), "quant_input", problem, x, Trace("golden"), 0)
     scale, codes = out["a1q_scale"], out["a1q"].float()
     assert scale.dtype == torch.uint8 and bool((scale[0] == 0).all()), scale[0]
     assert bool((scale[1:] > 0).all())  # no other token is that small

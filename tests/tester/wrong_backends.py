@@ -25,7 +25,8 @@ import torch
 
 from moe_verify.examples import SwappedExpertRows, row_view
 from moe_verify.inputs import make_inputs
-from moe_verify.spec import FP8_MAX, STAGES, MoEInputs, MoEProblem, Trace
+from moe_verify.runner import run_one_stage
+from moe_verify.spec import FP8_MAX, STAGES, MoEInputs, MoEProblem, StageContext, Trace
 from optimized.backend import OptimizedBackend
 from optimized.kernels import slot_counts
 from reference.topology import placement
@@ -68,8 +69,9 @@ class MisroutedToken(OptimizedBackend):
 
     name = "misrouted_token"
 
-    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().route(p, x, up, rank)
+    def route(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
+        out = super().route(ctx)
         ids = out["topk_ids"].clone()
         used = set(ids[0].tolist())
         ids[0, 0] = min(e for e in range(p.num_experts) if e not in used)
@@ -87,8 +89,9 @@ class RoutedScalingTwice(OptimizedBackend):
 
     name = "routed_scaling_twice"
 
-    def route(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().route(p, x, up, rank)
+    def route(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
+        out = super().route(ctx)
         out["topk_weights"] = out["topk_weights"] * p.routed_scaling_factor
         return out
 
@@ -108,8 +111,8 @@ class FloorInputScales(OptimizedBackend):
 
     name = "floor_input_scales"
 
-    def quant_input(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().quant_input(p, x, up, rank)
+    def quant_input(self, ctx: StageContext) -> Outputs:
+        out = super().quant_input(ctx)
         out["a1q_scale"] = out["a1q_scale"] / 2
         out["a1q"] = _double_codes(out["a1q"])
         return out
@@ -130,8 +133,8 @@ class MSumOneBlockShort(OptimizedBackend):
 
     name = "m_sum_one_block_short"
 
-    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().align(p, x, up, rank)
+    def align(self, ctx: StageContext) -> Outputs:
+        out = super().align(ctx)
         out["M_sum"] = slot_counts.aligned_m_sum_exact(out["counts"], out["alignment"])
         out["M_sum"] -= out["alignment"]
         return out
@@ -147,8 +150,8 @@ class MSumNotAligned(OptimizedBackend):
 
     name = "m_sum_not_aligned"
 
-    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().align(p, x, up, rank)
+    def align(self, ctx: StageContext) -> Outputs:
+        out = super().align(ctx)
         out["M_sum"] += 1
         return out
 
@@ -163,8 +166,9 @@ class HalfAlignment(OptimizedBackend):
 
     name = "half_alignment"
 
-    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        return super().align(p.replace(alignment=p.alignment // 2), x, up, rank)
+    def align(self, ctx: StageContext) -> Outputs:
+        p = ctx.problem
+        return super().align(ctx.replace(problem=p.replace(alignment=p.alignment // 2)))
 
 
 class ExpertMapIgnoredOnRank1(OptimizedBackend):
@@ -178,8 +182,9 @@ class ExpertMapIgnoredOnRank1(OptimizedBackend):
 
     name = "expert_map_ignored_on_rank1"
 
-    def align(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().align(p, x, up, rank)
+    def align(self, ctx: StageContext) -> Outputs:
+        up, rank = ctx.upstream, ctx.rank
+        out = super().align(ctx)
         if rank == 1:
             ids = up["route"]["topk_ids"]
             local = len(out["counts"])
@@ -205,8 +210,9 @@ class SlotInWrongSegment(OptimizedBackend):
 
     name = "slot_in_wrong_segment"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
+        out = super().permute(ctx)
         inv, m, start = out["inv_perm"], out["m_indices"], out["expert_start"]
         counts, align = up["align"]["counts"].tolist(), up["align"]["alignment"]
         t, k = (int(i) for i in (inv >= 0).nonzero()[0])
@@ -231,8 +237,8 @@ class PaddingMIndicesZero(OptimizedBackend):
 
     name = "padding_m_indices_zero"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        out = super().permute(ctx)
         out["m_indices"][out["m_indices"] == -1] = 0
         return out
 
@@ -246,8 +252,9 @@ class UnalignedSegments(OptimizedBackend):
 
     name = "unaligned_segments"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        return super().permute(p, x, _with(up, "align", alignment=1), rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
+        return super().permute(ctx.replace(upstream=_with(up, "align", alignment=1)))
 
 
 class SegmentMIndicesWrong(OptimizedBackend):
@@ -261,8 +268,9 @@ class SegmentMIndicesWrong(OptimizedBackend):
 
     name = "segment_m_indices_wrong"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
+        out = super().permute(ctx)
         counts = up["align"]["counts"].tolist()
         e = next(i for i, c in enumerate(counts) if c)
         start = int(out["expert_start"][e])
@@ -281,8 +289,9 @@ class ExpertEndsOffByOne(OptimizedBackend):
 
     name = "expert_ends_off_by_one"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
+        out = super().permute(ctx)
         align = up["align"]["alignment"]
         e = next(i for i, c in enumerate(up["align"]["counts"].tolist()) if c % align)
         out["expert_ends"][e] += 1
@@ -299,8 +308,8 @@ class InvPermOffByOne(OptimizedBackend):
 
     name = "inv_perm_off_by_one"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        out = super().permute(ctx)
         inv = out["inv_perm"]
         inv[inv >= 0] += 1
         return out
@@ -317,8 +326,8 @@ class GarbagePaddingScales(OptimizedBackend):
 
     name = "garbage_padding_scales"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        out = super().permute(ctx)
         out["a_scale_perm"][out["m_indices"] == -1] = 0.3
         return out
 
@@ -333,8 +342,8 @@ class NanPaddingPackedScales(OptimizedBackend):
 
     name = "nan_padding_packed_scales"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        out = super().permute(ctx)
         out["a_scale_perm"][out["m_indices"] == -1] = -1
         return out
 
@@ -349,8 +358,8 @@ class PermutedScaleBytesReversed(OptimizedBackend):
 
     name = "permuted_scale_bytes_reversed"
 
-    def permute(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().permute(p, x, up, rank)
+    def permute(self, ctx: StageContext) -> Outputs:
+        out = super().permute(ctx)
         _reverse_bytes_(out["a_scale_perm"])
         return out
 
@@ -369,8 +378,9 @@ class StaleGemm1Row(OptimizedBackend):
 
     name = "stale_gemm1_row"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
+        out = super().gemm1(ctx)
         row = int(up["permute"]["inv_perm"].max())  # the last live row
         out["mm1"][row] = self._previous_mm1(p, x, rank)[row]
         return out
@@ -382,7 +392,7 @@ class StaleGemm1Row(OptimizedBackend):
         backend = OptimizedBackend(self.engine)
         trace = Trace(backend.name, rank)
         for stage in STAGES[: STAGES.index("gemm1") + 1]:
-            trace.add(stage, backend.run_stage(stage, previous, inputs, trace, rank))
+            trace.add(stage, run_one_stage(backend, stage, previous, inputs, trace, rank))
         return trace["gemm1"]["mm1"]
 
 
@@ -395,8 +405,9 @@ class HalfGridGemm1(OptimizedBackend):
 
     name = "half_grid_gemm1"
 
-    def gemm1(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().gemm1(p, x, up, rank)
+    def gemm1(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
+        out = super().gemm1(ctx)
         align = up["align"]["alignment"]
         rows = torch.arange(out["mm1"].shape[0], device=out["mm1"].device)
         out["mm1"][rows % align >= align // 2] = 0
@@ -415,11 +426,12 @@ class GateUpSwapped(OptimizedBackend):
 
     name = "gate_up_swapped"
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
         mm1 = up["gemm1"]["mm1"]
         half = mm1.shape[1] // 2
         swapped = torch.cat([mm1[:, half:], mm1[:, :half]], dim=1)
-        return super().act_quant(p, x, _with(up, "gemm1", mm1=swapped), rank)
+        return super().act_quant(ctx.replace(upstream=_with(up, "gemm1", mm1=swapped)))
 
 
 class FloorActScales(OptimizedBackend):
@@ -431,8 +443,8 @@ class FloorActScales(OptimizedBackend):
 
     name = "floor_act_scales"
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().act_quant(p, x, up, rank)
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        out = super().act_quant(ctx)
         out["a2q_scale"].mul_(0.5)  # in place: the column-major strides stay
         out["a2q"] = _double_codes(out["a2q"])
         return out
@@ -447,8 +459,8 @@ class ActScaleBytesReversed(OptimizedBackend):
 
     name = "act_scale_bytes_reversed"
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().act_quant(p, x, up, rank)
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        out = super().act_quant(ctx)
         _reverse_bytes_(out["a2q_scale"])
         return out
 
@@ -463,8 +475,8 @@ class ActScaleWrittenRowMajor(OptimizedBackend):
 
     name = "act_scale_written_row_major"
 
-    def act_quant(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().act_quant(p, x, up, rank)
+    def act_quant(self, ctx: StageContext) -> Outputs:
+        out = super().act_quant(ctx)
         s = out["a2q_scale"]
         wrong = torch.empty_strided(s.shape, s.stride(), dtype=s.dtype, device=s.device)
         wrong.as_strided((s.numel(),), (1,)).copy_(s.contiguous().view(-1))
@@ -486,10 +498,11 @@ class Gemm2IgnoresScaleStrides(OptimizedBackend):
 
     name = "gemm2_ignores_scale_strides"
 
-    def gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gemm2(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
         s = up["act_quant"]["a2q_scale"]
         assumed = torch.as_strided(s, s.shape, (1, s.shape[0]))
-        return super().gemm2(p, x, _with(up, "act_quant", a2q_scale=assumed), rank)
+        return super().gemm2(ctx.replace(upstream=_with(up, "act_quant", a2q_scale=assumed)))
 
 
 class NanExpertOutput(OptimizedBackend):
@@ -502,8 +515,9 @@ class NanExpertOutput(OptimizedBackend):
 
     name = "nan_expert_output"
 
-    def gemm2(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().gemm2(p, x, up, rank)
+    def gemm2(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
+        out = super().gemm2(ctx)
         m, inv = up["permute"]["m_indices"], up["permute"]["inv_perm"]
         expert = m[inv[inv >= 0][0]]
         out["mm2"][m == expert] = float("nan")
@@ -522,9 +536,10 @@ class TopkWeightsIgnored(OptimizedBackend):
 
     name = "topk_weights_ignored"
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
         ones = torch.ones_like(up["route"]["topk_weights"])
-        return super().gather(p, x, _with(up, "route", topk_weights=ones), rank)
+        return super().gather(ctx.replace(upstream=_with(up, "route", topk_weights=ones)))
 
 
 class Bf16GatherAccumulation(OptimizedBackend):
@@ -538,7 +553,8 @@ class Bf16GatherAccumulation(OptimizedBackend):
 
     name = "bf16_gather_accumulation"
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
         mm2, inv = up["gemm2"]["mm2"], up["permute"]["inv_perm"].long()
         weights = up["route"]["topk_weights"]
         acc = torch.zeros(inv.shape[0], mm2.shape[1], dtype=torch.bfloat16, device=mm2.device)
@@ -560,8 +576,9 @@ class InvalidSlotGathered(OptimizedBackend):
 
     name = "invalid_slot_gathered"
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
-        out = super().gather(p, x, up, rank)
+    def gather(self, ctx: StageContext) -> Outputs:
+        up = ctx.upstream
+        out = super().gather(ctx)
         route, mm2 = up["route"], up["gemm2"]["mm2"]
         dead = (route["topk_weights"] * (route["topk_ids"] < 0)).sum(dim=1, keepdim=True)
         out["out"] = (out["out"].float() + dead * mm2[0].float()).to(torch.bfloat16)
@@ -581,13 +598,14 @@ class LastExpertDroppedOnLastRank(OptimizedBackend):
 
     name = "last_expert_dropped_on_last_rank"
 
-    def gather(self, p: MoEProblem, x: MoEInputs, up: Trace, rank: int) -> Outputs:
+    def gather(self, ctx: StageContext) -> Outputs:
+        p, up, rank = ctx.problem, ctx.upstream, ctx.rank
         if rank != p.topology.size - 1:
-            return super().gather(p, x, up, rank)
+            return super().gather(ctx)
         route = up["route"]
         dropped = route["topk_ids"] == placement(p)[rank][-1]
         weights = torch.where(dropped, 0.0, route["topk_weights"])
-        return super().gather(p, x, _with(up, "route", topk_weights=weights), rank)
+        return super().gather(ctx.replace(upstream=_with(up, "route", topk_weights=weights)))
 
 
 WRONG_BACKENDS: tuple[type[OptimizedBackend], ...] = (

@@ -12,7 +12,7 @@ import importlib
 import pytest
 import torch
 
-from moe_verify.spec import STAGES, Mode, MoEProblem, Recipe, Stage, Status, Trace
+from moe_verify.spec import GEMM_OUTPUT, STAGES, Mode, MoEProblem, Recipe, Stage, Status, Trace
 from tests.tolerance.synthetic import (
     build_golden,
     clone_trace,
@@ -185,7 +185,7 @@ def test_route_weight_within_ulp_limit_passes(
 def test_gemm_nan_in_padding_row_passes(
     golden: Trace, other: Trace, problem: MoEProblem, stage: str
 ) -> None:
-    name = "mm1" if stage == "gemm1" else "mm2"
+    name = GEMM_OUTPUT[Stage(stage)]
     padding = int(torch.nonzero(golden["permute"]["m_indices"] == -1)[0, 0])
     other[stage][name][padding, 3] = float("nan")
     assert _stage(golden, other, problem, stage).status == Status.PASS
@@ -196,7 +196,7 @@ def test_gemm_one_bf16_ulp_everywhere_passes(
     golden: Trace, other: Trace, problem: MoEProblem, stage: str
 ) -> None:
     # Two correct bf16 roundings of one fp32 value differ by at most one ulp.
-    name = "mm1" if stage == "gemm1" else "mm2"
+    name = GEMM_OUTPUT[Stage(stage)]
     live = golden["permute"]["m_indices"] >= 0
     other[stage][name].view(torch.int16)[live] += 1
     assert _stage(golden, other, problem, stage).status == Status.PASS
@@ -412,7 +412,7 @@ def test_permute_out_of_range_inv_perm_fails_without_crashing(
 def test_gemm_nan_in_live_row_fails(
     golden: Trace, other: Trace, problem: MoEProblem, stage: str, mode: str
 ) -> None:
-    name = "mm1" if stage == "gemm1" else "mm2"
+    name = GEMM_OUTPUT[Stage(stage)]
     other[stage][name][slot_row(golden, 2, 1), 9] = float("nan")
     result = _stage(golden, other, problem, stage, mode)
     check = _failed(result)["nan_inf"]
@@ -429,7 +429,7 @@ def test_gemm_nan_in_live_row_fails(
 def test_gemm_element_beyond_bound_fails_with_coordinates(
     golden: Trace, other: Trace, problem: MoEProblem, stage: str
 ) -> None:
-    name = "mm1" if stage == "gemm1" else "mm2"
+    name = GEMM_OUTPUT[Stage(stage)]
     check = policy_for(stage, problem)
     row = slot_row(golden, 1, 1)
     gold = golden[stage][name][row].float()
@@ -447,7 +447,7 @@ def test_gemm_misrouted_row_fails_per_token(
     golden: Trace, other: Trace, problem: MoEProblem, stage: str
 ) -> None:
     # Slot (0, 1)'s row gets expert 2's output for token 1: a plausible, finite, wrong row.
-    name = "mm1" if stage == "gemm1" else "mm2"
+    name = GEMM_OUTPUT[Stage(stage)]
     x = other[stage][name]
     x[slot_row(golden, 0, 1)] = golden[stage][name][slot_row(golden, 1, 0)]
     check = _failed(_stage(golden, other, problem, stage))["per-token"]

@@ -13,6 +13,7 @@ import torch
 
 from moe_verify.cases import SMOKE, TOPOLOGY
 from moe_verify.inputs import make_inputs
+from moe_verify.runner import run_one_stage
 from moe_verify.spec import (
     GroupedLayout,
     MoEProblem,
@@ -98,7 +99,9 @@ def _assert_keeps_the_contract(problem: MoEProblem, make_backend) -> None:
         backend = make_backend()
         isolated = Trace(backend.name, rank)
         for stage in problem.stages:
-            isolated.add(stage, backend.run_stage(stage, problem, inputs, golden.upto(stage), rank))
+            isolated.add(
+                stage, run_one_stage(backend, stage, problem, inputs, golden.upto(stage), rank)
+            )
         assert _violations(problem, isolated, golden.upto) == []
         chained = backend.run(problem, inputs, rank)
         assert _violations(problem, chained, chained.upto) == []

@@ -20,8 +20,17 @@ import torch
 
 from moe_verify.cases import SWIGLU
 from moe_verify.inputs import make_inputs
+from moe_verify.runner import run_one_stage
 from moe_verify.sm90_chain import declare_hardware_gate
-from moe_verify.spec import Activation, ActQuantRecipe, MoEProblem, ScaleFmt, Stage, Status
+from moe_verify.spec import (
+    Activation,
+    ActQuantRecipe,
+    MoEProblem,
+    ScaleFmt,
+    Stage,
+    StageContext,
+    Status,
+)
 from optimized import triton_compat
 from optimized.backend import OptimizedBackend
 from optimized.triton_compat import interpreter_mode
@@ -181,7 +190,7 @@ def planted_golden(case: Case) -> object:
     rows = live_rows(g)[: len(pairs)]
     mm1 = gate_cases.planted(g[Stage.GEMM1]["mm1"], rows, pairs, p.recipe.act_group)
     upstream = replace_stage(g.upto(Stage.ACT_QUANT), Stage.GEMM1, {**g[Stage.GEMM1], "mm1": mm1})
-    act = ReferenceBackend().act_quant(p, make_inputs(p), upstream, 0)
+    act = ReferenceBackend().act_quant(StageContext(p, make_inputs(p), upstream, 0))
     upstream.add(Stage.ACT_QUANT, act)
     return upstream
 
@@ -273,8 +282,13 @@ def test_interpreter_kernel_matches_the_plain_recipe(case: Case) -> None:
     g = planted_golden(case)
     held = triton_compat.torch_exp_in_interpreter() if interpreter_mode() else nullcontext()
     with held:
-        act = OptimizedBackend(engine="triton").run_stage(
-            Stage.ACT_QUANT, p, make_inputs(p), g.upto(Stage.ACT_QUANT), 0
+        act = run_one_stage(
+            OptimizedBackend(engine="triton"),
+            Stage.ACT_QUANT,
+            p,
+            make_inputs(p),
+            g.upto(Stage.ACT_QUANT),
+            0,
         )
     other = replace_stage(g, Stage.ACT_QUANT, act)
     declare_hardware_gate(p, other)

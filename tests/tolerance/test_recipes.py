@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moe_verify.inputs import make_inputs
+from moe_verify.runner import run_one_stage
 from moe_verify.spec import (
     ActQuantRecipe,
     GatherRecipe,
@@ -21,6 +22,7 @@ from moe_verify.spec import (
     Mode,
     MoEProblem,
     Stage,
+    StageContext,
     Status,
 )
 from reference.gather import gather
@@ -232,7 +234,7 @@ def test_chained_copy_stage_follows_the_matched_quantizer(problem: MoEProblem) -
     # the tested side's own chain: the golden's permute / dispatch run on the Triton quantization
     backend = ReferenceBackend()
     inputs = make_inputs(problem)
-    copied = backend.run_stage(stage, problem, inputs, rebound.upto(stage), 0)
+    copied = run_one_stage(backend, stage, problem, inputs, rebound.upto(stage), 0)
     other = replace_stage(as_recipe(g, Stage.QUANT_INPUT, TRITON), stage, copied)
     assert compare_stage(stage, g, other, problem, mode=Mode.CHAINED).status is Status.PASS
     # Isolated, that permute fed the golden's (CUDA) rows and must copy those: it fails.
@@ -260,7 +262,7 @@ def cancelling(problem: MoEProblem) -> object:
     mm2 = g[Stage.GEMM2]["mm2"].clone()
     mm2[inv[:, 1]] = (-mm2[inv[:, 0]].float() * w[:, :1] / w[:, 1:2]).to(mm2.dtype)
     g = replace_stage(g, Stage.GEMM2, {**g[Stage.GEMM2], "mm2": mm2})
-    outs = ReferenceBackend().gather(problem, make_inputs(problem), g, 0)
+    outs = ReferenceBackend().gather(StageContext(problem, make_inputs(problem), g, 0))
     return replace_stage(g, Stage.GATHER, outs)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from moe_verify import sm90_chain
 from moe_verify.examples import NoFmaPromotion
-from moe_verify.spec import MoEProblem, Stage
+from moe_verify.spec import MoEProblem, Stage, StageContext
 from moe_verify.verification import verify
 from reference.moe import ReferenceBackend
 from tests.tester import sm90_chain_backends as cb
@@ -104,8 +104,8 @@ class NoGateFacts(cb.Sm90Chain):
     """The SM90 chain's GEMMs, and an act_quant that reports no gate facts (the interpreter's,
     someone else's kernel), so nothing declares its recipe."""
 
-    def act_quant(self, p, x, up, rank):
-        outs = super().act_quant(p, x, up, rank)
+    def act_quant(self, ctx: StageContext):
+        outs = super().act_quant(ctx)
         return {k: v for k, v in outs.items() if not k.startswith("gate_")}
 
 
@@ -132,8 +132,8 @@ def test_another_triton_keeps_the_bounds(sm90: None, record_report) -> None:
     """Gate facts from another Triton version than the table's: not declared, not bitwise."""
 
     class OtherTriton(cb.Sm90Chain):
-        def act_quant(self, p, x, up, rank):
-            return {**super().act_quant(p, x, up, rank), "gate_triton": "0.0.0"}
+        def act_quant(self, ctx: StageContext):
+            return {**super().act_quant(ctx), "gate_triton": "0.0.0"}
 
     report = record_report(verify(BASE, backend=OtherTriton(engine="triton"), mode="both"))
     for results in (report.isolated, report.chained):
