@@ -7,7 +7,8 @@ skip carries its reason.
 
 The GPU tiers run as `pytest tests/gpu -m sm90 -n 4`: four xdist workers share one GPU (with
 MOE_VERIFY_NUM_GPUS=N, worker i is pinned to GPU i % N), and every worker points DeepGEMM, Triton
-and inductor at the same JIT caches (moe_verify/jit_cache.py; those of `moe-verify sweep`), so a
+and inductor at the same JIT caches (moe_verify/common/jit_cache.py; those of `moe-verify sweep`),
+so a
 kernel one worker compiled is a cache hit for the others and for the next run (docs/ci.md).
 """
 
@@ -34,7 +35,7 @@ if _worker.startswith("gw") and "CUDA_VISIBLE_DEVICES" not in os.environ:
 
 # Every worker (and the controller, whose environment they inherit) shares the JIT caches; set
 # before anything imports triton or DeepGEMM.
-from moe_verify.jit_cache import shared_jit_caches  # noqa: E402
+from moe_verify.common.jit_cache import shared_jit_caches  # noqa: E402
 
 shared_jit_caches()
 

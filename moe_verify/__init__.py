@@ -36,11 +36,11 @@ _EXPORTS = {
         ),
         "moe_verify.spec",
     ),
-    "make_inputs": "moe_verify.inputs",
-    "RunOptions": "moe_verify.options",
-    "verify": "moe_verify.verification",
-    "verify_rank": "moe_verify.verification",
-    "replay": "moe_verify.verification",
+    "make_inputs": "moe_verify.run.inputs",
+    "RunOptions": "moe_verify.run.options",
+    "verify": "moe_verify.run.verify",
+    "verify_rank": "moe_verify.run.verify",
+    "replay": "moe_verify.run.verify",
 }
 
 __all__ = sorted(_EXPORTS)

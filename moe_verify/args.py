@@ -10,9 +10,9 @@ import math
 import re
 from pathlib import Path
 
-from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S
-from moe_verify.loader import class_spec
-from moe_verify.options import RunOptions, is_instance
+from moe_verify.common.loader import class_spec
+from moe_verify.run.contain import DEFAULT_CASE_TIMEOUT_S
+from moe_verify.run.options import RunOptions, is_instance
 from moe_verify.spec import (
     MODE_CHOICES,
     Engine,
@@ -34,7 +34,7 @@ from tolerance.report import EXIT_CODES
 # report those signals.
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = (EXIT_CODES[s] for s in (Status.PASS, Status.FAIL, Status.ERROR))
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
-# compute-sanitizer's tools that `run --sanitize` takes (moe_verify/sanitize.py).
+# compute-sanitizer's tools that `run --sanitize` takes (moe_verify/sanitize/run.py).
 SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 
 

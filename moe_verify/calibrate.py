@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 
-from moe_verify import progress
-from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S, CaseTimeout, deadline
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import resolve_backend, run_golden
+from moe_verify.common import progress
+from moe_verify.run.contain import DEFAULT_CASE_TIMEOUT_S, CaseTimeout, deadline
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import resolve_backend, run_golden
+from moe_verify.run.verify import has_reduce, reduce_traces, verify_rank
 from moe_verify.spec import (
     REPORT_STAGES,
     Backend,
@@ -47,7 +48,6 @@ from moe_verify.spec import (
     Topology,
     Trace,
 )
-from moe_verify.verification import has_reduce, reduce_traces, verify_rank
 from reference import ReferenceBackend
 from reference.master import master_moe
 from tolerance.compare import StageResult, compare_stage, keyed_values

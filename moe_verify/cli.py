@@ -33,7 +33,7 @@ from moe_verify.args import (
     problem_from_args,
     run_options,
 )
-from moe_verify.contain import terminate_as_exit, terminated, user_interrupted, watch_interrupts
+from moe_verify.run.contain import terminate_as_exit, terminated, user_interrupted, watch_interrupts
 from moe_verify.spec import MODE_CHOICES, Engine, MoEProblem
 from tolerance.report import Report
 
@@ -74,7 +74,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_output_dir("--plot", args.plot)
     options = run_options(args)  # every run option checked before any work
     if args.sanitize:  # the same flags, run again in a child under the sanitizer
-        from moe_verify.sanitize import run_sanitized
+        from moe_verify.sanitize.run import run_sanitized
 
         return run_sanitized(args.sanitize, args.argv[1:], options.case_timeout_s, args.launcher)
     require_engine(args.engine)
@@ -92,7 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if args.nproc is not None:
         raise ValueError("--nproc needs --launcher torchrun")
-    from moe_verify.verification import verify
+    from moe_verify.run.verify import verify
 
     report = verify(problem, options=options)
     print(report.to_table() if args.verbose else report.to_summary())
@@ -113,9 +113,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return list_cases(args)
     check_output_dir("--out", args.out)
     check_output_dir("--plot", args.plot)
-    from moe_verify.jit_cache import shared_jit_caches
-    from moe_verify.sweep import sweep
-    from moe_verify.sweep_pool import default_jobs
+    from moe_verify.common.jit_cache import shared_jit_caches
+    from moe_verify.sweep.pool import default_jobs
+    from moe_verify.sweep.sweep import sweep
 
     jobs = args.jobs or (1 if args.in_process else default_jobs())
     if args.in_process and jobs > 1:
@@ -140,9 +140,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def list_cases(args: argparse.Namespace) -> int:
     """`sweep --list`: the cases a sweep with these flags would run, one line each (id, edge),
     then their count and the distinct DeepGEMM GEMM shapes among them; nothing runs."""
-    from moe_verify.cases import preset_edges
-    from moe_verify.nightly import gemm_shapes
-    from moe_verify.sweep import select_cases
+    from moe_verify.sweep.cases import preset_edges
+    from moe_verify.sweep.nightly import gemm_shapes
+    from moe_verify.sweep.sweep import select_cases
 
     chosen = select_cases(args.preset, args.filter, args.shard)
     edges = preset_edges(args.preset)
@@ -159,7 +159,7 @@ def list_cases(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     require_engine(args.engine)
-    from moe_verify.verification import replay
+    from moe_verify.run.verify import replay
 
     report = replay(Path(args.dump), backend=args.backend, engine=args.engine, mode=args.mode)
     print(report.to_table() if args.verbose else report.to_summary())
@@ -173,7 +173,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     cases = None
     if args.preset:
-        from moe_verify.cases import preset
+        from moe_verify.sweep.cases import preset
 
         cases = preset(args.preset)
     result = calibrate(
@@ -207,7 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         unused = [flag for flag, value in given.items() if value is not None]
         if unused:
             raise ValueError(f"{', '.join(unused)}: needs --production")
-        from moe_verify.bench import bench, compare_cost, to_markdown
+        from moe_verify.production.bench import bench, compare_cost, to_markdown
 
         engines = tuple(Engine(e) for e in args.engines.split(",") if e)
         timings = bench(problem, engines=engines, repeats=args.repeats)
@@ -224,8 +224,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def bench_production_tables(problem: MoEProblem, args: argparse.Namespace) -> str:
     """The production-mode tables of `moe-verify bench --production [--decode]`."""
-    from moe_verify.bench_production import bench_decode, bench_production
-    from moe_verify.runner import production_backend
+    from moe_verify.production.bench_production import bench_decode, bench_production
+    from moe_verify.run.runner import production_backend
 
     engine = args.engine or Engine.AUTO.value
     require_engine(engine)
@@ -244,8 +244,8 @@ def bench_production_tables(problem: MoEProblem, args: argparse.Namespace) -> st
 def cmd_graph(args: argparse.Namespace) -> int:
     check_output_file("--json", args.json)
     require_engine(args.engine)
-    from moe_verify.graph import default_replays, verify_graph
-    from moe_verify.runner import production_backend
+    from moe_verify.production.graph import default_replays, verify_graph
+    from moe_verify.run.runner import production_backend
 
     if args.forward is not None:
         raise ValueError(
@@ -282,7 +282,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
 def graph_contained(args: argparse.Namespace, problem: MoEProblem) -> int:
     """`graph` in a child process: its output and exit status, or, when a kernel fault or the
     case timeout ended it, one line naming the replay, rank and stage in flight (exit 1)."""
-    from moe_verify.graph import run_graph_contained
+    from moe_verify.production.graph import run_graph_contained
 
     child = run_graph_contained(args.argv, args.case_timeout)
     sys.stdout.write(child.done.stdout)
@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="every case in this process: faster to start, but a segfault or an illegal memory "
         "access ends the whole sweep",
     )
-    from moe_verify.sweep_pool import CPU_JOBS, GIB_PER_WORKER, GPU_JOBS, jobs_arg
+    from moe_verify.sweep.pool import CPU_JOBS, GIB_PER_WORKER, GPU_JOBS, jobs_arg
 
     sw.add_argument(
         "--jobs",
@@ -498,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--replays",
         default=None,
         help="comma-separated replay names to run after the capture's (default: all; "
-        "moe_verify/graph.py default_replays lists them)",
+        "moe_verify/production/graph.py default_replays lists them)",
     )
     gr.add_argument(
         "--no-capture",

@@ -4,7 +4,7 @@
 - DeepGEMM: every field `optimized.deepgemm.probe()` reports (the module object itself left out),
   so a field the probe learns appears here without a change; with `--first-call`, one GEMM run
   in a subprocess (`probe_first_call`);
-- the engine adapters (`moe_verify.runner.ADAPTERS`: vllm, sglang, lmdeploy): the installed
+- the engine adapters (`moe_verify.run.runner.ADAPTERS`: vllm, sglang, lmdeploy): the installed
   release or null, the releases the adapter accepts, and whether it would run here, or why not
   (each adapter's own `availability()`, the check `--backend NAME` makes).
 """
@@ -52,7 +52,7 @@ def status_fields(status: object) -> dict[str, Any]:
 
 def adapters() -> dict[str, dict[str, Any]]:
     """name -> adapter_status(name), for each adapter `--backend` takes by name."""
-    from moe_verify.runner import ADAPTERS
+    from moe_verify.run.runner import ADAPTERS
 
     return {name: adapter_status(name) for name in ADAPTERS}
 
@@ -61,7 +61,7 @@ def adapter_status(name: str) -> dict[str, Any]:
     """The installed release (or None), the releases accepted, and whether the adapter would run
     here ('runs_here') with its reason ('detail': why not, or the release and the switches it
     applies)."""
-    from moe_verify.runner import ADAPTERS
+    from moe_verify.run.runner import ADAPTERS
 
     module_name, _, unavailable_name = ADAPTERS[name]
     try:

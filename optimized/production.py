@@ -339,7 +339,7 @@ stage_listeners: list[Callable[[str], None]] = []
 
 def running_stage() -> str | None:
     """The stage a production forward is running now (None outside one): a host read detected
-    inside the op is blamed on it (moe_verify/host_reads.py)."""
+    inside the op is blamed on it (moe_verify/production/host_reads.py)."""
     return _running[-1] if _running else None
 
 

@@ -275,7 +275,7 @@ class ReferenceBackend:
         own outputs are unchanged, so every later stage still reads the fp32 golden.
 
         Not part of `run`: the model costs 10-100x the fp32 GEMM, so the harness asks for it only
-        where a comparison will use it (moe_verify/sm90_chain.py `gemm_recipe_applies`). The
+        where a comparison will use it (moe_verify/run/sm90_chain.py `gemm_recipe_applies`). The
         SM90 fp8_block recipe only (fp32 or ceil-UE8M0 scales); anything else is refused.
         """
         name = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}.get(Stage(stage))
@@ -335,7 +335,7 @@ class ReferenceBackend:
         it sum as a tested route that is a legitimately different rounding of the same routing
         does: the same experts listed in another order (a tie broken otherwise), weights a
         renormalization sum order apart. The harness passes them, so the gather is still held
-        bit for bit (moe_verify/sm90_chain.py `with_sm90_chain`).
+        bit for bit (moe_verify/run/sm90_chain.py `with_sm90_chain`).
         """
         local = self.shard(p, x, trace.rank)
         recipes = act_quant_recipes(p)

@@ -274,7 +274,7 @@ def row_rel_error_matrix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def tensor_core_keys(ctx: Ctx, stage: str) -> dict[str, str] | None:
     """{output name: golden trace key} of the golden's tensor-core recipe of GEMM `stage`: in
-    isolated mode where the harness added it (moe_verify/sm90_chain.py), chained where the
+    isolated mode where the harness added it (moe_verify/run/sm90_chain.py), chained where the
     golden is its SM90 chain (`sm90_chain`: every stage computed as SM90 does); else None. A
     chained GEMM of any other golden reads its own upstream, on which the recipe was not
     computed."""

@@ -15,7 +15,7 @@ order:
      The per-expert input of down_proj is not visible to a hook, so it keeps the synthetic probe.
 A tensor name in two files is refused, and so is a dump whose shape does not fit a weight it
 names: one line naming the dump, the weight and both shapes. Dumps are untrusted files and are
-read through moe_verify.safe_io only.
+read through moe_verify.common.safe_io only.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from moe_verify.audit.checkpoint import AuditError, FP8Weight
-from moe_verify.safe_io import open_safetensors, safe_file
+from moe_verify.common.safe_io import open_safetensors, safe_file
 
 DUMP_DTYPES = ("F32", "BF16", "F16")  # what quantize_fp8_groups takes, as vLLM's hooks see it
 _MERGED = {

@@ -2,7 +2,7 @@
 its e4m3 weights with their block scales, one tensor or one expert at a time.
 
 A checkpoint is untrusted input: config.json, the index and every shard are read through
-moe_verify.safe_io, so only regular files inside the checkpoint directory are opened, every
+moe_verify.common.safe_io, so only regular files inside the checkpoint directory are opened, every
 safetensors header is checked before a tensor is read, and a bad file is an UntrustedFileError
 naming it (a ValueError, as AuditError is).
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moe_verify.safe_io import (
+from moe_verify.common.safe_io import (
     SafetensorsFile,
     UntrustedFileError,
     open_safetensors,

@@ -40,7 +40,6 @@ from pathlib import Path
 
 import torch
 
-from moe_verify import progress
 from moe_verify.audit.activations import ActivationDumps, Dump
 from moe_verify.audit.checkpoint import (
     AuditError,
@@ -53,7 +52,8 @@ from moe_verify.audit.checkpoint import (
     read_config,
 )
 from moe_verify.audit.published import QWEN38_FLASH_NEXT, PublishedRequant
-from moe_verify.safe_io import UntrustedFileError
+from moe_verify.common import progress
+from moe_verify.common.safe_io import UntrustedFileError
 from moe_verify.spec import ScaleFmt
 from reference.formats import (
     ceil_ue8m0,
@@ -459,7 +459,7 @@ def audit(
     """Audit every FP8 block-scaled weight's scales, and sample each layer's GEMM errors, on the
     activation dumps under `activations` where they cover a layer and synthetic probes elsewhere.
     Malformed tensors are skipped and listed; AuditError when nothing is left to measure."""
-    from moe_verify.device import default_device
+    from moe_verify.common.device import default_device
 
     if experts_per_layer < 0 or tokens < 1:
         raise AuditError(

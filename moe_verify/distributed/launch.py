@@ -23,9 +23,9 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from moe_verify.args import EXIT_ERROR, run_flags
-from moe_verify.contain import CaseTimeout, deadline
 from moe_verify.distributed import EXCHANGE, NO_MULTICAST_ENV, STATUS_DIR_ENV
-from moe_verify.options import RunOptions
+from moe_verify.run.contain import CaseTimeout, deadline
+from moe_verify.run.options import RunOptions
 from moe_verify.spec import MoEProblem
 
 # Beyond the case timeout, what torchrun may take to start the ranks (each imports torch and

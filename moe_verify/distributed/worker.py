@@ -28,7 +28,7 @@ Failure handling: every rank makes the same collective calls in the same order w
 it (a stage that raised is a result, not an exit), so one bad rank never leaves the others waiting.
 Rank r notes its stage in flight in MOE_VERIFY_DIST_DIR/rank<r>.json. Its local work runs under
 the case timeout (--case-timeout): a stage still running then is an error of that rank's stage
-(moe_verify/contain.py), and a rank stuck outside Python ends itself a grace period later. A
+(moe_verify/run/contain.py), and a rank stuck outside Python ends itself a grace period later. A
 monitored barrier with a timeout (MOE_VERIFY_DIST_TIMEOUT_S) names a rank that hangs, torchrun
 tears the group down when a rank dies, and `launch` names the rank(s) that failed from torchrun's
 failures and those notes, and ends every rank once the case timeout and a startup grace ran out.
@@ -52,9 +52,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from moe_verify import progress
 from moe_verify.args import EXIT_ERROR, EXIT_PASS, add_run_args, problem_from_args, run_options
-from moe_verify.contain import CaseTimeout, deadline
+from moe_verify.common import progress
 from moe_verify.distributed import (
     DEFAULT_TIMEOUT_S,
     EXCHANGE,
@@ -63,12 +62,14 @@ from moe_verify.distributed import (
     STATUS_DIR_ENV,
     TIMEOUT_ENV,
 )
-from moe_verify.dump import dump_header, dump_rank_traces
-from moe_verify.inputs import make_inputs
-from moe_verify.options import RunOptions
-from moe_verify.poison import poison_padding
-from moe_verify.runner import resolve_backend, run_golden
-from moe_verify.sm90_chain import check_gemm_recipe
+from moe_verify.run.contain import CaseTimeout, deadline
+from moe_verify.run.dump import dump_header, dump_rank_traces
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.options import RunOptions
+from moe_verify.run.poison import poison_padding
+from moe_verify.run.runner import resolve_backend, run_golden
+from moe_verify.run.sm90_chain import check_gemm_recipe
+from moe_verify.run.verify import verify_rank
 from moe_verify.spec import (
     Backend,
     GemmRecipe,
@@ -80,7 +81,6 @@ from moe_verify.spec import (
     Status,
     Trace,
 )
-from moe_verify.verification import verify_rank
 from optimized.triton_compat import interpreter_mode
 from reference.topology import REDUCE_INPUTS, Partial, finish, rank_partial, reduce_ranks
 from tolerance.compare import StageResult, compare_stage

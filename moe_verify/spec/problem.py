@@ -53,7 +53,7 @@ class MoEProblem:
     `provenance` replaces random values with tagged ones that survive quantization, so a wrong
     row names the token and expert it came from. `ll_capacity` sizes the batches of the ep:N+ll
     layout (`ll_max_tokens`); `tiny_tokens` makes the first tokens tiny enough that every MXFP8
-    group of them gets E8M0 byte 0 (moe_verify/inputs.py).
+    group of them gets E8M0 byte 0 (moe_verify/run/inputs.py).
     """
 
     tokens: int = 64

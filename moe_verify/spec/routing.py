@@ -21,7 +21,7 @@ class Routing(enum.StrEnum):
 
 
 # Routing modes that fix ids and weights directly instead of routing logits
-# (moe_verify/inputs.py).
+# (moe_verify/run/inputs.py).
 _FIXED_ID_ROUTINGS = (
     Routing.UNIFORM,
     Routing.ONE_EXPERT,
@@ -43,7 +43,7 @@ def check_routing(
     """Routing parameters a routing mode would silently ignore are refused: only grouped
     routing applies routed_scaling_factor (reference/routing.py grouped_topk,
     optimized/routing.py _grouped), and only the router-driven modes renormalize (the
-    structural ones fix ids and weights directly, moe_verify/inputs.py). num_expert_group and
+    structural ones fix ids and weights directly, moe_verify/run/inputs.py). num_expert_group and
     topk_group are left alone outside grouped routing: callers share one set of group
     parameters across routing modes (tests/reference/test_routing_inputs.py)."""
     r = routing

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_verify.adapters import lmdeploy as adapter
-from moe_verify.runner import resolve_backend
+from moe_verify.run.runner import resolve_backend
 
 pytestmark = pytest.mark.cpu
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from moe_verify.adapters.lmdeploy import LmdeployBackend
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, ScaleFmt
-from moe_verify.verification import verify
 from tests.adapters import wrong_lmdeploy as wrong
 from tests.adapters.expect import Expect
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_verify.adapters import sglang as adapter
-from moe_verify.runner import resolve_backend
+from moe_verify.run.runner import resolve_backend
 from moe_verify.spec import MoEProblem, StageSkipped, Topology
 from reference.layout import aligned_m_sum_exact, aligned_m_sum_recipes, aligned_m_sum_tight_bound
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
+from moe_verify.run.verify import verify
 from moe_verify.spec import Activation, MoEProblem, Routing, ScaleFmt, Stage, Status, Topology
-from moe_verify.verification import verify
 
 pytestmark = pytest.mark.sglang
 

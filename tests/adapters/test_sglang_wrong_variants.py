@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, ScaleFmt
-from moe_verify.verification import verify
 from tests.adapters import wrong_sglang as wrong
 from tests.adapters.expect import Expect, assert_fails_at_its_stage
 

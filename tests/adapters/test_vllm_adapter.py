@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from moe_verify.adapters import vllm as adapter
-from moe_verify.runner import resolve_backend
+from moe_verify.run.runner import resolve_backend
 
 pytestmark = pytest.mark.cpu
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
+from moe_verify.run.verify import verify
 from moe_verify.spec import Activation, GroupedLayout, MoEProblem, Routing, ScaleFmt, Topology
-from moe_verify.verification import verify
 
 pytestmark = pytest.mark.vllm
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from moe_verify.run.verify import verify
 from moe_verify.spec import Activation, MoEProblem, Routing, ScaleFmt
-from moe_verify.verification import verify
 from tests.adapters import wrong_vllm as wrong
 from tests.adapters.expect import Expect, assert_fails_at_its_stage
 

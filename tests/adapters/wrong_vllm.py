@@ -56,7 +56,7 @@ class UnzeroedPaddingScales(VllmBackend):
     """permute: the permuted fp32 scales allocated with torch.empty instead of torch.zeros, so
     padding rows keep whatever memory held (vLLM before PR #49784; DeepGEMM's SM100
     packer device-asserts on it). Caught every time only because the harness poisons the
-    permute's allocations (moe_verify/poison.py)."""
+    permute's allocations (moe_verify/run/poison.py)."""
 
     def permute(self, ctx: StageContext) -> Outputs:
         dg = self.vllm.dg_utils

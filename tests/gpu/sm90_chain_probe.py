@@ -21,10 +21,10 @@ import sys
 
 import torch
 
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import run_chained, run_golden
+from moe_verify.common.timing import timed_once
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import run_chained, run_golden
 from moe_verify.spec import MoEProblem, Routing, ScaleFmt
-from moe_verify.timing import timed_once
 from optimized.backend import OptimizedBackend
 from reference.activation import act_quant, fused_act_quant_recipe, sm90_triton_recipe
 from reference.gather import gather

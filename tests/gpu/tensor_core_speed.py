@@ -17,8 +17,8 @@ import sys
 
 import torch
 
+from moe_verify.common.timing import timed_once
 from moe_verify.spec import QuantizedWeight
-from moe_verify.timing import timed_once
 from reference import tensor_core as tc
 from reference.gemm import grouped_gemm
 

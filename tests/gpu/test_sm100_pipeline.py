@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, Recipe, ScaleFmt
-from moe_verify.verification import verify
 
 pytestmark = pytest.mark.sm100
 

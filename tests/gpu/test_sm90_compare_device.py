@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from moe_verify.cases import DSV3_LOCAL, GPU_SHAPE
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import resolve_backend, run_rank
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import resolve_backend, run_rank
 from moe_verify.spec import Backend, Mode, MoEProblem, Recipe, ScaleFmt, Trace
+from moe_verify.sweep.cases import DSV3_LOCAL, GPU_SHAPE
 from optimized.backend import OptimizedBackend
 from tests.tester.test_wrong_backends import CASES, Expect
 from tolerance.compare import CheckResult, StageResult, compare

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, Status
-from moe_verify.sweep import sweep
-from moe_verify.verification import verify
+from moe_verify.sweep.sweep import sweep
 from tests.tester.fault_backends import EXIT_SEED, HARD_EXIT_SEED, SEGFAULT_SEED
 from tests.tester.gpu_fault_backends import FAULT_SEED
 

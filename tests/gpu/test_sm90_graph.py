@@ -1,5 +1,6 @@
 """SM90 tier for `moe-verify graph`: the production op captured in a CUDA graph at a token bound
-and replayed under the default routings (moe_verify/graph.py default_replays), each replay's
+and replayed under the default routings (moe_verify/production/graph.py default_replays), each
+replay's
 stage taps against the golden of its inputs.
 
 FP8-block runs through DeepGEMM (forced: a silent fallback to Triton would pass without testing
@@ -17,8 +18,8 @@ from collections.abc import Callable
 import pytest
 
 from moe_verify import verify
-from moe_verify.graph import GraphReport, default_replays, verify_graph
-from moe_verify.runner import production_backend
+from moe_verify.production.graph import GraphReport, default_replays, verify_graph
+from moe_verify.run.runner import production_backend
 from moe_verify.spec import Engine, GroupedLayout, MoEProblem, Recipe, ScaleFmt
 from optimized import op
 from tests.tester.production_wrong import CATCHES, Catch

@@ -7,7 +7,8 @@ GEMMs on the Triton engine; DeepGEMM's MX GEMMs are SM100-only and are checked t
 
 Every new DeepGEMM GEMM shape (N, K, experts) is a JIT compile (about 9 s on the H200), so the
 tests that force DeepGEMM on made-up problems (the masked and grouped layouts, poisoned
-workspaces, the direct calls) all use one small shape, moe_verify/cases.py GPU_SHAPE, as the graph
+workspaces, the direct calls) all use one small shape, moe_verify/sweep/cases.py GPU_SHAPE, as the
+graph
 and production-op tests do: their kernels compile once for the tier.
 """
 
@@ -16,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.cases import GPU_SHAPE, pipeline, preset
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, Recipe
-from moe_verify.verification import verify
+from moe_verify.sweep.cases import GPU_SHAPE, pipeline, preset
 
 pytestmark = pytest.mark.sm90
 
@@ -28,7 +29,8 @@ def _size(p: MoEProblem) -> tuple[object, ...]:
             str(p.topology))  # fmt: skip
 
 
-# The pipeline rows the nightly sweep (moe_verify/nightly.py: DeepSeek-V3 EP8-local at full size,
+# The pipeline rows the nightly sweep (moe_verify/sweep/nightly.py: DeepSeek-V3 EP8-local at full
+# size,
 # T = 1, 128 and 4096, both SM90 formats) runs at the same size are left to it.
 NIGHTLY_SIZES = {_size(p) for p in preset("nightly")}
 CASES = [p for p in pipeline() if _size(p) not in NIGHTLY_SIZES]
@@ -151,7 +153,7 @@ def test_poisoned_workspaces_agree_with_a_fresh_run(scale_fmt: str) -> None:
     """Workspaces reused across calls and poisoned before each (vLLM's workspace pattern; rtp-llm PR
     #1098, SGLang issue #33106): every live row of every stage must be bitwise the fresh run's under
     both poisons."""
-    from moe_verify.inputs import make_inputs
+    from moe_verify.run.inputs import make_inputs
     from optimized.backend import OptimizedBackend
     from tolerance.context import live_slots
 
@@ -251,7 +253,7 @@ def test_both_grouped_layouts_pass_through_deepgemm(
 ) -> None:
     """m_indices and psum (DeepGEMM's use_psum_layout=True, what vLLM 0.32 runs on SM90) both
     pass isolated and chained, with DeepGEMM running both GEMMs in the layout forced."""
-    from moe_verify.inputs import make_inputs
+    from moe_verify.run.inputs import make_inputs
     from optimized.backend import OptimizedBackend
 
     forced = problem.replace(grouped_layout=layout)

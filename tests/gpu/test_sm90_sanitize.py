@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_verify.sanitize import sanitize_run
-from moe_verify.sanitize_report import SanitizeReport
+from moe_verify.sanitize.report import SanitizeReport
+from moe_verify.sanitize.run import sanitize_run
 from moe_verify.spec import MoEProblem, StageContext
 from optimized.backend import OptimizedBackend
 from tests.tester.gpu_fault_backends import FAULT_SEED

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import run_chained
+from moe_verify.common.timing import timed_once
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import run_chained
 from moe_verify.spec import MoEProblem
-from moe_verify.timing import timed_once
 from optimized.backend import OptimizedBackend
 from reference import tensor_core as tc
 from reference.gemm import grouped_gemm

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.cases import dsv3_ep8
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem
-from moe_verify.verification import verify
+from moe_verify.sweep.cases import dsv3_ep8
 
 pytestmark = [pytest.mark.sm90, pytest.mark.slow]
 

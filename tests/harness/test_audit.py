@@ -28,7 +28,7 @@ from moe_verify.audit import (
 )
 from moe_verify.audit.measure import ACT_GROUP
 from moe_verify.cli import main
-from moe_verify.safe_io import UntrustedFileError
+from moe_verify.common.safe_io import UntrustedFileError
 from moe_verify.spec import ScaleFmt
 from reference.formats import (
     cast_to_fp8,

@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import moe_verify.inputs as inputs_mod
+import moe_verify.run.inputs as inputs_mod
 import reference
 import tolerance
-from moe_verify import cases
-from moe_verify.inputs import make_inputs
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import (
     Activation,
     Mode,
@@ -36,6 +35,7 @@ from moe_verify.spec import (
     TopologyKind,
     Trace,
 )
+from moe_verify.sweep import cases
 from optimized import OptimizedBackend, deepgemm
 from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter, slot_counts
 from reference import formats, layout
@@ -1147,7 +1147,7 @@ def _deepgemm_rows() -> list[Bad]:
 
 
 def _preflight(problem: object, device: object) -> None:
-    from moe_verify.preflight import preflight
+    from moe_verify.run.preflight import preflight
 
     preflight(problem, device)
 
@@ -1228,7 +1228,7 @@ def _file_path() -> str:
 
 
 def _public_api_rows() -> list[Bad]:
-    from moe_verify import verification
+    from moe_verify.run import verify as verification
 
     nan, inf = math.nan, math.inf
     p = MoEProblem(**SMALL)
@@ -1679,7 +1679,7 @@ def test_small_default_problem_passes_preflight() -> None:
 
 
 def test_preflight_names_the_largest_tensor() -> None:
-    from moe_verify.preflight import estimate
+    from moe_verify.run.preflight import estimate
 
     est = estimate(HUGE)
     big = est.largest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.bench import bench, compare_cost, to_markdown
+from moe_verify.production.bench import bench, compare_cost, to_markdown
 from moe_verify.spec import MoEProblem
 
 pytestmark = pytest.mark.cpu

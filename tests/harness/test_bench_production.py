@@ -9,11 +9,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from moe_verify.bench_production import bench_decode, bench_production
 from moe_verify.cli import main
-from moe_verify.inputs import make_inputs
-from moe_verify.production_report import Environment, ProductionBench
-from moe_verify.production_targets import (
+from moe_verify.production.bench_production import bench_decode, bench_production
+from moe_verify.production.report import Environment, ProductionBench
+from moe_verify.production.targets import (
     CPU_TIMING,
     DECODE_VS_GEMMS,
     FORWARD_VS_FLOOR,
@@ -27,7 +26,8 @@ from moe_verify.production_targets import (
     gemm_row,
     memory_row,
 )
-from moe_verify.runner import production_backend, run_one_stage
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import production_backend, run_one_stage
 from moe_verify.spec import MoEProblem, Stage, StageContext, Trace
 from optimized import OptimizedBackend, deepgemm
 from optimized.production import forward_stages

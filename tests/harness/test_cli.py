@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_verify import verification
 from moe_verify.cli import build_parser, main
+from moe_verify.run import verify as verification
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, StageContext, StageSkipped
-from moe_verify.verification import verify
 from optimized import deepgemm
 from optimized.backend import OptimizedBackend
 from tolerance.compare import StageResult, compare
@@ -90,7 +90,7 @@ def test_each_package_imports_first_in_a_fresh_interpreter(module: str) -> None:
 def test_compare_on_cpu_reaches_compare_and_torchrun_refuses_it(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    verify_module = sys.modules["moe_verify.verification"]
+    verify_module = sys.modules["moe_verify.run.verify"]
     devices = []
 
     def spy(*args, device=None, **kwargs):
@@ -433,19 +433,19 @@ def test_an_unwritable_output_path_exits_2_before_any_work(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     import moe_verify.audit
-    import moe_verify.bench
     import moe_verify.calibrate
-    import moe_verify.sweep
+    import moe_verify.production.bench
+    import moe_verify.sweep.sweep
 
     def no_work(*args, **kwargs):
         pytest.fail("the work started before the output path was checked")
 
     for module, name in [
         (verification, "verify"),
-        (moe_verify.sweep, "sweep"),
+        (moe_verify.sweep.sweep, "sweep"),
         (moe_verify.audit, "audit"),
         (moe_verify.calibrate, "calibrate"),
-        (moe_verify.bench, "bench"),
+        (moe_verify.production.bench, "bench"),
     ]:
         monkeypatch.setattr(module, name, no_work)
     build, flag = OUTPUT_PATHS[case]
@@ -589,7 +589,7 @@ def test_plot_dir_reaches_verify_and_is_named(
 def test_sweep_contains_crashes_unless_in_process(
     flags: list[str], isolate: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import moe_verify.sweep
+    import moe_verify.sweep.sweep
 
     seen: dict = {}
 
@@ -600,7 +600,7 @@ def test_sweep_contains_crashes_unless_in_process(
         seen.update(kwargs)
         return Summary()
 
-    monkeypatch.setattr(moe_verify.sweep, "sweep", stand_in)
+    monkeypatch.setattr(moe_verify.sweep.sweep, "sweep", stand_in)
     assert main(["sweep", "--out", str(tmp_path), *flags]) == 1  # the summary's exit code
     assert seen["isolate"] is isolate and seen["options"].case_timeout_s == 900.0
 
@@ -629,7 +629,7 @@ def test_torchrun_refuses_the_flags_its_ranks_do_not_take(
 
 
 def test_the_parser_has_one_case_timeout_default() -> None:
-    from moe_verify.contain import DEFAULT_CASE_TIMEOUT_S
+    from moe_verify.run.contain import DEFAULT_CASE_TIMEOUT_S
 
     for command in ("run", "sweep", "calibrate"):
         args = build_parser().parse_args([command] + (["x"] if command == "replay" else []))

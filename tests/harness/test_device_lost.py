@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify import runner
-from moe_verify.runner import DeviceLost
+from moe_verify.run import runner
+from moe_verify.run.runner import DeviceLost
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, StageContext
-from moe_verify.verification import verify
 from optimized.backend import OptimizedBackend
 
 pytestmark = pytest.mark.cpu

@@ -20,8 +20,8 @@ import torch
 
 from moe_verify.distributed.launch import failed_ranks
 from moe_verify.distributed.worker import _reduce_result
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import run_golden
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import run_golden
 from moe_verify.spec import MoEProblem, StageContext, StageSkipped, Trace
 from optimized.backend import OptimizedBackend
 from reference.moe import ReferenceBackend
@@ -198,8 +198,8 @@ def test_the_padding_poison_reaches_every_rank(tmp_path: Path, backend: str, exi
 def test_a_wrong_rank_is_named_dumped_on_every_rank_and_replayed(tmp_path: Path) -> None:
     """One launch for both checks (--dump-dir changes nothing the naming checks read): rank 1
     is named, every rank's trace is dumped, and the dump replays in one process."""
-    from moe_verify.dump import load_trace
-    from moe_verify.verification import replay
+    from moe_verify.run.dump import load_trace
+    from moe_verify.run.verify import replay
 
     backend = f"{__name__}:SwapsTokensOnRank1"
     dumps = tmp_path / "dumps"

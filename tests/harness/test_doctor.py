@@ -13,7 +13,7 @@ import pytest
 from moe_verify import doctor as doc
 from moe_verify.adapters import lmdeploy, sglang, vllm
 from moe_verify.cli import main
-from moe_verify.runner import ADAPTERS
+from moe_verify.run.runner import ADAPTERS
 from optimized import deepgemm
 
 pytestmark = pytest.mark.cpu

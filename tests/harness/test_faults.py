@@ -1,4 +1,4 @@
-"""Every run bounded, every crash contained, results always left (moe_verify/contain.py, the
+"""Every run bounded, every crash contained, results always left (moe_verify/run/contain.py, the
 runner, the sweep): each backend of tests/tester/fault_backends.py must become a failed check or
 an error of the stage it happened in, `moe-verify run` must exit with the matching code, and a
 sweep must go on to the next case and leave its summaries, also when it is killed.
@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from moe_verify import contain
 from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 from moe_verify.cli import main
-from moe_verify.contain import CaseTimeout, deadline, run_contained, watch_interrupts
-from moe_verify.runner import run_stage_into
+from moe_verify.run import contain
+from moe_verify.run.contain import CaseTimeout, deadline, run_contained, watch_interrupts
+from moe_verify.run.runner import run_stage_into
 from moe_verify.spec import Mode, MoEProblem, Stage, Status, Trace
-from moe_verify.sweep import SweepSummary, sweep
+from moe_verify.sweep.sweep import SweepSummary, sweep
 from tests.tester import fault_backends as fb
 from tests.tester.fault_backends import CRASHES, EXPECTED, FAULT_SEED
 
@@ -226,7 +226,7 @@ def test_an_in_process_sweep_killed_by_a_segfault_leaves_the_finished_case(
     proc = _python(
         f"""
         from moe_verify.spec import MoEProblem
-        from moe_verify.sweep import SweepSummary, sweep
+        from moe_verify.sweep.sweep import SweepSummary, sweep
         faulty = MoEProblem.from_dict({FAULTY.to_dict()!r})
         sweep([faulty.replace(seed=0), faulty], backend={_spec("SegfaultsInGemm1")!r},
               out_dir={str(tmp_path)!r}, isolate=False)
@@ -260,7 +260,7 @@ def test_a_sweep_terminated_midway_leaves_valid_summaries_and_no_child(tmp_path:
     proc = _python(
         f"""
         from moe_verify.spec import MoEProblem
-        from moe_verify.sweep import SweepSummary, sweep
+        from moe_verify.sweep.sweep import SweepSummary, sweep
         faulty = MoEProblem.from_dict({FAULTY.to_dict()!r})
         sweep([faulty.replace(seed=0), faulty], backend={_spec("HangsInGemm1")!r},
               out_dir={str(out)!r}, case_timeout_s=600)
@@ -318,7 +318,7 @@ def test_a_case_stuck_outside_python_ends_the_process_naming_the_stage() -> None
     proc = _python(
         """
         import signal, time
-        from moe_verify import contain
+        from moe_verify.run import contain
         contain.HARD_GRACE_S = 0.5
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
         with contain.deadline(0.5, lambda: "case x rank 0 isolated gemm1"):
@@ -353,7 +353,7 @@ def test_a_terminated_parent_takes_its_contained_child_along(tmp_path: Path) -> 
     pid_file = tmp_path / "child"
     proc = _python(
         f"""
-        from moe_verify.contain import run_contained
+        from moe_verify.run.contain import run_contained
         run_contained(["sh", "-c", "echo $$ > {pid_file}; exec sleep 60"], None, None)
         """
     )

@@ -2,7 +2,7 @@
 
 Each distinct (N, K, local experts) DeepGEMM runs is a JIT compile, about 9 s on the H200 on a
 cold cache, and `pytest tests/gpu -m sm90` must finish cold in minutes. The tests that force
-DeepGEMM on made-up problems share one shape (moe_verify/cases.py GPU_SHAPE); the
+DeepGEMM on made-up problems share one shape (moe_verify/sweep/cases.py GPU_SHAPE); the
 others are the model shapes vLLM runs (DeepSeek-V3 EP8-local, Qwen3) and one K edge (H = 3584).
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.cases import GPU_SHAPE
-from moe_verify.nightly import gemm_shapes
 from moe_verify.spec import MoEProblem, Recipe
+from moe_verify.sweep.cases import GPU_SHAPE
+from moe_verify.sweep.nightly import gemm_shapes
 from tests.gpu import (
     test_sm90_compare_device,
     test_sm90_graph,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from moe_verify.cli import main
-from moe_verify.graph import (
+from moe_verify.production.graph import (
     STALE_IDS,
     GraphReport,
     GraphSession,
@@ -31,7 +31,7 @@ from moe_verify.graph import (
     default_replays,
     verify_graph,
 )
-from moe_verify.runner import production_backend
+from moe_verify.run.runner import production_backend
 from moe_verify.spec import (
     Engine,
     GroupedLayout,

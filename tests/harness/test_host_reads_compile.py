@@ -1,6 +1,6 @@
 """Counting host reads leaves torch.compile as it found it: a first compile inside
 `HostReads().counting()` (torch's functions patched) must not make a later fullgraph compile of
-torch.where fail as "marked as skipped" (moe_verify/host_reads.py)."""
+torch.where fail as "marked as skipped" (moe_verify/production/host_reads.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # "Attempted to call function marked as skipped ... where".
 SCRIPT = """
 import torch
-from moe_verify.host_reads import HostReads
+from moe_verify.production.host_reads import HostReads
 
 x = torch.arange(8)
 with HostReads().counting() as reads:

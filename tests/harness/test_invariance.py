@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moe_verify.cli import main
-from moe_verify.inputs import make_inputs
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.verify import verify_invariance
 from moe_verify.spec import (
     LL_BLOCK_ROWS,
     LL_STAGES,
@@ -19,7 +20,6 @@ from moe_verify.spec import (
     Status,
     Trace,
 )
-from moe_verify.verification import verify_invariance
 from optimized import OptimizedBackend
 from optimized.kernels import slot_counts
 from reference import ReferenceBackend

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_verify.loader import class_spec, load_class
-from moe_verify.runner import resolve_backend
+from moe_verify.common.loader import class_spec, load_class
+from moe_verify.run.runner import resolve_backend
 from optimized.backend import OptimizedBackend
 
 pytestmark = pytest.mark.cpu

@@ -1,4 +1,4 @@
-"""The nightly preset's covering design (moe_verify/nightly.py), its listing and its shards.
+"""The nightly preset's covering design (moe_verify/sweep/nightly.py), its listing and its shards.
 
 The cases themselves are GPU-sized; the CPU tier checks what the design promises: its size, that
 every pair it claims to cover is covered, that every row says what it exercises, that the distinct
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.cases import preset
 from moe_verify.cli import main
-from moe_verify.nightly import (
+from moe_verify.spec import LL_BLOCK_ROWS, TopologyKind
+from moe_verify.sweep.cases import preset
+from moe_verify.sweep.nightly import (
     FAMILIES,
     RECIPE_FORMATS,
     ROUTINGS,
@@ -23,7 +24,6 @@ from moe_verify.nightly import (
     nightly_cases,
     shard,
 )
-from moe_verify.spec import LL_BLOCK_ROWS, TopologyKind
 
 pytestmark = pytest.mark.cpu
 
@@ -135,7 +135,7 @@ def test_every_case_fits_one_h200_with_room() -> None:
     """Full-size rows are each model's per-rank size: by the preflight's own count every case
     fits in half an H200 (139 GiB), so one process can run them back to back (all 384 Kimi
     experts on one rank were 96-114 GiB and ran out of memory there)."""
-    from moe_verify.preflight import estimate
+    from moe_verify.run.preflight import estimate
 
     worst = max(nightly_cases(), key=lambda c: estimate(c.problem).total)
     assert estimate(worst.problem).total < 70 * 2**30, worst.problem.id

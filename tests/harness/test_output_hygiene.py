@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import moe_verify.bench
 import moe_verify.calibrate
-from moe_verify import progress
+import moe_verify.production.bench
 from moe_verify.cli import main
+from moe_verify.common import progress
 from moe_verify.spec import Engine, MoEProblem
 
 pytestmark = pytest.mark.cpu
@@ -89,8 +89,10 @@ def test_progress_is_off_with_moe_verify_progress_0(
 def test_bench_out_prints_one_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(moe_verify.bench, "bench", lambda *args, **kwargs: [])
-    monkeypatch.setattr(moe_verify.bench, "to_markdown", lambda *args: "| table |\n| --- |")
+    monkeypatch.setattr(moe_verify.production.bench, "bench", lambda *args, **kwargs: [])
+    monkeypatch.setattr(
+        moe_verify.production.bench, "to_markdown", lambda *args: "| table |\n| --- |"
+    )
     out = tmp_path / "perf.md"
     argv = ["bench", "-T", "4", "-H", "128", "-I", "128", "-E", "4", "-k", "2"]
     assert main([*argv, "--out", str(out)]) == 0
@@ -105,7 +107,7 @@ def test_bench_out_prints_one_line(
 def test_bench_shows_the_stage_in_flight_on_stderr(
     progress_now: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    moe_verify.bench.bench(TINY, engines=(Engine.TRITON,), repeats=1)
+    moe_verify.production.bench.bench(TINY, engines=(Engine.TRITON,), repeats=1)
     err = capsys.readouterr().err
     assert f"bench {TINY.id}" in err and "gather" in err
 

@@ -1,4 +1,5 @@
-"""The picture of a failure (moe_verify/error_measure.py measures, moe_verify/plot.py draws):
+"""The picture of a failure (moe_verify/report/error_measure.py measures, moe_verify/report/plot.py
+draws):
 one PNG per failing (mode, stage), and each kind of bug with its own shape: a misrouted expert
 lights one segment, a scale bug one column block, a rank bug one rank panel. Asserted on the
 ErrorMap data, then on the files.
@@ -16,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_verify.error_map import ErrorMap
-from moe_verify.error_measure import MAX_COLUMNS, MAX_ROWS, error_maps
-from moe_verify.inputs import make_inputs
-from moe_verify.plot import write_plots
+from moe_verify.report.error_map import ErrorMap
+from moe_verify.report.error_measure import MAX_COLUMNS, MAX_ROWS, error_maps
+from moe_verify.report.plot import write_plots
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.verify import verify_rank
 from moe_verify.spec import (
     Mode,
     MoEProblem,
@@ -29,7 +31,6 @@ from moe_verify.spec import (
     StageContext,
     Trace,
 )
-from moe_verify.verification import verify_rank
 from reference import ReferenceBackend
 from reference.topology import placement
 
@@ -292,7 +293,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_verify_writes_a_picture_of_each_failing_stage_and_names_it(tmp_path: Path) -> None:
-    from moe_verify.verification import verify
+    from moe_verify.run.verify import verify
 
     report = verify(TINY, backend=WrongExpertSegment(), mode="isolated", plot_dir=tmp_path)
     assert report.first_failure == "gemm1"
@@ -302,7 +303,7 @@ def test_verify_writes_a_picture_of_each_failing_stage_and_names_it(tmp_path: Pa
 
 
 def test_a_passing_case_draws_nothing(tmp_path: Path) -> None:
-    from moe_verify.verification import verify
+    from moe_verify.run.verify import verify
 
     report = verify(TINY, backend="golden", mode="isolated", plot_dir=tmp_path / "plots")
     assert report.passed and "plots" not in report.files
@@ -310,7 +311,7 @@ def test_a_passing_case_draws_nothing(tmp_path: Path) -> None:
 
 
 def test_a_sweep_draws_its_failing_cases(tmp_path: Path) -> None:
-    from moe_verify.sweep import sweep
+    from moe_verify.sweep.sweep import sweep
 
     summary = sweep(
         [TINY],

@@ -1,4 +1,5 @@
-"""Poisons (moe_verify/poison.py): the permute's uninitialised memory is 0xFF, so a padding-scale
+"""Poisons (moe_verify/run/poison.py): the permute's uninitialised memory is 0xFF, so a
+padding-scale
 bug that leaves torch.empty garbage fails every run, not only on dirty pages; and the padding
 poison (`verify(..., padding_poison=True)`, `run --poison-padding`): the golden's padding rows at
 the largest e4m3 code (and scale where unspecified), so a GEMM that lets padding reach live rows
@@ -13,8 +14,8 @@ import torch
 
 from moe_verify.cli import main
 from moe_verify.examples import accumulators
-from moe_verify.inputs import make_inputs
-from moe_verify.poison import (
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.poison import (
     FP8_MAX_CODE,
     FP32_MAX,
     PACKED_MAX_WORD,
@@ -22,7 +23,8 @@ from moe_verify.poison import (
     poison_padding,
     poisoned_allocations,
 )
-from moe_verify.runner import POISONED_STAGES, run_stage_into
+from moe_verify.run.runner import POISONED_STAGES, run_stage_into
+from moe_verify.run.verify import verify
 from moe_verify.spec import (
     GroupedLayout,
     Mode,
@@ -34,7 +36,6 @@ from moe_verify.spec import (
     Status,
     Trace,
 )
-from moe_verify.verification import verify
 from optimized.backend import OptimizedBackend
 from reference import ReferenceBackend
 from reference.formats import dequantize_fp8_blocks
@@ -273,8 +274,8 @@ def test_the_padding_poison_is_refused_where_it_would_not_hold(
 def test_a_poisoned_failure_dumps_and_replays_poisoned(tmp_path: Path) -> None:
     """run.json records the padding poison, and `replay` runs the case under it again: the
     failure reproduces (a replay without the poison would pass, so it must not be dropped)."""
-    from moe_verify.dump import load_case
-    from moe_verify.verification import replay
+    from moe_verify.run.dump import load_case
+    from moe_verify.run.verify import replay
 
     spec = "tests.tester.field_bugs:PaddingInfBleedsIntoTile"
     report = verify(

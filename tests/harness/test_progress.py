@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify import progress
+from moe_verify.common import progress
 
 pytestmark = pytest.mark.cpu
 

@@ -1,4 +1,5 @@
-"""moe_verify.protect: a tested stage gets copies, the golden's upstream and the shared inputs stay
+"""moe_verify.run.protect: a tested stage gets copies, the golden's upstream and the shared inputs
+stay
 as they were whatever it writes, and every write is named by the tensor it hit."""
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from moe_verify.host_reads import HostReads
-from moe_verify.inputs import make_inputs
-from moe_verify.protect import SANITIZER_TOOL_ENV, Guarded, guarded_inputs
-from moe_verify.runner import run_chained, run_isolated, run_one_stage
+from moe_verify.production.host_reads import HostReads
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.protect import SANITIZER_TOOL_ENV, Guarded, guarded_inputs
+from moe_verify.run.runner import run_chained, run_isolated, run_one_stage
 from moe_verify.spec import MoEInputs, MoEProblem, ScaleFmt, StageContext, Trace
 from optimized import OptimizedBackend
 from reference import ReferenceBackend
@@ -285,7 +286,7 @@ def test_under_initcheck_only_a_chained_stages_own_upstream_goes_unguarded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Under `--sanitize initcheck` the guard would read the padding rows the backend's kernels
-    never wrote (moe_verify/protect.py guards_own_upstream): a chained stage gets its own trace
+    never wrote (moe_verify/run/protect.py guards_own_upstream): a chained stage gets its own trace
     itself. The golden's upstream (isolated) and the inputs stay guarded; other tools guard all."""
     inputs, golden = _golden()
     upstream_writer = WritesIntoItsUpstream(engine="triton")

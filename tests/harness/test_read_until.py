@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from moe_verify.contain import kill_group, read_until
+from moe_verify.run.contain import kill_group, read_until
 
 pytestmark = pytest.mark.cpu
 

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from moe_verify import sanitize
-from moe_verify.protect import SANITIZER_TOOL_ENV
-from moe_verify.sanitize import (
+from moe_verify.run.protect import SANITIZER_TOOL_ENV
+from moe_verify.sanitize import run as sanitize
+from moe_verify.sanitize.output import SanitizerError, parse_output
+from moe_verify.sanitize.report import Crumb, attribute
+from moe_verify.sanitize.run import (
     SanitizerUnavailable,
     child_flags,
     find_sanitizer,
@@ -28,8 +30,6 @@ from moe_verify.sanitize import (
     run_sanitized,
     sanitize_run,
 )
-from moe_verify.sanitize_output import SanitizerError, parse_output
-from moe_verify.sanitize_report import Crumb, attribute
 from moe_verify.spec import MoEProblem
 from reference.tensor_core import FUSED_ENV
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_verify.dump import load_trace
-from moe_verify.options import RunOptions
+from moe_verify.run.dump import load_trace
+from moe_verify.run.options import RunOptions
+from moe_verify.run.verify import replay, verify
 from moe_verify.spec import REPORT_STAGES, MoEProblem, StageContext
-from moe_verify.sweep import sweep
-from moe_verify.verification import replay, verify
+from moe_verify.sweep.sweep import sweep
 from optimized.backend import OptimizedBackend
 from reference.layout import aligned_m_sum_upper_bound
 
@@ -53,7 +53,7 @@ def test_sweep_rewrites_the_full_report_json_only_now_and_then(
     """summary.json holds every report, so rewriting it around every case is quadratic: with the
     cases in a worker it is written when due (SUMMARY_JSON_EVERY_S) and at the end;
     progress.json around every case."""
-    import moe_verify.sweep as sweep_module
+    import moe_verify.sweep.sweep as sweep_module
 
     writes: list[tuple[str, int]] = []
     real = sweep_module.write_atomic
@@ -127,8 +127,8 @@ def test_each_case_releases_its_memory_before_the_next(monkeypatch: pytest.Monke
     import gc
     import weakref
 
-    import moe_verify.sweep as sweep_module
-    import moe_verify.verification as verification
+    import moe_verify.run.verify as verification
+    import moe_verify.sweep.sweep as sweep_module
 
     seen: list[weakref.ref] = []
     real_verify = verification.verify
@@ -158,7 +158,7 @@ def test_releasing_a_broken_cuda_context_does_not_mask_the_case(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """After a kernel broke the CUDA context, empty_cache raises: the case's own outcome stands."""
-    import moe_verify.sweep as sweep_module
+    import moe_verify.sweep.sweep as sweep_module
 
     def broken() -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

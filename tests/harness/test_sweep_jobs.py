@@ -1,4 +1,4 @@
-"""`moe-verify sweep --jobs N` (moe_verify/sweep_pool.py): N contained workers run the cases at
+"""`moe-verify sweep --jobs N` (moe_verify/sweep/pool.py): N contained workers run the cases at
 once. A segfault, a hang past the case timeout, an exit() and an os._exit(0) in concurrent workers
 each end their own case only, as the right ERROR; every other case passes; junit, JSON and the
 markdown list the cases in case order and count them right; and the outcomes are those of one
@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-import moe_verify.sweep as sweep_module
-from moe_verify import jit_cache, sweep_pool
+import moe_verify.sweep.sweep as sweep_module
 from moe_verify.cli import main
-from moe_verify.options import RunOptions
-from moe_verify.preflight import estimate
+from moe_verify.common import jit_cache
+from moe_verify.run.options import RunOptions
+from moe_verify.run.preflight import estimate
 from moe_verify.spec import MoEProblem, Status
-from moe_verify.sweep import SweepSummary, sweep
-from moe_verify.sweep_pool import CaseOutcome, Device, RunningCase, run_again_alone, run_pool
+from moe_verify.sweep import pool as sweep_pool
+from moe_verify.sweep.pool import CaseOutcome, Device, RunningCase, run_again_alone, run_pool
+from moe_verify.sweep.sweep import SweepSummary, sweep
 from optimized.backend import OptimizedBackend
 from tests.tester.fault_backends import (
     ATTEMPTS_DIR_VAR,

@@ -1,12 +1,12 @@
 """The sweep pool's dispatch: the largest pre-flight estimate first, and a case that does not fit
-its device yet lets the smaller ones behind it start (moe_verify/sweep_pool.py)."""
+its device yet lets the smaller ones behind it start (moe_verify/sweep/pool.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from moe_verify.spec import MoEProblem
-from moe_verify.sweep_pool import Device, RunningCase, dispatch_order, take_next
+from moe_verify.sweep.pool import Device, RunningCase, dispatch_order, take_next
 
 pytestmark = pytest.mark.cpu
 

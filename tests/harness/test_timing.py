@@ -1,4 +1,5 @@
-"""The one timer (moe_verify.timing) on a CPU: what it calls, what it returns, what it refuses."""
+"""The one timer (moe_verify.common.timing) on a CPU: what it calls, what it returns, what it
+refuses."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import time
 import pytest
 import torch
 
-from moe_verify import timing
-from moe_verify.timing import capture_graph, median_seconds, timed_once
+from moe_verify.common import timing
+from moe_verify.common.timing import capture_graph, median_seconds, timed_once
 
 pytestmark = pytest.mark.cpu
 

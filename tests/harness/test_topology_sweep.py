@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.cases import TOPOLOGY
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem
-from moe_verify.verification import verify
+from moe_verify.sweep.cases import TOPOLOGY
 
 pytestmark = pytest.mark.cpu
 

@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_verify.audit import audit
-from moe_verify.dump import load_case
-from moe_verify.inputs import make_inputs
-from moe_verify.safe_io import DTYPES, UntrustedFileError, load_safetensors, open_safetensors
+from moe_verify.common.safe_io import DTYPES, UntrustedFileError, load_safetensors, open_safetensors
+from moe_verify.run.dump import load_case
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem
-from moe_verify.verification import verify
 from reference.formats import quantize_fp8_blocks
 
 pytestmark = pytest.mark.cpu

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import Side, run_chained
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import Side, run_chained
+from moe_verify.run.verify import verify
+from moe_verify.run.workspaces import GUARD_BYTES, Workspaces
 from moe_verify.spec import MoEInputs, MoEProblem, Routing, ScaleFmt, StageContext, Trace
-from moe_verify.verification import verify
-from moe_verify.workspaces import GUARD_BYTES, Workspaces
 from optimized.backend import OptimizedBackend
 from tolerance.context import live_slots
 
@@ -242,7 +242,7 @@ def test_a_row_left_unwritten_fails_the_two_poison_check_at_its_stage() -> None:
 
 
 def test_poisons_without_workspaces_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"needs workspace=True \(--workspace\)"):
+    with pytest.raises(ValueError, match=r"poison: a byte 0..255 with workspace=True"):
         verify(CASES[0], backend=OptimizedBackend(engine="triton"), poison=TWO_POISONS)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import reference
-from moe_verify.inputs import make_inputs
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import Engine, MoEProblem, Trace
 from optimized import op
 from optimized.production import ForwardConfig, RankWeights, prepare_rank_weights, workspace_bytes

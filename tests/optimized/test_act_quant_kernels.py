@@ -17,7 +17,7 @@ import zlib
 import pytest
 import torch
 
-from moe_verify.device import default_device, interpreter_mode
+from moe_verify.common.device import default_device, interpreter_mode
 from moe_verify.spec import Activation, MoEProblem, Recipe, ScaleFmt
 from optimized.kernels.act_quant import silu_mul_quant
 from optimized.triton_compat import torch_exp_in_interpreter

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moe_verify.device import default_device
+from moe_verify.common.device import default_device
 from optimized.kernels.gather import ep_gather
 from reference.gather import gather as golden_gather
 

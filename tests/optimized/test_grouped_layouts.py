@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import Side, run_chained
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import Side, run_chained
+from moe_verify.run.verify import verify
+from moe_verify.run.workspaces import Workspaces
 from moe_verify.spec import (
     Activation,
     GroupedLayout,
@@ -26,8 +28,6 @@ from moe_verify.spec import (
     Topology,
     Trace,
 )
-from moe_verify.verification import verify
-from moe_verify.workspaces import Workspaces
 from optimized import deepgemm
 from optimized.backend import OptimizedBackend
 from optimized.kernels import slot_counts

@@ -19,7 +19,7 @@ import torch
 import torch._functorch.config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from moe_verify.host_reads import HostReads
+from moe_verify.production.host_reads import HostReads
 from moe_verify.spec import (
     Engine,
     GroupedLayout,

@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from moe_verify.device import default_device
+from moe_verify.common.device import default_device
 from moe_verify.spec import ScaleFmt
 from optimized.kernels import quant
 from optimized.kernels._validate import InvalidKernelInput

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import run_one_stage
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import run_one_stage
 from moe_verify.spec import Engine, MoEProblem, Stage, StageContext, Trace, stage_method
 from optimized.backend import OptimizedBackend
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 import triton.runtime.interpreter as interp
 
-from moe_verify.device import default_device
+from moe_verify.common.device import default_device
 from optimized import triton_compat
 
 pytestmark = pytest.mark.cpu

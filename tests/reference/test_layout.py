@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import MoEProblem, MSumRecipe, Routing, StageContext, Trace
 from reference.layout import (
     aligned_m_sum_all_experts_bound,

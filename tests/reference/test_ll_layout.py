@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import MoEProblem, Trace
 from reference.moe import ReferenceBackend
 from tolerance.compare import compare

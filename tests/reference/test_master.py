@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Routing, StageContext, Trace
 from reference.master import master_moe
 from reference.moe import ReferenceBackend

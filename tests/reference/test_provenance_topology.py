@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import MoEProblem, Recipe, ScaleFmt, Topology, Trace
 from reference.moe import ReferenceBackend
 from reference.topology import reduce_ranks

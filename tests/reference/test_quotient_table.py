@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import run_one_stage
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import run_one_stage
 from moe_verify.spec import (
     Activation,
     ActQuantRecipe,

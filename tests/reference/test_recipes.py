@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import (
     Activation,
     ActQuantRecipe,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_verify.inputs import make_inputs
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import (
     Activation,
     MoEProblem,
@@ -136,7 +136,7 @@ def test_ue8m0_formats_requantize_weights_to_powers_of_two() -> None:
 def test_weights_quantized_in_chunks_are_bitwise_the_whole_stack(
     recipe: Recipe, fmt: ScaleFmt, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from moe_verify import inputs
+    from moe_verify.run import inputs
 
     problem = MoEProblem(hidden=256, intermediate=256, num_experts=5, recipe=recipe, scale_fmt=fmt)
     w = make_inputs(problem, "cpu").w13

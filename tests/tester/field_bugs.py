@@ -10,15 +10,16 @@ reuse the table.
 
 Three classes need inputs that random draws never reach, all made by the product:
 
-- `MoEProblem.tiny_tokens` (moe_verify/inputs.py): tokens whose every group's amax is below
+- `MoEProblem.tiny_tokens` (moe_verify/run/inputs.py): tokens whose every group's amax is below
   448 * 2^-127, so their MXFP8 scale is E8M0 byte 0 (2^-127), the code Triton's decoder read as
   zero (Triton #11624);
-- `verify(..., padding_poison=True)` (moe_verify/poison.py `poison_padding`): padding rows of
+- `verify(..., padding_poison=True)` (moe_verify/run/poison.py `poison_padding`): padding rows of
   the golden's permuted activations at the largest e4m3 code and, where the layout leaves them
   unspecified (psum gap and tail rows), their scales at the largest fp32, so a GEMM that computes
   padding rows overflows to Inf there (FlashInfer #3650: random inputs hid it, since every
   padding row of a fresh scatter is zero);
-- the stale ids of vLLM PR #41834 come from `moe_verify.graph` (its padded replays plant them).
+- the stale ids of vLLM PR #41834 come from `moe_verify.production.graph` (its padded replays plant
+them).
 """
 
 from __future__ import annotations
@@ -294,7 +295,8 @@ CATCHES: tuple[Catch, ...] = (
 @dataclass(frozen=True)
 class GraphCatch:
     """A wrong backend for production mode, its field bug, the topology, and per default replay
-    (names from `moe_verify.graph.default_replays`) the first failure `verify_graph` must report,
+    (names from `moe_verify.production.graph.default_replays`) the first failure `verify_graph`
+    must report,
     or None where that replay must pass; `ranks` the ranks whose stage fails."""
 
     backend: type[OptimizedBackend]

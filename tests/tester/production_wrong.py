@@ -5,7 +5,7 @@ Each class is `OptimizedBackend` with one stage method overridden, the way the b
 a real kernel's host code: the same class `moe-verify run` verifies and `moe-verify graph` runs
 inside the op. Eager, host-validated verification (`moe-verify run`) calls a backend once per case
 on fresh tensors and cannot see these: `moe-verify graph` must, and the docstring of each names
-the stage or guard of moe_verify/graph.py that catches it.
+the stage or guard of moe_verify/production/graph.py that catches it.
 
 StaleCounts lives in moe_verify/examples/stale_counts.py (the README's demo of `graph`). State a
 wrong backend keeps across calls lives per rank, keyed by the rank's w13 tensor (as a
@@ -87,7 +87,8 @@ class CachedOutput(OptimizedBackend):
 @dataclass(frozen=True)
 class Catch:
     """Where `moe-verify graph` must catch a wrong backend: the topology that reaches its bug
-    and, replay by replay (names from `moe_verify.graph.default_replays`, run in this order),
+    and, replay by replay (names from `moe_verify.production.graph.default_replays`, run in this
+    order),
     the first failure it must report: a stage, a guard, or None where the replay must pass (so
     the check is shown to discriminate). `ranks`: the ranks whose stage fails, where several."""
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.cases import SMOKE
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem
-from moe_verify.verification import verify
+from moe_verify.sweep.cases import SMOKE
 from optimized.backend import OptimizedBackend
 
 pytestmark = pytest.mark.cpu

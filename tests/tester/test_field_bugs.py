@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from moe_verify.examples import accumulators
-from moe_verify.graph import default_replays, verify_graph
-from moe_verify.inputs import TINY_AMAX, make_inputs
-from moe_verify.poison import FP8_MAX_CODE, FP32_MAX, poison_padding
-from moe_verify.runner import run_one_stage
+from moe_verify.production.graph import default_replays, verify_graph
+from moe_verify.run.inputs import TINY_AMAX, make_inputs
+from moe_verify.run.poison import FP8_MAX_CODE, FP32_MAX, poison_padding
+from moe_verify.run.runner import run_one_stage
+from moe_verify.run.verify import verify
 from moe_verify.spec import STAGES, Engine, MoEProblem, Stage, Trace
-from moe_verify.verification import verify
 from optimized import op
 from optimized.backend import OptimizedBackend
 from reference import ReferenceBackend

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.cases import SWIGLU
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem
-from moe_verify.verification import verify
+from moe_verify.sweep.cases import SWIGLU
 from tests.tester.gate_table_backends import TableGateActQuant
 
 pytestmark = pytest.mark.cpu

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, Stage, Topology
-from moe_verify.verification import verify
 from optimized.backend import OptimizedBackend
 from tests.tester import recipe_backends as rb
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from moe_verify.run.verify import verify
 from moe_verify.spec import STAGES, GroupedLayout, MoEProblem, Recipe, Routing, ScaleFmt, Topology
-from moe_verify.verification import verify
 from optimized.backend import OptimizedBackend
 from tests.tester import wrong_backends as wrong
 from tolerance.compare import StageResult

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from moe_verify.examples import SwappedExpertRows, row_view
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import run_one_stage
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import run_one_stage
 from moe_verify.spec import FP8_MAX, STAGES, MoEInputs, MoEProblem, StageContext, Trace
 from optimized.backend import OptimizedBackend
 from optimized.kernels import slot_counts

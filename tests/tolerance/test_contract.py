@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moe_verify.cases import SMOKE, TOPOLOGY
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import run_one_stage
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import run_one_stage
 from moe_verify.spec import (
     GroupedLayout,
     MoEProblem,
@@ -24,6 +23,7 @@ from moe_verify.spec import (
     Topology,
     Trace,
 )
+from moe_verify.sweep.cases import SMOKE, TOPOLOGY
 from optimized import OptimizedBackend
 from reference import ReferenceBackend
 from reference.topology import placement

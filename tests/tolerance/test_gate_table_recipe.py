@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moe_verify.cases import SWIGLU
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import run_one_stage
-from moe_verify.sm90_chain import declare_hardware_gate
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import run_one_stage
+from moe_verify.run.sm90_chain import declare_hardware_gate
 from moe_verify.spec import (
     Activation,
     ActQuantRecipe,
@@ -31,6 +30,7 @@ from moe_verify.spec import (
     StageContext,
     Status,
 )
+from moe_verify.sweep.cases import SWIGLU
 from optimized import triton_compat
 from optimized.backend import OptimizedBackend
 from optimized.triton_compat import interpreter_mode

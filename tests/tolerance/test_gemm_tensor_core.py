@@ -1,7 +1,7 @@
 """Zero tolerance on SM90: an isolated GEMM that ran DeepGEMM on SM90 is held bit for bit to the
 golden's tensor-core recipe (docs/tolerance.md "Zero tolerance on SM90").
 
-The CPU has no SM90, so the one function that decides it (moe_verify.sm90_chain.sm90_device) is
+The CPU has no SM90, so the one function that decides it (moe_verify.run.sm90_chain.sm90_device) is
 forced here; the tested GEMMs (tests/tester/gemm_recipe_backends.py) report engine "deepgemm".
 Every layout the SM90 GEMMs read: contiguous by m_indices, contiguous by psum expert ends, and
 the masked batches of ep:N+ll; both SM90 scale formats.
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from moe_verify import sm90_chain
+from moe_verify.run import sm90_chain
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, Stage, Status
-from moe_verify.verification import verify
 from reference.moe import ReferenceBackend
 from tests.tester import gemm_recipe_backends as gb
 from tolerance.policy import TENSOR_CORE_GEMM

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from moe_verify.host_reads import HostReads
+from moe_verify.production.host_reads import HostReads
 from tolerance import metrics as m
 
 pytestmark = pytest.mark.cpu

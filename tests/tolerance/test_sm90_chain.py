@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from moe_verify import sm90_chain
 from moe_verify.examples import NoFmaPromotion
+from moe_verify.run import sm90_chain
+from moe_verify.run.verify import verify
 from moe_verify.spec import MoEProblem, Stage, StageContext
-from moe_verify.verification import verify
 from reference.moe import ReferenceBackend
 from tests.tester import sm90_chain_backends as cb
 from tolerance.policy import ACT_QUANT_BITWISE, GATHER_BITWISE, SHARED_BITWISE
@@ -142,7 +142,7 @@ def test_another_triton_keeps_the_bounds(sm90: None, record_report) -> None:
 
 
 def test_the_chain_golden_refuses_a_recipe_the_problem_has_not() -> None:
-    from moe_verify.inputs import make_inputs
+    from moe_verify.run.inputs import make_inputs
 
     golden = ReferenceBackend()
     x = make_inputs(BASE)

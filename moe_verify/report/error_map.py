@@ -1,5 +1,7 @@
-"""The error map of one failing (mode, stage, rank): what `moe_verify.error_measure` keeps of a
-rank while its traces exist, small and on the CPU, and what `moe_verify.plot` draws once every
+"""The error map of one failing (mode, stage, rank): what `moe_verify.report.error_measure` keeps
+of a
+rank while its traces exist, small and on the CPU, and what `moe_verify.report.plot` draws once
+every
 rank is done (docs/plots.md). Each cell holds the worst relative error or the share of elements
 that differ (`Measure`); for the permuted stages the golden's expert segments name the rows.
 """

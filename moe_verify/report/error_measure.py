@@ -1,6 +1,6 @@
 """Measuring a failure for its picture: `error_maps` runs inside verify's rank loop, while a rank's
-traces still exist, and keeps only a small binned map (`moe_verify.error_map.ErrorMap`) per
-failing stage; `moe_verify.plot` draws them (docs/plots.md).
+traces still exist, and keeps only a small binned map (`moe_verify.report.error_map.ErrorMap`) per
+failing stage; `moe_verify.report.plot` draws them (docs/plots.md).
 
 Rows are the golden's: for the permuted stages its row order, grouped by expert segment, each live
 (token, k) slot of the tested side placed at the golden's row of the same slot (row order inside a
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify.error_map import ErrorMap, Measure, Segment
-from moe_verify.runner import RankRun
+from moe_verify.report.error_map import ErrorMap, Measure, Segment
+from moe_verify.run.runner import RankRun
 from moe_verify.spec import (
     GEMM_OUTPUT,
     GroupedLayout,

@@ -10,7 +10,7 @@ the crumb can be read the moment the first error line arrives: that is the stage
 error was found, even for tools whose errors do not stop the run (racecheck, initcheck,
 synccheck). The kernel's name cross-checks it: each of our kernels belongs to known stages
 (KERNEL_STAGES), and the crumb picks among them (gemm1 or gemm2 for the grouped GEMM). Reading
-the output is moe_verify/sanitize_output.py's; the stage and the report, sanitize_report.py's.
+the output is moe_verify/sanitize/output.py's; the stage and the report, sanitize_report.py's.
 
 The report names the tool, the error count, the first error (kind, kernel, stage, case, thread,
 block, address), the child's own exit code and verdict line, and how much slower the sanitized run
@@ -37,21 +37,21 @@ from pathlib import Path
 
 from moe_verify.args import SANITIZER_TOOLS as TOOLS
 from moe_verify.args import add_run_args, problem_from_args
-from moe_verify.contain import (
+from moe_verify.run.contain import (
     KILL_GRACE_S,
     Completed,
     kill_group,
     read_until,
     terminate_as_exit,
 )
-from moe_verify.protect import SANITIZER_TOOL_ENV
-from moe_verify.sanitize_output import (
+from moe_verify.run.protect import SANITIZER_TOOL_ENV
+from moe_verify.sanitize.output import (
     is_error_header,
     is_sanitizer_line,
     parse_output,
     verdict_line,
 )
-from moe_verify.sanitize_report import Crumb, SanitizeReport, attribute
+from moe_verify.sanitize.report import Crumb, SanitizeReport, attribute
 from reference.tensor_core import FUSED_ENV
 
 SANITIZER = "compute-sanitizer"

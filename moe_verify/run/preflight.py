@@ -38,7 +38,7 @@ _FP32, _BF16, _FP8 = 4, 2, 1
 _TRACES = 3
 # Upcast copies a stage comparison makes of the largest stage tensor (both sides, diff, mask).
 _COMPARE_COPIES = 4
-# make_inputs quantizes weights in chunks of this many elements (moe_verify/inputs.py), through
+# make_inputs quantizes weights in chunks of this many elements (moe_verify/run/inputs.py), through
 # about this many fp32 temporaries of a chunk (w.float(), the padded blocks, the scaled copy, the
 # dequantized one of a UE8M0 requantization).
 _QUANT_CHUNK_ELEMENTS = 1 << 28
@@ -229,7 +229,7 @@ def preflight(problem: MoEProblem, device: torch.device | str) -> None:
     big = est.largest
     raise DoesNotFit(
         f"preflight: {problem.id} needs about {_gib(est.total)} on {device} "
-        f"({est.total} bytes, a generous estimate: moe_verify/preflight.py), but only "
+        f"({est.total} bytes, a generous estimate: moe_verify/run/preflight.py), but only "
         f"{_gib(free)} ({free} bytes) is free. The largest tensor is {big.name} of shape "
         f"{list(big.shape)} ({_gib(big.bytes_each)}, {big.bytes_each} bytes"
         f"{f' each, {big.copies} copies' if big.copies > 1 else ''}); use fewer tokens, experts "

@@ -44,7 +44,7 @@ def sm90_device(t: torch.Tensor) -> bool:
 def check_gemm_recipe(problem: MoEProblem, gemm_recipe: GemmRecipe | None) -> None:
     """A ValueError where an explicit tensor_core cannot apply to `problem` (not the SM90
     fp8_block recipe with fp32 or ceil-UE8M0 scales); the value itself is RunOptions'
-    (moe_verify/options.py)."""
+    (moe_verify/run/options.py)."""
     if gemm_recipe is GemmRecipe.TENSOR_CORE:
         if problem.recipe is not Recipe.FP8_BLOCK or problem.scale_fmt not in _SM90_FORMATS:
             raise ValueError(

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify import progress
-from moe_verify.inputs import make_inputs
+from moe_verify.common import progress
+from moe_verify.common.timing import median_seconds
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import (
     GEMM_OUTPUT,
     Engine,
@@ -27,7 +28,6 @@ from moe_verify.spec import (
     Trace,
     call_stage,
 )
-from moe_verify.timing import median_seconds
 
 # Bytes moved by a bandwidth-bound stage, from its inputs and outputs (read + write).
 _GEMM_STAGES = (Stage.GEMM1, Stage.GEMM2)
@@ -173,8 +173,8 @@ def compare_cost(
 ) -> list[CompareTiming]:
     """What verification itself costs: rank 0's golden and optimized traces (isolated and
     chained) compared on the golden's device and on the host, side by side on the same traces."""
-    from moe_verify.runner import resolve_backend
-    from moe_verify.verification import compare_rank, verify_rank
+    from moe_verify.run.runner import resolve_backend
+    from moe_verify.run.verify import compare_rank, verify_rank
 
     inputs = make_inputs(problem, device)
     tested, golden = resolve_backend("optimized"), resolve_backend("golden")

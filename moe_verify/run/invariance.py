@@ -1,6 +1,6 @@
 """The tested side's second run of a metamorphic pair (tolerance/invariance.py INVARIANCES): the
 pair of backends and problems a setting gives (`invariance_pair`: alignment, M_sum, the ep:N+ll
-capacity, DeepGEMM's hints; two poisons are built by moe_verify/verification.py `tested_sides`),
+capacity, DeepGEMM's hints; two poisons are built by moe_verify/run/verify.py `tested_sides`),
 and each stage's agreement check of the two runs (`with_agreement`). `verify` runs the pair rank
 by rank.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moe_verify.options import check_invariance
-from moe_verify.runner import RankRun, Side, resolve_backend
+from moe_verify.run.options import check_invariance
+from moe_verify.run.runner import RankRun, Side, resolve_backend
 from moe_verify.spec import (
     LL_BLOCK_ROWS,
     Backend,

@@ -8,8 +8,8 @@ the two side by side (the table shows the isolated culprit with the chained resu
 backend in each mode), compare, and tag the results (rank, GEMM engine, provenance). `verify`
 loops it over the ranks and adds the cross-rank `reduce`; the torchrun worker runs it on its own
 rank; calibrate and bench call it for their traces. Which golden a GEMM is held to bit for bit
-on SM90 is moe_verify/sm90_chain.py's choice; the second run of a metamorphic pair (two poisons,
-an invariance) and its agreement check are moe_verify/invariance_runs.py's.
+on SM90 is moe_verify/run/sm90_chain.py's choice; the second run of a metamorphic pair (two poisons,
+an invariance) and its agreement check are moe_verify/run/invariance.py's.
 """
 
 from __future__ import annotations
@@ -21,22 +21,24 @@ from typing import Any
 
 import torch
 
-from moe_verify import progress
-from moe_verify.contain import deadline
-from moe_verify.device import default_device
-from moe_verify.dump import dump_case, load_case
-from moe_verify.inputs import check_inputs, make_inputs
-from moe_verify.invariance_runs import Twin, invariance_pair, with_agreement
-from moe_verify.options import RunOptions, options_of
-from moe_verify.poison import poison_padding
-from moe_verify.preflight import preflight
-from moe_verify.runner import RankRun, Side, resolve_backend, run_golden, run_rank
-from moe_verify.sm90_chain import (
+from moe_verify.common import progress
+from moe_verify.common.device import default_device
+from moe_verify.common.timing import phase
+from moe_verify.run.contain import deadline
+from moe_verify.run.dump import dump_case, load_case
+from moe_verify.run.inputs import check_inputs, make_inputs
+from moe_verify.run.invariance import Twin, invariance_pair, with_agreement
+from moe_verify.run.options import RunOptions, options_of
+from moe_verify.run.poison import poison_padding
+from moe_verify.run.preflight import preflight
+from moe_verify.run.runner import RankRun, Side, resolve_backend, run_golden, run_rank
+from moe_verify.run.sm90_chain import (
     check_gemm_recipe,
     declare_hardware_gate,
     with_gemm_recipe,
     with_sm90_chain,
 )
+from moe_verify.run.workspaces import Workspaces
 from moe_verify.spec import (
     Backend,
     Engine,
@@ -54,8 +56,6 @@ from moe_verify.spec import (
     check_output_dir,
     check_type,
 )
-from moe_verify.timing import phase
-from moe_verify.workspaces import Workspaces
 from reference.topology import reduce_ranks
 from tolerance.compare import StageResult, compare, compare_stage
 from tolerance.invariance import INVARIANCES
@@ -89,7 +89,7 @@ def verify_rank(
     tensor-core recipe where `gemm_recipe_applies` (`with_gemm_recipe`); a chained run to the
     golden's SM90 chain where `with_sm90_chain` builds one; a tested act_quant whose gate is the
     recorded table's is declared as that recipe first (`declare_hardware_gate`; all four in
-    moe_verify/sm90_chain.py)."""
+    moe_verify/run/sm90_chain.py)."""
     check_type("verify_rank: problem", problem, MoEProblem)
     check_int(
         f"verify_rank: rank (topology {problem.topology})", rank, 0, problem.topology.size - 1
@@ -159,7 +159,7 @@ def compare_reduce(
 
 def reduce_maps(problem: MoEProblem, runs: list[RankRun], mode: Mode) -> list:
     """The plots' data of a failing cross-rank `reduce` (one panel: it is every rank's sum)."""
-    from moe_verify.error_measure import error_maps
+    from moe_verify.report.error_measure import error_maps
 
     golden, tested = reduce_traces(problem, runs, mode)
     return error_maps(problem, RankRun(0, golden, {mode: tested}), mode, [Stage.REDUCE])
@@ -180,7 +180,7 @@ def verify(
     device: torch.device | str | None = None,
     **run: Any,
 ) -> Report:
-    """Verify a backend against the golden on `problem` as `options` say (moe_verify/options.py
+    """Verify a backend against the golden on `problem` as `options` say (moe_verify/run/options.py
     RunOptions: backend, mode, engine, workspaces and poisons, padding poison, GEMM recipe,
     comparison device, case timeout, dump and plot directories, invariance); see the module
     docstring for modes. The older form of the call, `backend`, `mode` and RunOptions' fields as
@@ -190,13 +190,15 @@ def verify(
     Given `inputs` must match the problem (`check_inputs`); otherwise they are made from its seed
     on `device` (default: the GPU when there is one) after a memory pre-flight. On failure with a
     dump directory, the inputs, every trace and the options go there for `moe-verify replay`;
-    with a plot directory, one heatmap per failing stage (moe_verify/plot.py). `case_timeout_s`
-    bounds the whole case (moe_verify/contain.py). Two poison bytes run the tested side once under
-    each, an invariance once with the setting changed (moe_verify/invariance_runs.py), and every
+    with a plot directory, one heatmap per failing stage (moe_verify/report/plot.py).
+    `case_timeout_s`
+    bounds the whole case (moe_verify/run/contain.py). Two poison bytes run the tested side once
+    under
+    each, an invariance once with the setting changed (moe_verify/run/invariance.py), and every
     stage must also agree bit for bit between the two runs (tolerance/invariance.py).
 
     `padding_poison`: the golden's padding rows (permute, or the batches past masked_m under
-    ep:N+ll) hold stale worst-case values (moe_verify/poison.py `poison_padding`) before any
+    ep:N+ll) hold stale worst-case values (moe_verify/run/poison.py `poison_padding`) before any
     isolated stage reads them, so a GEMM that lets padding reach live rows fails (FlashInfer
     #3650). It changes what isolated mode feeds the tested stages only: chained mode runs the
     tested side on its own outputs and is unaffected, so mode "chained" alone is refused.
@@ -204,7 +206,7 @@ def verify(
     `gemm_recipe`: what gemm1 / gemm2 are held to. None (automatic): bit for bit to the golden's
     tensor-core recipe where the tested stage ran DeepGEMM on an SM90 GPU (or declares the
     recipe), isolated on the same operands and chained against the golden's SM90 chain, every
-    stage then bit for bit (moe_verify/sm90_chain.py `with_sm90_chain`), else bounded against
+    stage then bit for bit (moe_verify/run/sm90_chain.py `with_sm90_chain`), else bounded against
     fp32 dequant math; "tensor_core": bit for bit wherever the SM90 fp8_block recipe applies (on
     a CPU too: the Triton interpreter's exact math then fails it); "fp32_dequant": bounded
     always. The bound is reported beside a bitwise verdict
@@ -238,7 +240,7 @@ def verify(
         padded = Stage.DISPATCH if problem.topology.kind is TopologyKind.EP_LL else Stage.PERMUTE
         report.files["padding_poison"] = [str(padded)]
     if opts.plot_dir is not None and maps:
-        from moe_verify.plot import write_plots
+        from moe_verify.report.plot import write_plots
 
         report.files["plots"] = [str(f) for f in write_plots(problem, maps, opts.plot_dir)]
     if opts.dump_dir is not None and not report.passed:
@@ -262,9 +264,7 @@ def tested_sides(problem: MoEProblem, options: RunOptions) -> tuple[Side, Twin |
     backend = resolve_backend(options.backend, options.engine)
 
     def side(poison: int | None) -> Side:
-        if not options.workspace:
-            return Side(backend)
-        return Side(backend, Workspaces(True, poison))
+        return Side(backend, Workspaces(options.workspace, poison))
 
     tested = side(poisons[0] if poisons else None)
     if len(poisons) < 2:
@@ -336,7 +336,7 @@ def _verify_ranks(
                 {m: with_agreement(verdict.results[m], verdict.run, other, m, twin) for m in modes}
             )
         if plot:
-            from moe_verify.error_measure import error_maps
+            from moe_verify.report.error_measure import error_maps
 
             for m in modes:
                 failing = [r.stage for r in verdict.results[m] if r.status.failing]
@@ -400,7 +400,7 @@ def replay(
     mode: Mode | str | None = None,
 ) -> Report:
     """Re-run a dumped case on the dumped inputs (bit-identical to the failing run) with the
-    options the dump recorded (moe_verify/options.py RunOptions), its dump and plot directories
+    options the dump recorded (moe_verify/run/options.py RunOptions), its dump and plot directories
     left out; a given `backend` (then without the recorded workspace and poisons, which were the
     recorded backend's), `engine` or `mode` replaces the recorded one. `directory` is the case
     directory or a dump directory holding exactly one case."""

@@ -115,7 +115,7 @@ TOPOLOGY: list[MoEProblem] = [
 ]
 
 # The GPU pipeline list: the shapes vLLM runs (issue 3), FP8 block through DeepGEMM, both SM90
-# formats (tests/gpu/test_sm90_pipeline.py; the nightly preset is moe_verify/nightly.py).
+# formats (tests/gpu/test_sm90_pipeline.py; the nightly preset is moe_verify/sweep/nightly.py).
 DSV3_LOCAL: dict[str, Any] = dict(hidden=7168, intermediate=2048, num_experts=32, topk=8)
 QWEN3: dict[str, Any] = dict(hidden=4096, intermediate=1536, num_experts=128, topk=8)
 # H, I and experts of every GPU-tier problem that is not a model's shape: one shape, so DeepGEMM
@@ -192,8 +192,8 @@ def dsv3_ep8() -> list[MoEProblem]:
 
 
 def nightly() -> list[MoEProblem]:
-    """The nightly preset: the covering design of moe_verify/nightly.py."""
-    from moe_verify.nightly import nightly_cases
+    """The nightly preset: the covering design of moe_verify/sweep/nightly.py."""
+    from moe_verify.sweep.nightly import nightly_cases
 
     return [c.problem for c in nightly_cases()]
 
@@ -219,6 +219,6 @@ def preset_edges(name: str) -> dict[str, str]:
     preset(name)  # the same error for an unknown name
     if name != "nightly":
         return {}
-    from moe_verify.nightly import nightly_cases
+    from moe_verify.sweep.nightly import nightly_cases
 
     return {c.problem.id: c.edge for c in nightly_cases()}

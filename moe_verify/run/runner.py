@@ -4,9 +4,10 @@ Whatever a backend's stage does, it becomes that stage's result, never the end o
 `StageSkipped` is a skip; a `StageViolation`, an in-place write into what the stage was handed, or
 outputs that break the stage contract (tolerance/contract.py) are a failed check; anything else it
 raises, including SystemExit (even exit(0)), a KeyboardInterrupt that is not the user's Ctrl-C, or
-the case timeout running out (moe_verify/contain.py), is an error. Once the case timeout ran out,
+the case timeout running out (moe_verify/run/contain.py), is an error. Once the case timeout ran
+out,
 every later stage skips. In chained mode the stages after a stage that did not pass skip with its
-reason. Each stage synchronizes the GPU, reports its start (moe_verify.progress) and leaves a
+reason. Each stage synchronizes the GPU, reports its start (moe_verify.common.progress) and leaves a
 breadcrumb (the case and stage in flight), so an illegal memory access still says where it was.
 """
 
@@ -23,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from moe_verify import progress
-from moe_verify.contain import CaseTimeout, expired, terminated, user_interrupted
-from moe_verify.loader import class_spec, load_class
-from moe_verify.options import check_backend
-from moe_verify.poison import poisoned_allocations
-from moe_verify.protect import Guarded, guards_own_upstream
+from moe_verify.common import progress
+from moe_verify.common.loader import class_spec, load_class
+from moe_verify.common.timing import phase
+from moe_verify.run.contain import CaseTimeout, expired, terminated, user_interrupted
+from moe_verify.run.options import check_backend
+from moe_verify.run.poison import poisoned_allocations
+from moe_verify.run.protect import Guarded, guards_own_upstream
 from moe_verify.spec import (
     NO_BUFFERS,
     Backend,
@@ -46,14 +48,13 @@ from moe_verify.spec import (
     check_backend_object,
     stage_method,
 )
-from moe_verify.timing import phase
 from optimized.topology import ShardCache
 from reference.topology import REDUCE_INPUTS
 from tolerance.contract import contract_violations
 
 # Stages whose permuted scales have a padding contract (+0.0 fp32, no 0xFF byte): they run with
 # uninitialised allocations poisoned, so a padding row left as torch.empty garbage fails every
-# time instead of passing on zeroed pages (moe_verify/poison.py).
+# time instead of passing on zeroed pages (moe_verify/run/poison.py).
 POISONED_STAGES = frozenset({Stage.PERMUTE, Stage.DISPATCH})
 
 # The side of a golden's run, where progress and breadcrumbs name the tested side's mode.

@@ -2,7 +2,7 @@
 bounds it: DeepGEMM's GEMMs alone on the same operands and the byte floor of the memory stages.
 
 Issue #13's targets on the H200, the byte floor and the rows that judge a stage against them are
-in `moe_verify.production_targets`; the tables in `moe_verify.production_report`. This module
+in `moe_verify.production.targets`; the tables in `moe_verify.production.report`. This module
 measures. All numbers of one table come from one process, side by side:
 
 - production stages: a forward with taps gives each stage its inputs; each stage method of the
@@ -37,12 +37,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moe_verify import progress
-from moe_verify.bench import copy_bandwidth
-from moe_verify.device import default_device
-from moe_verify.inputs import make_inputs
-from moe_verify.production_report import DecodeBench, Environment, ProductionBench, VerificationRow
-from moe_verify.production_targets import (
+from moe_verify.common import progress
+from moe_verify.common.device import default_device
+from moe_verify.common.timing import median_seconds, replay_seconds
+from moe_verify.production.bench import copy_bandwidth
+from moe_verify.production.report import DecodeBench, Environment, ProductionBench, VerificationRow
+from moe_verify.production.targets import (
     CALLS_PER_GRAPH,
     CPU_TIMING,
     DECODE_TOKENS,
@@ -57,6 +57,7 @@ from moe_verify.production_targets import (
     memory_row,
     traffic_of,
 )
+from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import (
     MAX_TOKENS,
     Engine,
@@ -70,7 +71,6 @@ from moe_verify.spec import (
     check_int,
     run_stages,
 )
-from moe_verify.timing import median_seconds, replay_seconds
 from optimized import deepgemm, op, production
 from optimized.production import (
     BATCHED,
@@ -358,7 +358,7 @@ def bench_production(
 ) -> ProductionBench:
     """Time `rank` of `problem` in production mode beside DeepGEMM alone and the byte floor,
     with verification mode's times apart (`verification=False` leaves them out). `backend`: the
-    registered backend the op runs (`moe_verify.runner.production_backend` registers one)."""
+    registered backend the op runs (`moe_verify.run.runner.production_backend` registers one)."""
     problem, rank, engine, repeats, dev = _checked(problem, rank, engine, repeats, device)
     op.registered_backend(backend)  # a clear error before any work
     inputs = make_inputs(problem, dev)

@@ -1,6 +1,6 @@
 """Contained workers for `moe-verify sweep`: cases run in worker processes, N at once.
 
-A worker (moe_verify/sweep_worker.py, in a process group of its own) imports torch, Triton and the
+A worker (moe_verify/sweep/worker.py, in a process group of its own) imports torch, Triton and the
 backends once and then runs the cases it is sent, one after another. An illegal memory access, an
 abort, an exit (even `os._exit(0)`) or a hang ends that case only: the breadcrumb file names the
 stage that was in flight, the case's log keeps faulthandler's report, and a fresh worker takes the
@@ -13,10 +13,11 @@ reply pipes together, so a slot whose case ends (a reply, the worker's death, or
 the next case at once while the others go on. The slots share the machine's GPUs: with one GPU every
 worker runs on it; with several, slot i is pinned to the i-th of them, round robin, through
 CUDA_VISIBLE_DEVICES. Before a case starts on a device, the memory pre-flight's estimate of it
-(moe_verify/preflight.py) plus those of the cases in flight there must fit in MEMORY_SHARE of the
+(moe_verify/run/preflight.py) plus those of the cases in flight there must fit in MEMORY_SHARE of
+the
 device's memory; otherwise the case waits for one to finish (a case alone on its device always
 starts, and its own pre-flight then decides). Every worker shares the JIT caches
-(moe_verify/jit_cache.py), so a shape one worker compiled is a cache hit for the others.
+(moe_verify/common/jit_cache.py), so a shape one worker compiled is a cache hit for the others.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from moe_verify.contain import KILL_GRACE_S, READ_CHUNK, Completed, kill_group
-from moe_verify.jit_cache import shared_jit_caches
-from moe_verify.options import RunOptions
+from moe_verify.common.jit_cache import shared_jit_caches
+from moe_verify.run.contain import KILL_GRACE_S, READ_CHUNK, Completed, kill_group
+from moe_verify.run.options import RunOptions
 from moe_verify.spec import MoEProblem, Status
 
 # The worker protocol's files: the runner's per-stage breadcrumb (each worker's
@@ -103,7 +104,8 @@ class CaseOutcome:
     peak_gpu_bytes: int | None = None
     peak_allocated_bytes: int | None = None
     estimate_bytes: int | None = None
-    # Where the case's time went: seconds per phase of verify (moe_verify/timing.py); None when
+    # Where the case's time went: seconds per phase of verify (moe_verify/common/timing.py); None
+    # when
     # the case ended with its worker.
     phase_seconds: dict[str, float] | None = None
     # When the case ran out of memory beside other cases and was run again alone on its device
@@ -241,7 +243,7 @@ class Device:
 def devices() -> list[Device]:
     """One Device per visible GPU (pinned when there are several), else the CPU; each with
     MEMORY_SHARE of its memory as its budget."""
-    from moe_verify.preflight import free_bytes
+    from moe_verify.run.preflight import free_bytes
 
     gpus = visible_gpus()
     if not gpus:
@@ -279,11 +281,11 @@ def worker_environment(
 
 
 class _Worker:
-    """One worker child (moe_verify/sweep_worker.py) in a session of its own, its log before the
+    """One worker child (moe_verify/sweep/worker.py) in a session of its own, its log before the
     first case in `folder`/STARTUP_LOG."""
 
     def __init__(self, folder: Path, env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", "moe_verify.sweep_worker", str(folder)]
+        cmd = [sys.executable, "-m", "moe_verify.sweep.worker", str(folder)]
         with open(folder / STARTUP_LOG, "w") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -532,7 +534,7 @@ def run_pool(
     drains, and its outcome then notes the first run (`CaseOutcome.retried`). Each slot keeps
     the protocol's files in a temporary directory of its own. Every worker and directory is gone
     on return, also when an interrupt (KeyboardInterrupt, SystemExit) ends the sweep."""
-    from moe_verify.preflight import estimate
+    from moe_verify.run.preflight import estimate
 
     check_jobs(jobs)
     places = devices()

@@ -21,7 +21,8 @@ keep what the previous replay left there, as vLLM's do, plus planted stale posit
   allocation so no address is recycled, is never written again.
 
 The op runs the tested backend's own stage methods (the class `moe-verify run` verifies, given
-as `--backend`), graph-safe. The warm-up call counts host reads (moe_verify/host_reads.py): a
+as `--backend`), graph-safe. The warm-up call counts host reads
+(moe_verify/production/host_reads.py): a
 stage that reads the device on the host cannot be captured, so the report names the stage, the
 call and the line, fails, and runs the replays eagerly so every stage is still compared.
 
@@ -48,11 +49,12 @@ from pathlib import Path
 
 import torch
 
-from moe_verify.contain import Completed, run_contained
-from moe_verify.device import default_device
-from moe_verify.host_reads import HostReads
-from moe_verify.inputs import make_inputs
-from moe_verify.runner import RankRun
+from moe_verify.common.device import default_device
+from moe_verify.production.host_reads import HostReads
+from moe_verify.run.contain import Completed, run_contained
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import RankRun
+from moe_verify.run.verify import compare_reduce, engine_of, has_reduce, rank_experts
 from moe_verify.spec import (
     Engine,
     Mode,
@@ -64,7 +66,6 @@ from moe_verify.spec import (
     Trace,
     run_stages,
 )
-from moe_verify.verification import compare_reduce, engine_of, has_reduce, rank_experts
 from optimized import op, production
 from optimized.production import (
     ForwardConfig,
@@ -192,7 +193,8 @@ class GraphReport:
     backend: str
     engine: str
     replays: list[ReplayResult] = field(default_factory=list)
-    # stage -> its first host read (moe_verify/host_reads.py): such a stage cannot be captured.
+    # stage -> its first host read (moe_verify/production/host_reads.py): such a stage cannot be
+    # captured.
     host_reads: dict[str, str] = field(default_factory=dict)
 
     @property

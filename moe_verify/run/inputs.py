@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from moe_verify.device import default_device
+from moe_verify.common.device import default_device
 from moe_verify.spec import (
     MoEInputs,
     MoEProblem,

@@ -2,7 +2,7 @@
 
 A dump directory holds one directory per failing case, named by the case id:
   problem.json            the MoEProblem (MoEProblem.from_dict reads it back)
-  run.json                how it was run: RunOptions.to_dict() (moe_verify/options.py), the
+  run.json                how it was run: RunOptions.to_dict() (moe_verify/run/options.py), the
                           backend as the spec verify() got ("optimized", "module:Class", the
                           module:Class of a Backend class or instance); absent in older dumps
                           and when the dumping caller did not say. A run.json of an older
@@ -16,7 +16,7 @@ A dump directory holds one directory per failing case, named by the case id:
                           file's metadata
 
 A dump is read as untrusted input (it may come from anyone's bug report): every file through
-moe_verify.safe_io, so a bad one is a ValueError naming it, never a hang or a traceback.
+moe_verify.common.safe_io, so a bad one is a ValueError naming it, never a hang or a traceback.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from moe_verify.options import RunOptions
-from moe_verify.runner import RankRun
-from moe_verify.safe_io import UntrustedFileError, load_safetensors, read_json, safe_file
+from moe_verify.common.safe_io import UntrustedFileError, load_safetensors, read_json, safe_file
+from moe_verify.run.options import RunOptions
+from moe_verify.run.runner import RankRun
 from moe_verify.spec import MoEInputs, MoEProblem, QuantizedWeight, Trace
 from tolerance.report import Report
 
@@ -247,7 +247,7 @@ def case_directory(directory: Path) -> tuple[Path, str]:
 def load_case(directory: Path, device: torch.device | str | None = None) -> DumpedCase:
     """The case dumped in `directory` (the case directory, or a dump directory holding exactly
     one case), its inputs on `device`, every file read as untrusted input."""
-    from moe_verify.device import default_device
+    from moe_verify.common.device import default_device
 
     root, case = case_directory(directory)
     problem_path = safe_file(root, f"{case}/{PROBLEM_FILE}")

@@ -1,7 +1,8 @@
 """The tables of `moe-verify bench --production [--decode]`: one rank's production forward
 stage by stage beside its bounds (`ProductionBench`), the forward at decode sizes
 (`DecodeBench`), verification mode's times apart, and where it all was measured (`Environment`).
-Each `to_markdown` renders what `moe_verify.bench_production` measured; nothing here times.
+Each `to_markdown` renders what `moe_verify.production.bench_production` measured; nothing here
+times.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify.production_targets import (
+from moe_verify.production.targets import (
     DECODE_VS_GEMMS,
     FORWARD_VS_FLOOR,
     GEMM_STAGES,
@@ -167,8 +168,8 @@ class ProductionBench:
             total = sum(v.median_us for v in self.verification)
             lines += [
                 "",
-                "Verification mode (eager `OptimizedBackend`, with host validation; not what "
-                "production runs, timed apart):",
+                "Verification mode (the same stage methods called eagerly, with host "
+                "validation; not what production runs, timed apart):",
                 "",
                 "| stage | median us | vs production |",
                 "| --- | --- | --- |",

@@ -1,7 +1,8 @@
 """A picture of a failure: one PNG per failing (mode, stage), the error against the golden as a
 heatmap, ranks side by side (docs/plots.md).
 
-`moe_verify.error_measure.error_maps` measures each rank while its traces exist; `write_plots`
+`moe_verify.report.error_measure.error_maps` measures each rank while its traces exist;
+`write_plots`
 draws the maps once every rank is done. matplotlib is imported only when drawing.
 """
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_verify.error_map import ErrorMap, Measure
+from moe_verify.report.error_map import ErrorMap, Measure
 from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Stage
 
 if TYPE_CHECKING:

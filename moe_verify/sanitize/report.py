@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
-from moe_verify.sanitize_output import SanitizerError
+from moe_verify.sanitize.output import SanitizerError
 
 # Our kernels and the stages that launch them (optimized/backend.py); the breadcrumb picks among
 # several. A kernel not listed (a backend's own, vLLM's, torch's) takes the breadcrumb's stage.
@@ -34,7 +34,7 @@ DEEPGEMM_STAGES = ("gemm1", "gemm2", "shared")
 
 @dataclass(frozen=True)
 class Crumb:
-    """The runner's breadcrumb: the case and stage in flight (moe_verify/runner.py)."""
+    """The runner's breadcrumb: the case and stage in flight (moe_verify/run/runner.py)."""
 
     case: str
     rank: int

@@ -1,9 +1,9 @@
-"""The child side of an isolated sweep (moe_verify/sweep_pool.py): `python -m
-moe_verify.sweep_worker DIR` imports the harness once, then runs the cases its parent sends, one
+"""The child side of an isolated sweep (moe_verify/sweep/pool.py): `python -m
+moe_verify.sweep.worker DIR` imports the harness once, then runs the cases its parent sends, one
 after another.
 
 Protocol, JSON only: the parent writes one line per case to our stdin, {"name", "problem"
-(MoEProblem.to_dict), "options" (RunOptions.to_dict, moe_verify/options.py)}; we run it in
+(MoEProblem.to_dict), "options" (RunOptions.to_dict, moe_verify/run/options.py)}; we run it in
 process under its deadline, write its outcome to DIR/<name>.json (atomically) and answer one line
 {"done": name} on the stdout we started with. Everything the case prints, faulthandler's report of
 a crash and the deadline's last words included, goes to DIR/<name>.log, so the parent keeps the
@@ -17,8 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from moe_verify.sweep import run_in_process, write_atomic
-from moe_verify.sweep_pool import log_path, outcome_path
+from moe_verify.sweep.pool import log_path, outcome_path
+from moe_verify.sweep.sweep import run_in_process, write_atomic
 
 
 def _log_to(path: Path) -> None:
@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     # torch, Triton and the backends load here, once, before the first case.
-    import moe_verify.verification  # noqa: F401
-    from moe_verify.contain import watch_interrupts
-    from moe_verify.options import RunOptions
+    import moe_verify.run.verify  # noqa: F401
+    from moe_verify.run.contain import watch_interrupts
+    from moe_verify.run.options import RunOptions
     from moe_verify.spec import MoEProblem
 
     for line in sys.stdin:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_verify.loader import class_spec
+from moe_verify.common.loader import class_spec
 from moe_verify.spec import (
     STAGES,
     Backend,
@@ -37,10 +37,10 @@ from moe_verify.spec import (
 )
 from tolerance.invariance import INVARIANCES
 
-# The backends `--backend` names; anything else is 'module:Class' (moe_verify/runner.py).
+# The backends `--backend` names; anything else is 'module:Class' (moe_verify/run/runner.py).
 BACKEND_NAMES = ("optimized", "golden", "vllm", "sglang", "lmdeploy")
 # How a case is started: "none" runs it here (every rank emulated in this process), "isolated"
-# in a sweep's worker process (moe_verify/sweep_worker.py), "torchrun" one process per rank.
+# in a sweep's worker process (moe_verify/sweep/worker.py), "torchrun" one process per rank.
 LAUNCHERS = ("none", "isolated", "torchrun")
 # The flag of `moe-verify run` that sets each field, as a refusal names it.
 FLAGS = {
@@ -87,20 +87,20 @@ class RunOptions:
 
     backend         "optimized", "golden", "vllm", "module:Class", a Backend class (built here,
                     with the engine, workspace and poison), or a Backend instance (run as built)
-    mode            "isolated", "chained" or "both" (moe_verify/verification.py)
+    mode            "isolated", "chained" or "both" (moe_verify/run/verify.py)
     engine          the optimized backend's GEMM engine (auto picks one that can run)
     workspace       the optimized backend reuses its buffers, with guard bands checked
     poison          () or one or two bytes the buffers are filled with before each use; two: the
                     tested side runs under each, and the two runs must agree bit for bit
     padding_poison  the golden's padding rows poisoned before isolated stages read them (needs
-                    isolated mode: moe_verify/poison.py)
-    gemm_recipe     what gemm1 / gemm2 are held to; None: automatic (moe_verify/sm90_chain.py)
+                    isolated mode: moe_verify/run/poison.py)
+    gemm_recipe     what gemm1 / gemm2 are held to; None: automatic (moe_verify/run/sm90_chain.py)
     compare_device  where stages are compared (e.g. "cpu"); None: the golden's device
-    case_timeout_s  the whole case's deadline in seconds (moe_verify/contain.py); None: no limit
+    case_timeout_s  the whole case's deadline in seconds (moe_verify/run/contain.py); None: no limit
     dump_dir        on failure, the inputs and every trace go here, for `replay`
-    plot_dir        a heatmap of each failing stage goes here (moe_verify/plot.py)
+    plot_dir        a heatmap of each failing stage goes here (moe_verify/report/plot.py)
     invariance      run the tested side a second time with only this setting changed
-                    (tolerance/invariance.py INVARIANCES, moe_verify/invariance_runs.py)
+                    (tolerance/invariance.py INVARIANCES, moe_verify/run/invariance.py)
     """
 
     backend: str | type | Backend = "optimized"
@@ -159,11 +159,6 @@ class RunOptions:
             given = self._changed(_NOT_WITH_INVARIANCE)
             if given:
                 raise ValueError(f"{', '.join(given)}: not supported with --invariance")
-        if self.poison and not self.workspace:
-            raise ValueError(
-                f"poison={list(self.poison)}: it fills the workspaces, so it needs "
-                "workspace=True (--workspace)"
-            )
 
     def _changed(self, names: tuple[str, ...]) -> list[str]:
         """The flags of the fields among `names` that differ from their defaults."""

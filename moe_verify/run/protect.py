@@ -48,7 +48,8 @@ from tolerance.metrics import host_ints
 
 __all__ = ["Guarded", "guarded_inputs"]
 
-# `moe-verify run --sanitize TOOL` names the tool to its sanitized child (moe_verify/sanitize.py).
+# `moe-verify run --sanitize TOOL` names the tool to its sanitized child
+# (moe_verify/sanitize/run.py).
 SANITIZER_TOOL_ENV = "MOE_VERIFY_SANITIZER_TOOL"
 
 

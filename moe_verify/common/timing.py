@@ -11,7 +11,7 @@ scripts all read their numbers here, so two tables never disagree because their 
   inputs, the golden, the tested side per mode, the golden's SM90 tensor-core GEMMs and chain,
   the comparison), summed over ranks; a sweep keeps them per case (summary.json
   `phase_seconds`, docs/ci.md), so a slow CI run shows what to cut. Phases do not nest, and the
-  stages sync the GPU as they end (moe_verify/runner.py), so a kernel's time falls in its own
+  stages sync the GPU as they end (moe_verify/run/runner.py), so a kernel's time falls in its own
   phase.
 """
 

@@ -2,7 +2,7 @@
 markdown matrix, every case bounded and every crash contained.
 
 By default the cases run in contained worker processes, `jobs` of them at once
-(moe_verify/sweep_pool.py): an illegal memory access, an abort, an exit or a hang ends that case
+(moe_verify/sweep/pool.py): an illegal memory access, an abort, an exit or a hang ends that case
 only (the breadcrumb file names the stage that was in flight, the worker's log of the case keeps
 faulthandler's report), a fresh worker takes that slot's next case, and the other workers go on.
 `isolate=False` runs the cases one at a time in this process under the per-case deadline; that
@@ -19,7 +19,8 @@ still. Every file is written atomically, so a sweep that is killed leaves valid 
 parent is killed by SIGKILL leaves a summary.json at most that many seconds old.
 
 The JIT caches (DeepGEMM's, Triton's, inductor's) that are not set are pointed at one stable
-per-user directory (moe_verify/jit_cache.py) in this process's environment, so every worker, the
+per-user directory (moe_verify/common/jit_cache.py) in this process's environment, so every worker,
+the
 in-process cases and the next sweep share them.
 
 A case is PASS, FAIL (a check failed) or ERROR (it crashed, timed out, a backend raised, or the
@@ -42,10 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_verify import timing
 from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
-from moe_verify.cases import preset
-from moe_verify.contain import (
+from moe_verify.common import timing
+from moe_verify.common.jit_cache import shared_jit_caches
+from moe_verify.common.progress import SweepBar
+from moe_verify.run.contain import (
     DEFAULT_CASE_TIMEOUT_S,
     CaseTimeout,
     terminate_as_exit,
@@ -53,11 +55,10 @@ from moe_verify.contain import (
     user_interrupted,
     watch_interrupts,
 )
-from moe_verify.jit_cache import shared_jit_caches
-from moe_verify.options import RunOptions, options_of
-from moe_verify.progress import SweepBar
+from moe_verify.run.options import RunOptions, options_of
 from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Status
-from moe_verify.sweep_pool import CaseOutcome, check_jobs, run_pool
+from moe_verify.sweep.cases import preset
+from moe_verify.sweep.pool import CaseOutcome, check_jobs, run_pool
 
 SUMMARY_JSON_EVERY_S = 30.0
 # What a sweep runs with when built from keyword arguments: both modes, the CLI's case timeout.
@@ -140,7 +141,7 @@ def release_memory() -> None:
     them, so the next case, or a replacement worker, starts with the GPU's memory free. (On the
     H200 the third all-384-expert Kimi-like case of the nightly ran out of memory in the worker
     that had run two; no cross-case leak was found on the CPU, so this is a precaution, and the
-    fix was the EP-local Kimi size in moe_verify/nightly.py.)"""
+    fix was the EP-local Kimi size in moe_verify/sweep/nightly.py.)"""
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
@@ -155,7 +156,7 @@ def run_in_process(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
     """One case in this process under its deadline; whatever the backend raises is the case's
     ERROR, except the user's Ctrl-C and our SIGTERM, which propagate. The outcome carries the
     GPU memory the case took at most (`gpu_peaks`) and where its time went
-    (moe_verify/timing.py); the case's memory is released before the next case
+    (moe_verify/common/timing.py); the case's memory is released before the next case
     (`release_memory`)."""
     reset_gpu_peak()
     timing.reset()
@@ -169,7 +170,7 @@ def run_in_process(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
 
 
 def _run_case(problem: MoEProblem, options: RunOptions) -> CaseOutcome:
-    from moe_verify.verification import verify
+    from moe_verify.run.verify import verify
 
     start = time.perf_counter()
     try:
@@ -271,7 +272,7 @@ def select_cases(
     if not chosen:
         raise ValueError(f"sweep: no case of {name!r} matches the filter {filter_text!r}")
     if shard is not None:
-        from moe_verify.nightly import shard as take_shard
+        from moe_verify.sweep.nightly import shard as take_shard
 
         chosen = take_shard(chosen, shard)
         if not chosen:
@@ -290,12 +291,12 @@ def sweep(
     jobs: int = 1,
     **run: Any,
 ) -> SweepSummary:
-    """Run a preset (by name) or the given cases, each as `options` say (moe_verify/options.py
+    """Run a preset (by name) or the given cases, each as `options` say (moe_verify/run/options.py
     RunOptions: its case timeout bounds each case, its plot directory gets a heatmap of each
     failing stage); see the module docstring. RunOptions' fields as keyword arguments (the form
     of the call before RunOptions) build the options over SWEEP_DEFAULTS instead. `shard` 'i/n'
     runs the i-th of n interleaved shards of the chosen cases (`select_cases`). `jobs` contained
-    workers run the cases concurrently (moe_verify/sweep_pool.py; `isolate=False` runs one at a
+    workers run the cases concurrently (moe_verify/sweep/pool.py; `isolate=False` runs one at a
     time: jobs must then be 1). The summaries go to `out_dir`, which must be writable. SIGINT or
     SIGTERM kill the cases in flight and end the sweep (KeyboardInterrupt or SystemExit
     propagates), the finished cases' summaries already written."""

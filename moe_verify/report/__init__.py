@@ -1,0 +1,1 @@
+"""Pictures and error maps of a verified case."""

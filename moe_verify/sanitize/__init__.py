@@ -1,0 +1,1 @@
+"""compute-sanitizer around one case in a subprocess, and its report."""
