@@ -8,7 +8,7 @@ DeepGEMM under capture) with both SM90 scale formats and both contiguous layouts
 masked layout of ep:N+ll, which is captured on its own; MXFP8 and MXFP4 run their GEMMs on the
 Triton engine (DeepGEMM's MX GEMMs are SM100-only). The wrong backends of
 tests/tester/production_wrong.py must fail at their stage or guard under real replays too.
-The CPU tier (tests/harness/test_graph.py) runs the same logic with eager replays.
+The CPU tier (tests/production/test_graph.py) runs the same logic with eager replays.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each side has its own codec on purpose: the golden's (reference/formats.py: pack
 unpack_ue8m0, ue8m0_bytes, e8m0_to_fp32), the optimized path's (optimized/kernels/quant.py:
 pack_ue8m0, pack_ue8m0_from_fp32, Triton) and tolerance's (tolerance/layouts.py: unpack_ue8m0,
 fp32_to_e8m0, e8m0_to_float), which may import neither of the others
-(tests/harness/test_layering.py), so a side's packed scales are never judged by that side's own
+(tests/spec/test_layering.py), so a side's packed scales are never judged by that side's own
 decoder. Here one side encodes and another decodes: a byte-order, sign or pad slip in any one of
 them shows as a difference.
 """

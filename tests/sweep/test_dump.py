@@ -82,7 +82,7 @@ def test_isolated_sweep_survives_a_crashing_case_and_names_the_stage(
     monkeypatch.chdir(ROOT)  # the subprocess imports the backend by module path
     summary = sweep(
         "smoke",
-        backend="tests.harness.test_sweep_dump:CrashesInGemm1",
+        backend="tests.sweep.test_dump:CrashesInGemm1",
         out_dir=tmp_path,
         isolate=True,
         filter_text=SMALL,

@@ -210,7 +210,7 @@ class ReversesSegmentsUnderOnePoison(OptimizedBackend):
 
 def test_rows_ordered_differently_by_the_two_runs_still_agree() -> None:
     report = verify(
-        CASES[0], backend="tests.harness.test_workspaces:ReversesSegmentsUnderOnePoison",
+        CASES[0], backend="tests.run.test_workspaces:ReversesSegmentsUnderOnePoison",
         engine="triton", mode="both", workspace=True, poison=TWO_POISONS,
     )  # fmt: skip
     assert report.passed, report.summary_line()
@@ -232,7 +232,7 @@ class LeavesTheLastTokenUnwritten(OptimizedBackend):
 
 def test_a_row_left_unwritten_fails_the_two_poison_check_at_its_stage() -> None:
     report = verify(
-        CASES[0], backend="tests.harness.test_workspaces:LeavesTheLastTokenUnwritten",
+        CASES[0], backend="tests.run.test_workspaces:LeavesTheLastTokenUnwritten",
         engine="triton", mode="isolated", workspace=True, poison=TWO_POISONS,
     )  # fmt: skip
     assert report.first_failure == "gather", report.summary_line()

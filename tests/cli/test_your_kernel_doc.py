@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import doc_examples
-from tests.harness.doc_examples import Command, user_env
+from tests.cli import doc_examples
+from tests.cli.doc_examples import Command, user_env
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]

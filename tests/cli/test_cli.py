@@ -30,7 +30,7 @@ TINY_PROBLEM = MoEProblem(tokens=4, hidden=128, intermediate=128, num_experts=4,
 def test_default_run_prints_a_stage_table_and_passes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """In-process: `moe-verify` alone runs as a user's process in tests/harness/test_readme.py."""
+    """In-process: `moe-verify` alone runs as a user's process in tests/cli/test_readme.py."""
     out = tmp_path / "r.json"
     code = main(["-T", "8", "--json", str(out)])
     stdout, stderr = capsys.readouterr()
@@ -291,7 +291,7 @@ def test_a_passing_run_with_dump_dir_says_nothing_was_dumped(
 def test_every_stage_skipped_exits_2_with_a_skip_verdict(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    backend = "tests.harness.test_cli:SkipsEverything"
+    backend = "tests.cli.test_cli:SkipsEverything"
     assert main(["run", *TINY, "--mode", "isolated", "--backend", backend]) == 2
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("SKIP ") and "every tested stage was skipped" in last
@@ -301,7 +301,7 @@ def test_every_stage_skipped_exits_2_with_a_skip_verdict(
 def test_a_skipped_stage_is_named_and_fails_only_strict(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["run", *TINY, "--mode", "isolated", "--backend", "tests.harness.test_cli:DeclinesGemm2"]
+    argv = ["run", *TINY, "--mode", "isolated", "--backend", "tests.cli.test_cli:DeclinesGemm2"]
     assert main(argv) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("PASS ") and "(gemm2 skipped: " in last
@@ -310,7 +310,7 @@ def test_a_skipped_stage_is_named_and_fails_only_strict(
 
 
 def test_a_backend_calling_sys_exit_0_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["run", *TINY, "--mode", "isolated", "--backend", "tests.harness.test_cli:ExitsInRoute"]
+    argv = ["run", *TINY, "--mode", "isolated", "--backend", "tests.cli.test_cli:ExitsInRoute"]
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert "exit" in (captured.out + captured.err).lower()

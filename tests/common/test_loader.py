@@ -25,13 +25,13 @@ class Outer:
     [
         ("no_colon", "backend: expected 'module:Class', got 'no_colon'"),
         (":Outer", "expected 'module:Class'"),
-        ("tests.harness.test_loader:", "expected 'module:Class'"),
-        ("tests.harness.test_loader:Outer.", "expected 'module:Class'"),
-        ("tests.harness.test_loader:1st", "expected 'module:Class'"),
+        ("tests.common.test_loader:", "expected 'module:Class'"),
+        ("tests.common.test_loader:Outer.", "expected 'module:Class'"),
+        ("tests.common.test_loader:1st", "expected 'module:Class'"),
         ("no_such_module_of_moe_verify:X", "cannot load it (import no_such_module_of_moe_verify"),
-        ("tests.harness.test_loader:Missing", "cannot load it (tests.harness.test_loader has no"),
-        ("tests.harness.test_loader:Outer.Gone", "test_loader.Outer has no 'Gone'"),
-        ("tests.harness.test_loader:pytestmark", "expected a class, got MarkDecorator"),
+        ("tests.common.test_loader:Missing", "cannot load it (tests.common.test_loader has no"),
+        ("tests.common.test_loader:Outer.Gone", "test_loader.Outer has no 'Gone'"),
+        ("tests.common.test_loader:pytestmark", "expected a class, got MarkDecorator"),
     ],
     ids=[
         "no-colon",
@@ -62,7 +62,7 @@ def test_a_spec_that_is_not_a_string_is_a_type_error() -> None:
 
 def test_a_nested_class_loads_and_class_spec_is_its_inverse() -> None:
     spec = class_spec(Outer.Inner)
-    assert spec == "tests.harness.test_loader:Outer.Inner"
+    assert spec == "tests.common.test_loader:Outer.Inner"
     assert load_class(spec, "backend") is Outer.Inner
     assert class_spec(Outer.Inner(engine="triton")) == spec  # an instance names its class
 

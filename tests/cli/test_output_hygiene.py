@@ -116,7 +116,7 @@ def test_audit_shows_the_layer_in_flight_on_stderr(
     progress_now: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from moe_verify.audit import audit
-    from tests.harness.test_audit import _model, _save
+    from tests.audit.test_e8m0 import _model, _save
 
     audit(_save(tmp_path, _model("pow2", layers=2, experts=1)), device="cpu")
     err = capsys.readouterr().err

@@ -31,7 +31,7 @@ from optimized import OptimizedBackend
 pytestmark = pytest.mark.cpu
 
 WRAPPED = "moe_verify.examples.wrapped:HalvesOneToken"
-CLEAN = "tests.harness.test_protocol:CleanWrapper"
+CLEAN = "tests.spec.test_protocol:CleanWrapper"
 TINY = ["-T", "8", "-H", "128", "-I", "128", "-E", "4", "-k", "2", "--alignment", "32"]
 
 

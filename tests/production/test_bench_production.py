@@ -278,7 +278,7 @@ def test_production_times_the_backend_it_is_given() -> None:
     """bench --production runs the class `run --backend` takes: the forward, the op and the
     stage timing all call its gather (none of it is the built-in forward)."""
     CountsGathers.calls = 0
-    name = production_backend("tests.harness.test_bench_production:CountsGathers")
+    name = production_backend("tests.production.test_bench_production:CountsGathers")
     bench = bench_production(TINY, repeats=1, verification=False, backend=name)
     assert bench.forward_us > 0
     # the tapped forward, gather's warm-up and timed call, the op's warm-up and timed call

@@ -112,7 +112,7 @@ def test_the_optimized_path_is_invariant(kind: str, topology: str, alignment: in
 def test_a_capacity_dependent_gemm_fails_only_the_invariance() -> None:
     problem = MoEProblem(**BASE, alignment=32)
     report = verify_invariance(
-        problem, "m_sum", backend="tests.harness.test_invariance:CapacityDependentGemm1",
+        problem, "m_sum", backend="tests.run.test_invariance:CapacityDependentGemm1",
         engine="triton", mode="chained",
     )  # fmt: skip
     # Chained: each run's gemm1 reads its own permute, so the capacity reaches it (isolated, both
@@ -132,7 +132,7 @@ def test_a_capacity_dependent_masked_gemm_fails_only_the_ll_capacity_invariance(
     """Either mode: the second run has its own golden (the problem changed), so in isolated mode
     too its gemm1 reads batches of 256 rows; a batched gemm1 used to go uncompared there."""
     report = verify_invariance(
-        LL, "ll_capacity", backend="tests.harness.test_invariance:CapacityDependentMaskedGemm1",
+        LL, "ll_capacity", backend="tests.run.test_invariance:CapacityDependentMaskedGemm1",
         engine="triton", mode=mode,
     )  # fmt: skip
     assert not report.passed

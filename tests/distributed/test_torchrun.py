@@ -1,7 +1,7 @@
 """Real multi-process runs (moe_verify/distributed/): two gloo ranks under torchrun on the CPU.
 
 The backends below are deliberately wrong on rank 1 only; the workers import them by module path
-(`--backend tests.harness.test_distributed:SwapsTokensOnRank1`), so the report must name rank 1.
+(`--backend tests.distributed.test_torchrun:SwapsTokensOnRank1`), so the report must name rank 1.
 """
 
 from __future__ import annotations
