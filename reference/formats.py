@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from moe_verify.spec import E2M1_MAX, FP8_MAX, InputQuantRecipe, ScaleFmt
+from moe_verify.spec import E2M1_MAX, FP8_MAX, InputQuantRecipe, ScaleFmt, ceil_div, round_up
 from reference.quotient_table import FLOORS, table_value
 from reference.validate import (
     first_index,
@@ -90,14 +90,6 @@ def _divide(a: Tensor, b: float) -> Tensor:
     gives 3.0000002 there and 3 on the CPU); dividing by a tensor keeps the IEEE division.
     """
     return a / torch.full_like(a, b)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,7 +421,7 @@ def quantize_fp8_blocks(
     require_bool("use_ue8m0", use_ue8m0)
     require_finite("w", w)
     *lead, n, k = w.shape
-    nb, kb = _ceil_div(n, bm), _ceil_div(k, bk)
+    nb, kb = ceil_div(n, bm), ceil_div(k, bk)
     padded = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bm - n))
     blocks = padded.reshape(*lead, nb, bm, kb, bk)
     amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=BLOCK_AMAX_FLOOR)
@@ -456,7 +448,7 @@ def dequantize_fp8_blocks(q: Tensor, scale: Tensor, block: tuple[int, int] = (12
     bm, bk = _require_block(block)
     *lead, n, k = q.shape
     require_shape(
-        "scale", scale, (*lead, _ceil_div(n, bm), _ceil_div(k, bk)), f"one per {bm}x{bk} block"
+        "scale", scale, (*lead, ceil_div(n, bm), ceil_div(k, bk)), f"one per {bm}x{bk} block"
     )
     require_scale_values("scale", scale)
     return q.float() * _expand_block_scale(scale, (bm, bk), n, k)
@@ -621,7 +613,7 @@ def pack_ue8m0(exponents: Tensor) -> Tensor:
         raise ValueError(
             f"exponents must have at least one group (G >= 1), got shape {(*lead, mn, g)}"
         )
-    p, tma = _ceil_div(g, 4), _round_up(mn, 4)
+    p, tma = ceil_div(g, 4), round_up(mn, 4)
     batch = math.prod(lead)
     padded = torch.zeros((batch, tma, 4 * p), dtype=torch.int64, device=exponents.device)
     padded[:, :mn, :g] = exponents.reshape(batch, mn, g)
@@ -647,10 +639,10 @@ def unpack_ue8m0(packed: Tensor, num_groups: int) -> Tensor:
     require_tensor("packed", packed, (torch.int32,), 2)
     g = require_positive_int("num_groups", num_groups)
     p = packed.shape[-1]
-    if p != _ceil_div(g, 4):
+    if p != ceil_div(g, 4):
         raise ValueError(
             f"packed has P={p} words per row, which holds ceil(G/4) words for G in "
-            f"[{4 * p - 3}, {4 * p}]; num_groups={g} needs P={_ceil_div(g, 4)}"
+            f"[{4 * p - 3}, {4 * p}]; num_groups={g} needs P={ceil_div(g, 4)}"
         )
     words = packed.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.tensor((0, 8, 16, 24), dtype=torch.int64, device=packed.device)

@@ -12,12 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify.spec import MSumRecipe
+from moe_verify.spec import MSumRecipe, round_up
 from reference.validate import require, require_expert_map, require_int
-
-
-def round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
 
 
 def validate_topk_ids(
@@ -118,7 +114,7 @@ def aligned_m_sum_exact(counts: torch.Tensor, alignment: int) -> int:
     """Σ_e round_up(count_e, A): the exact-count path (DeepEP HT, CPU counts known)."""
     require_int("alignment", alignment, 1)
     c = _require_counts(counts).long()
-    return int(((c + alignment - 1) // alignment * alignment).sum())
+    return int(round_up(c, alignment).sum())
 
 
 def aligned_m_sum_upper_bound(
@@ -223,7 +219,7 @@ def permute_plan(
     require(m_sum % alignment == 0, "m_sum", f"a multiple of alignment {alignment}", str(m_sum))
     require(m_sum >= exact, "m_sum", f">= Σ round_up(count_e, A) = {exact}", str(m_sum))
 
-    padded = (counts.long() + alignment - 1) // alignment * alignment
+    padded = round_up(counts.long(), alignment)
     start = torch.cumsum(padded, 0) - padded  # exclusive prefix sum
     device = topk_ids.device
 

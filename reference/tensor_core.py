@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from moe_verify.spec import QuantizedWeight
+from moe_verify.spec import QuantizedWeight, ceil_div
 from reference.gemm import expert_rows
 from reference.validate import first_index, require, require_scale_values, require_tensor
 
@@ -410,7 +410,7 @@ def _require_operands(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) ->
     _require_fp32_scales("b_scale", b_scale)
     want = (a.shape[0], k // CHUNK)
     require(tuple(a_scale.shape) == want, "a_scale", f"shape {want}", f"{tuple(a_scale.shape)}")
-    want = (-(-b.shape[0] // CHUNK), k // CHUNK)
+    want = (ceil_div(b.shape[0], CHUNK), k // CHUNK)
     require(tuple(b_scale.shape) == want, "b_scale", f"shape {want}", f"{tuple(b_scale.shape)}")
     _require_codes("a", a)
     _require_codes("b", b)

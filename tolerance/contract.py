@@ -33,6 +33,8 @@ from moe_verify.spec import (
     Stage,
     TopologyKind,
     Trace,
+    ceil_div,
+    round_up,
 )
 
 __all__ = ["contract_violations", "local_expert_count"]
@@ -104,7 +106,7 @@ def _stride_problem(t: torch.Tensor, rule: str) -> str | None:
         # DeepGEMM's check_sf_layout: stride(-2) == 1 (or one row), stride(-1) ==
         # get_tma_aligned_size(rows, 4), also when there is only one word column.
         rows = t.shape[-2]
-        tma = -(-rows // _TMA_WORDS) * _TMA_WORDS
+        tma = round_up(rows, _TMA_WORDS)
         if (t.stride(-2) != 1 and rows != 1) or t.stride(-1) != tma:
             return (
                 f"expected (1, {tma}) (packed UE8M0: MN-major, word columns TMA-aligned to "
@@ -291,7 +293,7 @@ def _permuted_rows(v: _View, out: _Outputs, a_perm: torch.Tensor | None) -> int 
     if m_sum is None or rows == m_sum or a is None or a < 1:
         return rows
     counts = v.upstream_tensor(Stage.ALIGN, "counts", 1)
-    need = 0 if counts is None else int(((counts.long() + a - 1) // a * a).sum())
+    need = 0 if counts is None else int(round_up(counts.long(), a).sum())
     if rows % a or rows < need:
         out.say(
             "a_perm",
@@ -307,7 +309,7 @@ def _permute(v: _View, out: _Outputs) -> None:
     a_perm = out.tensor("a_perm", FP8, (("M_sum", None), v.hidden), strides=_Strides.K_MAJOR)
     r: Dim = ("M_sum", _permuted_rows(v, out, a_perm))
     if p.recipe is Recipe.MXFP8:  # E8M0 bytes travel packed four per int32, as DeepGEMM reads them
-        words = -(-(p.hidden // 32) // 4)
+        words = ceil_div(p.hidden // 32, 4)
         out.tensor(
             "a_scale_perm", torch.int32, (r, ("ceil(H/32/4)", words)), strides=_Strides.PACKED
         )
@@ -357,7 +359,7 @@ def _act_quant(v: _View, out: _Outputs) -> None:
     ip, g = p.intermediate_per_rank, p.recipe.act_group
     out.tensor("a2q", FP8, (*lead, ("Ip", ip)), strides=_Strides.K_MAJOR)
     if p.scale_fmt is ScaleFmt.UE8M0_PACKED and not v.batched:
-        words = -(-(ip // g) // 4)
+        words = ceil_div(ip // g, 4)
         out.tensor(
             "a2q_scale", torch.int32, (*lead, (f"ceil(Ip/{g}/4)", words)), strides=_Strides.PACKED
         )

@@ -10,7 +10,7 @@ from functools import cached_property, partial
 
 import torch
 
-from moe_verify.spec import GroupedLayout, Stage
+from moe_verify.spec import GroupedLayout, Stage, round_up
 from tolerance.checks import (
     bound_check,
     decode_scale,
@@ -30,9 +30,10 @@ from tolerance.context import (
     tensor_of,
 )
 from tolerance.layouts import (
-    _E8M0_NAN,
+    E8M0_NAN,
     comparable_scale_codes,
     consumed,
+    fp32_to_e8m0,
     layout_check,
     psum_row_experts,
     tested_layout,
@@ -42,7 +43,6 @@ from tolerance.layouts import (
 from tolerance.metrics import (
     Mismatch,
     argmax_coords,
-    bits,
     first_true,
     fp8_codes,
     fp32_ulp_distance,
@@ -239,7 +239,7 @@ def align_checks(ctx: Ctx) -> list[CheckResult]:
         )
     )
     g_c = tensor_of(ctx.golden, Stage.ALIGN, "counts", ctx.device).to(torch.int64)
-    need = int((((g_c + align - 1) // align) * align).sum())
+    need = int(round_up(g_c, align).sum())
     out.append(
         CheckResult(
             "M_sum fits segments",
@@ -381,7 +381,7 @@ def _segment_ends(ctx: Ctx) -> torch.Tensor | None:
     starts = tensor_of(ctx.golden, Stage.PERMUTE, "expert_start", ctx.device).to(torch.int64)
     counts = tensor_of(ctx.golden, Stage.ALIGN, "counts", ctx.device).to(torch.int64)
     align = int_of(ctx.golden, Stage.ALIGN, "alignment")
-    return starts + (counts + align - 1) // align * align
+    return starts + round_up(counts, align)
 
 
 def _row_segments(ctx: Ctx, rows: int) -> tuple[torch.Tensor, int] | None:
@@ -483,7 +483,7 @@ def layouts_agree_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
     from_ends = psum_row_experts(ends, o_m.numel(), align)
     # A gap row marked with its own segment's expert is the index layout's padding convention
     # (`_segment_owned`); the segments here are the tested side's own.
-    aligned = (ends.to(torch.int64) + align - 1) // align * align
+    aligned = round_up(ends.to(torch.int64), align)
     rows = torch.arange(o_m.numel(), device=ctx.device)
     segment = (torch.bucketize(rows, aligned.to(ctx.device), right=True), ends.numel())
     owned = _segment_owned(from_ends, o_m, segment) & layout.padding
@@ -610,11 +610,10 @@ def padding_scales_check(
     stored, pad, group = scales.stored, layout.padding, scales.group
     if stored.dtype == torch.int32:
         codes = unpack_ue8m0(stored, scales.groups)
-        bad = pad[:, None] & (codes == _E8M0_NAN)
+        bad = pad[:, None] & (codes == E8M0_NAN)
         what = "padding-row packed bytes are 0xFF (NaN to the kernel)"
     elif ctx.problem.scale_fmt.is_ue8m0:
-        codes = bits(stored.to(torch.float32)).to(torch.int64) & 0xFFFFFFFF
-        bad = pad[:, None] & ((codes & 0x807FFFFF) != 0)
+        bad = pad[:, None] & (fp32_to_e8m0(stored) < 0)  # -1: no exact UE8M0 byte
         what = "padding-row fp32 scales are not a power of two or +0.0 (DeepGEMM's packer traps)"
     else:
         return None

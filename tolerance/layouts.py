@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from moe_verify.spec import GroupedLayout, Mode, Stage, Trace
+from moe_verify.spec import GroupedLayout, Mode, Stage, Trace, round_up
 from tolerance.context import Ctx, int_of
 from tolerance.metrics import bits
 from tolerance.policy import CONTRACT_REASON
 from tolerance.results import CheckResult, ContractError, entry
 
-_E8M0_NAN = 0xFF
+E8M0_NAN = 0xFF  # the one E8M0 byte that is no number: the kernels read it as NaN
 
 
 def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
@@ -39,7 +39,7 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
 def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
     """float64 [...]: 2^(byte - 127); byte 0xFF is NaN (as the kernel reads it)."""
     values = torch.exp2(codes.to(torch.float64) - 127.0)
-    return torch.where(codes == _E8M0_NAN, torch.full_like(values, float("nan")), values)
+    return torch.where(codes == E8M0_NAN, torch.full_like(values, float("nan")), values)
 
 
 def fp32_to_e8m0(values: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ def psum_row_experts(expert_ends: torch.Tensor, rows: int, alignment: int) -> to
     start = 0
     for e, end in enumerate(ends.tolist()):
         out[max(start, 0) : max(min(end, rows), 0)] = e
-        start = -(-end // alignment) * alignment
+        start = round_up(end, alignment)
     return out
 
 

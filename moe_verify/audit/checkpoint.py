@@ -28,6 +28,7 @@ from moe_verify.common.safe_io import (
     read_json,
     safe_file,
 )
+from moe_verify.spec import ceil_div
 
 # Scale tensors beside an FP8 `<name>.weight`: DeepSeek-V3 / Qwen FP8 checkpoints name the
 # dequantization multiplier `weight_scale_inv` (W = q * s despite the name); others `weight_scale`.
@@ -276,7 +277,7 @@ def load_scales(
     """The weight's block scales (one expert's when `expert` is given), checked: float32, one
     per block, and each a normal fp32 number > 0 (UE8M0 spans 2^-126 .. 2^127)."""
     *lead, n, k = w.shape
-    want = (*lead, -(-n // block[0]), -(-k // block[1]))
+    want = (*lead, ceil_div(n, block[0]), ceil_div(k, block[1]))
     with _open(w.scale_file) as f:
         info = f.info(w.scale_key)
         if info.dtype != "F32" or info.shape != want:

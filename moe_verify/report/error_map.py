@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_verify.spec import ceil_div
+
 
 class Measure(enum.StrEnum):
     """What a cell's number is."""
@@ -65,7 +67,7 @@ class ErrorMap:
         lit_rows = self.lit.any(dim=1)
         out = []
         for seg in self.segments:
-            first, last = seg.start // self.row_bin, -(-seg.end // self.row_bin)
+            first, last = seg.start // self.row_bin, ceil_div(seg.end, self.row_bin)
             if bool(lit_rows[first:last].any()):
                 out.append(seg.expert)
         return tuple(out)

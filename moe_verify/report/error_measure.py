@@ -27,6 +27,7 @@ from moe_verify.spec import (
     MoEProblem,
     Stage,
     TopologyKind,
+    ceil_div,
 )
 from reference.topology import placement
 from tolerance.context import Ctx, Slots, comparison_device, downstream_slots, live_slots
@@ -118,8 +119,8 @@ class _Picture:
 
     def binned(self, mode: Mode, stage: str, rank: int) -> ErrorMap:
         reduce = "amax" if self.measure is Measure.RELATIVE else "mean"
-        merge = max(1, -(-self.cells.shape[1] // MAX_COLUMNS))
-        row_bin = max(1, -(-self.cells.shape[0] // MAX_ROWS))
+        merge = max(1, ceil_div(self.cells.shape[1], MAX_COLUMNS))
+        row_bin = max(1, ceil_div(self.cells.shape[0], MAX_ROWS))
         cells = _bin(_bin(self.cells, 1, merge, reduce), 0, row_bin, reduce)
         return ErrorMap(
             str(mode),
@@ -200,7 +201,7 @@ def _relative_cells(
         blocks.append(_bin(diff, 1, width, "amax"))
         scales.append(g.abs().amax(dim=1) if columns else g.new_zeros(g.shape[0]))
     if not blocks:
-        return torch.zeros(0, -(-columns // width), device=device)
+        return torch.zeros(0, ceil_div(columns, width), device=device)
     block, scale = torch.cat(blocks), torch.cat(scales)
     top = float(scale.max()) if scale.numel() else 0.0
     scale = torch.where(scale > 0, scale, top if top > 0 else 1.0)

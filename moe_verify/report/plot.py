@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_verify.report.error_map import ErrorMap, Measure
-from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Stage
+from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Stage, ceil_div
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -155,7 +155,7 @@ def _decorate(ax: Axes, m: ErrorMap) -> None:
         return
     for seg in m.segments[1:]:
         ax.axhline(seg.start, color="black", lw=0.8)
-    step = max(1, -(-len(m.segments) // 32))
+    step = max(1, ceil_div(len(m.segments), 32))
     shown = m.segments[::step]
     ax.set_yticks([(s.start + s.end) / 2 for s in shown])
     ax.set_yticklabels([f"e{s.expert}" for s in shown], fontsize=7)

@@ -5,14 +5,15 @@ speaks these types, so traces from any two of them compare stage by stage. Nothi
 MoE math; it only names things and validates them. It imports torch and nothing else of the
 project: reference/, optimized/ and tolerance/ all stand on it (tests/harness/test_layering.py).
 
-One idea per module: checks (argument checks, bounds), stages, recipes, activation, routing,
-topology, problem, inputs, trace, context (what the harness hands a stage), protocol (the
-stage methods every backend has), arch. Every name is re-exported here, so
+One idea per module: checks (argument checks, bounds), arith (ceil division, rounding up), stages,
+recipes, activation, routing, topology, problem, inputs, trace, context (what the harness hands a
+stage), protocol (the stage methods every backend has), arch. Every name is re-exported here, so
 `from moe_verify.spec import X` is the way to import any of them.
 """
 
 from moe_verify.spec.activation import Activation
 from moe_verify.spec.arch import DeviceLike, cc_major, compute_capability, is_sm90, is_sm100
+from moe_verify.spec.arith import ceil_div, round_up
 from moe_verify.spec.checks import (
     ALIGNMENT_STEP,
     MAX_ALIGNMENT,
@@ -132,6 +133,7 @@ __all__ = [
     "Trace",
     "call_stage",
     "cc_major",
+    "ceil_div",
     "check_backend_object",
     "check_bool",
     "check_device",
@@ -148,6 +150,7 @@ __all__ = [
     "is_sm100",
     "is_sm90",
     "missing_stages",
+    "round_up",
     "run_stages",
     "stage_method",
 ]

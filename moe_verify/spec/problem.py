@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_verify.spec.activation import Activation
+from moe_verify.spec.arith import round_up
 from moe_verify.spec.checks import (
     ALIGNMENT_STEP,
     MAX_ALIGNMENT,
@@ -29,10 +30,6 @@ from moe_verify.spec.recipes import LL_BLOCK_ROWS, GroupedLayout, Recipe, ScaleF
 from moe_verify.spec.routing import Routing, check_routing
 from moe_verify.spec.stages import Stage
 from moe_verify.spec.topology import Placement, Topology, TopologyKind, explicit_lists
-
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
 
 
 def _size(arg: str, value: object, high: int) -> int:
@@ -260,7 +257,7 @@ class MoEProblem:
 
     def _validate_ll_capacity(self) -> None:
         """A given batch capacity: ep:N+ll only, whole 128-row blocks, room for every token."""
-        cap, least = self.ll_capacity, _round_up(self.tokens, LL_BLOCK_ROWS)
+        cap, least = self.ll_capacity, round_up(self.tokens, LL_BLOCK_ROWS)
         if self.topology.kind is not TopologyKind.EP_LL:
             raise ValueError(
                 f"MoEProblem.ll_capacity: the batch capacity of the ep:N+ll layout (DeepEP's "
@@ -294,7 +291,7 @@ class MoEProblem:
         one [E_l * M_max] matrix, so a block running past M_max reads and overwrites the next
         expert's rows (seen on the H200 at M_max = 20, docs/gpu-results.md).
         """
-        return self.ll_capacity or _round_up(self.tokens, LL_BLOCK_ROWS)
+        return self.ll_capacity or round_up(self.tokens, LL_BLOCK_ROWS)
 
     @property
     def intermediate_per_rank(self) -> int:

@@ -43,17 +43,15 @@ from optimized.kernels._validate import (
     fail,
     output_buffer,
 )
+from optimized.kernels.e8m0 import pack_word, pow2_from_byte, ue8m0_ceil_byte
 from optimized.kernels.psum import block_experts, check_expert_ends, psum_row_experts
 from optimized.kernels.quant import (
     block_rows,
     div_rn,
     divide_by_scale,
     group_tile,
-    pack_word,
     packed_ue8m0_empty,
-    pow2_from_byte,
     to_fp8_satfinite,
-    ue8m0_ceil_byte,
 )
 from optimized.triton_compat import interpreter_mode
 

@@ -62,6 +62,7 @@ from optimized.kernels._validate import (
     fail,
     output_buffer,
 )
+from optimized.kernels.e8m0 import e8m0_to_fp32, word_byte
 from optimized.kernels.psum import block_experts, check_expert_ends, psum_row_experts
 from optimized.triton_compat import interpreter_mode
 
@@ -73,13 +74,6 @@ _B_FP4_MX = 2  # packed E2M1 weights, E8M0 scale per row and 32 K
 _MX_GROUP = 32
 _FP8_BLOCK = 128
 _A_GROUPS = (32, 64, 128)
-
-
-@triton.jit
-def _e8m0_to_fp32(byte):
-    """E8M0 bytes (int32 0..255) -> fp32 2^(byte-127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
-    bits = tl.where(byte == 0, 0x00400000, tl.where(byte == 255, 0x7FC00000, byte << 23))
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -100,7 +94,7 @@ def _a_scale(sa_ptr, stride_sam, stride_sak, rows64, row_mask, group, A_PACKED: 
         word = tl.load(
             sa_ptr + rows64 * stride_sam + (group // 4) * stride_sak, mask=row_mask, other=0
         )
-        return _e8m0_to_fp32((word >> ((group % 4) * 8)) & 0xFF)
+        return e8m0_to_fp32(word_byte(word, group % 4))
     else:
         return tl.load(sa_ptr + rows64 * stride_sam + group * stride_sak, mask=row_mask, other=0.0)
 
@@ -166,7 +160,7 @@ def _expert_tile(
                 mask=col_mask[None, :],
                 other=127,
             )
-            sb = _e8m0_to_fp32(sbyte.to(tl.int32))[:, None, :]
+            sb = e8m0_to_fp32(sbyte.to(tl.int32))[:, None, :]
             a = a.to(tl.float32)
             if A_PRESCALE:
                 # E8M0 activation scales per 32: fold them into the activations too.

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_verify.spec import round_up
 from optimized.kernels._validate import fail
 
 
@@ -27,7 +28,7 @@ def psum_row_experts(ends_ptr, rows, row_mask, num_experts, alignment, BLOCK_E: 
     real = es < num_experts
     ends = tl.load(ends_ptr + es, mask=real, other=0)
     prev = tl.load(ends_ptr + es - 1, mask=real & (es > 0), other=0)
-    starts = (prev + alignment - 1) // alignment * alignment
+    starts = tl.cdiv(prev, alignment) * alignment
     inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :]) & real[None, :]
     expert = tl.max(tl.where(inside, es[None, :], -1), 1)
     return tl.where(row_mask, expert, -1)
@@ -44,7 +45,7 @@ def check_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignment:
     if expert_ends.numel() == 0:
         return
     ends = expert_ends.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), (ends[:-1] + alignment - 1) // alignment * alignment])
+    starts = torch.cat([ends.new_zeros(1), round_up(ends[:-1], alignment)])
     bad = ends < starts
     if bool(bad.any()):
         e = int(bad.nonzero()[0])
@@ -55,7 +56,7 @@ def check_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignment:
             f"{alignment}): psum ends are cumulative, and DeepGEMM's block count underflows on "
             "a smaller end",
         )
-    last = (int(ends[-1]) + alignment - 1) // alignment * alignment
+    last = round_up(int(ends[-1]), alignment)
     if last > m_sum:
         fail(
             fn,
@@ -67,6 +68,6 @@ def check_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignment:
 def psum_live_rows(expert_ends: torch.Tensor, m_sum: int, alignment: int) -> torch.Tensor:
     """bool [m_sum]: the rows some expert owns (gap and tail rows False), on the host side."""
     ends = expert_ends.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), (ends[:-1] + alignment - 1) // alignment * alignment])
+    starts = torch.cat([ends.new_zeros(1), round_up(ends[:-1], alignment)])
     row = torch.arange(m_sum, device=ends.device)[:, None]
     return ((row >= starts[None, :]) & (row < ends[None, :])).any(dim=1)

@@ -12,9 +12,10 @@ Recipes (vLLM 0.32 quantization/utils/fp8_utils.py, DeepGEMM 2.6.1 smxx_layout.h
 - `pack_ue8m0`, `pack_ue8m0_from_fp32`: exponent bytes (or exact power-of-two fp32 scales) packed
   into that int32 layout (`get_mn_major_tma_aligned_packed_ue8m0_tensor`).
 
-Every power-of-two rounding is done on the fp32 bits (exponent + (mantissa != 0)), never through
-log2/ceil, so it is exact on every backend. Storage rows MN..round_up(MN, 4)-1 of packed scales are
-not part of the tensor and are left unwritten, as DeepGEMM's CUDA packer does.
+Every power-of-two rounding is done on the fp32 bits (exponent + (mantissa != 0), the E8M0 helpers
+of optimized/kernels/e8m0.py), never through log2/ceil, so it is exact on every backend. Storage
+rows MN..round_up(MN, 4)-1 of packed scales are not part of the tensor and are left unwritten, as
+DeepGEMM's CUDA packer does.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_verify.spec import ScaleFmt
+from moe_verify.spec import ScaleFmt, ceil_div, round_up
 from optimized.kernels._validate import (
     check_eps,
     check_flag,
@@ -35,6 +36,7 @@ from optimized.kernels._validate import (
     check_tensor,
     fail,
 )
+from optimized.kernels.e8m0 import pack_word, pow2_from_byte, ue8m0_byte, ue8m0_ceil_byte
 from optimized.triton_compat import interpreter_mode
 
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
@@ -45,34 +47,13 @@ _GROUPS = (32, 64, 128)
 
 
 @triton.jit
-def ue8m0_ceil_byte(s):
-    """Biased exponent b with 2^(b-127) = the smallest power of two >= s, for fp32 s >= 0.
-
-    Normal s: exponent field + (mantissa != 0). Subnormal s: 2^-127 (byte 0) covers s <= 2^-127,
-    2^-126 (byte 1) the rest; s == 0 gives 0. Infinity or NaN give 255 or more: callers clamp.
-    """
-    bits = s.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    normal = exponent + (mantissa != 0).to(tl.int32)
-    subnormal = (mantissa > 0x400000).to(tl.int32)
-    return tl.where(exponent == 0, subnormal, normal)
-
-
-@triton.jit
-def pow2_from_byte(byte):
-    """2^(byte-127) as fp32, for bytes 1..254 (normal numbers)."""
-    return (byte << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def divide_by_scale(x, s, POW2: tl.constexpr):
     """x / s for a [BLOCK_M, G, GROUP] tile and its [BLOCK_M, G] scales, rounded to nearest even.
 
     A power-of-two s (2^-126..2^126) divides exactly as a multiply by 2^-e built from its bits
     (cheap); any other s needs the IEEE division, several instructions per element."""
     if POW2:
-        inv = pow2_from_byte(254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF))
+        inv = pow2_from_byte(254 - ue8m0_byte(s))
         return x * inv[:, :, None]
     return div_rn(x, s[:, :, None])
 
@@ -115,14 +96,6 @@ def group_tile(rows, M, K, GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr
     return groups, cols, group_ok, mask
 
 
-@triton.jit
-def pack_word(byte, GROUPS_PER_PROGRAM: tl.constexpr):
-    """[BLOCK_M, 4] bytes -> [BLOCK_M] int32 words, byte j of a word = column j (little-endian)."""
-    shifts = 8 * tl.arange(0, GROUPS_PER_PROGRAM)
-    word = tl.sum(byte.to(tl.uint32) << shifts[None, :].to(tl.uint32), axis=1)
-    return word.to(tl.int32, bitcast=True)
-
-
 # --------------------------------------------------------------------------------------- kernels
 
 
@@ -155,7 +128,7 @@ def _quantize_fp8_groups_kernel(
     tl.store(q_ptr + rows[:, None, None] * stride_qm + cols[None, :, :], q, mask=mask)
     if PACKED:
         # s is a power of two: its exponent field is the UE8M0 byte; slots past the last group: 0.
-        byte = tl.where(group_ok, (s.to(tl.int32, bitcast=True) >> 23) & 0xFF, 0)
+        byte = tl.where(group_ok, ue8m0_byte(s), 0)
         word = pack_word(byte, GROUPS_PER_PROGRAM)
         s_ptrs = s_ptr + rows * stride_sm + tl.program_id(1).to(tl.int64) * stride_sg
         tl.store(s_ptrs, word, mask=rows < M)
@@ -188,7 +161,7 @@ def _quantize_mxfp8_kernel(
     # SF = amax * rcp(448); its E8M0 code rounds toward +inf and saturates at 254 (255 is NaN).
     byte = tl.minimum(ue8m0_ceil_byte(amax * (1.0 / 448.0)), 254)
     # x * 2^(127-byte); byte <= 247 for any finite input, so the factor is a normal fp32.
-    inv_scale = ((254 - byte) << 23).to(tl.float32, bitcast=True)
+    inv_scale = pow2_from_byte(254 - byte)
     inv_scale = tl.where(amax == 0.0, 0.0, inv_scale)
     q = to_fp8_satfinite(x * inv_scale[:, :, None])
     tl.store(q_ptr + rows[:, None, None] * stride_qm + cols[None, :, :], q, mask=mask)
@@ -215,7 +188,7 @@ def _pack_ue8m0_kernel(
     batch = tl.program_id(2).to(tl.int64)
     rows = (tl.program_id(0) * BLOCK_MN + tl.arange(0, BLOCK_MN)).to(tl.int64)
     packs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    num_packs = (G + 3) // 4
+    num_packs = tl.cdiv(G, 4)
     ok = (rows < MN)[:, None] & (packs < num_packs)[None, :]
     src = src_ptr + batch * stride_sb + rows[:, None] * stride_sm
     word = tl.zeros([BLOCK_MN, BLOCK_P], dtype=tl.uint32)
@@ -223,8 +196,7 @@ def _pack_ue8m0_kernel(
         g = packs * 4 + j
         mask = ok & (g < G)[None, :]
         if FROM_FP32:
-            bits = tl.load(src + g[None, :] * stride_sg, mask=mask, other=0.0)
-            byte = (bits.to(tl.int32, bitcast=True) >> 23) & 0xFF
+            byte = ue8m0_byte(tl.load(src + g[None, :] * stride_sg, mask=mask, other=0.0))
         else:
             byte = tl.load(src + g[None, :] * stride_sg, mask=mask, other=0)
         word = word | (byte.to(tl.uint32) << (8 * j))
@@ -233,10 +205,6 @@ def _pack_ue8m0_kernel(
 
 
 # ----------------------------------------------------------------------------------- host side
-
-
-def _round_up(x: int, to: int) -> int:
-    return (x + to - 1) // to * to
 
 
 def block_rows(rows: int, cols: int, native_elements: int = 4096) -> int:
@@ -260,8 +228,8 @@ def _check_activations(fn: str, x: object, group: int, allowed: tuple[int, ...])
 def packed_ue8m0_empty(mn: int, num_groups: int, device: torch.device) -> torch.Tensor:
     """Uninitialised int32 [mn, ceil(num_groups/4)] with DeepGEMM's MN-major TMA-aligned strides
     (1, round_up(mn, 4)); the storage covers the pad rows too, as vLLM allocates it."""
-    packs = (num_groups + 3) // 4
-    lead = _round_up(mn, 4)
+    packs = ceil_div(num_groups, 4)
+    lead = round_up(mn, 4)
     storage = torch.empty(packs, lead, dtype=torch.int32, device=device)
     return storage.as_strided((mn, packs), (1, lead))
 
@@ -294,7 +262,7 @@ def quantize_fp8_groups(
     if not column_major:
         scale = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
     else:
-        lead = _round_up(m, 4) if tma_aligned else m
+        lead = round_up(m, 4) if tma_aligned else m
         storage = torch.empty(num_groups, lead, dtype=torch.float32, device=x.device)
         scale = storage.as_strided((m, num_groups), (1, lead))
     if m == 0 or num_groups == 0:
@@ -367,8 +335,8 @@ def _pack(fn: str, src: torch.Tensor, from_fp32: bool) -> torch.Tensor:
     b, mn, g = src3.shape
     if b > 65535:
         fail(fn, f"at most 65535 batches (grid axis z), got {b}")
-    packs = (g + 3) // 4
-    lead = _round_up(mn, 4)
+    packs = ceil_div(g, 4)
+    lead = round_up(mn, 4)
     # [B, MN, P] with strides (P * lead, 1, lead): DeepGEMM's MN-major TMA-aligned packed layout.
     storage = torch.empty(b, packs, lead, dtype=torch.int32, device=src.device)
     out = storage.as_strided((b, mn, packs), (packs * lead, 1, lead))

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_verify.spec import round_up
 from optimized.kernels._validate import (
     check_inner_contiguous,
     check_multiple,
@@ -39,13 +40,12 @@ from optimized.kernels._validate import (
     fail,
     output_buffer,
 )
-from optimized.kernels.quant import pack_word
+from optimized.kernels.e8m0 import pack_word
 from optimized.kernels.slot_counts import (
     aligned_m_sum_exact,
     check_ids,
     launch_count,
     local_expert_ids,
-    round_up,
 )
 from optimized.triton_compat import interpreter_mode
 
@@ -92,7 +92,7 @@ def _segments_kernel(
     real = experts < num_local
     # Clamps keep an unvalidated call (negative counts, segments past m_sum) inside the buffers.
     counts = tl.maximum(tl.load(counts_ptr + experts, mask=real, other=0), 0)
-    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    padded = tl.cdiv(counts, ALIGN) * ALIGN
     starts = tl.cumsum(padded, 0) - padded
     if pid < num_local:
         mine = experts == pid

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_verify.spec import round_up
 from optimized.kernels._validate import (
     check_flag,
     check_inner_contiguous,
@@ -28,10 +29,6 @@ from optimized.kernels._validate import (
     fail,
 )
 from optimized.triton_compat import interpreter_mode
-
-
-def round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
 
 
 def _check_count(fn: str, name: str, value: object, low: int) -> None:

@@ -2,11 +2,11 @@
 
 Each side has its own codec on purpose: the golden's (reference/formats.py: pack_ue8m0,
 unpack_ue8m0, ue8m0_bytes, e8m0_to_fp32), the optimized path's (optimized/kernels/quant.py:
-pack_ue8m0, pack_ue8m0_from_fp32, Triton) and tolerance's (tolerance/layouts.py: unpack_ue8m0,
-fp32_to_e8m0, e8m0_to_float), which may import neither of the others
-(tests/spec/test_layering.py), so a side's packed scales are never judged by that side's own
-decoder. Here one side encodes and another decodes: a byte-order, sign or pad slip in any one of
-them shows as a difference.
+pack_ue8m0, pack_ue8m0_from_fp32; the Triton helpers of optimized/kernels/e8m0.py) and
+tolerance's (tolerance/layouts.py: unpack_ue8m0, fp32_to_e8m0, e8m0_to_float), which may import
+neither of the others (tests/spec/test_layering.py), so a side's packed scales are never judged by
+that side's own decoder. Here one side encodes and another decodes: a byte-order, sign or pad slip
+in any one of them shows as a difference.
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ import zlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from moe_verify.common.device import default_device
 from optimized.kernels import quant
+from optimized.kernels.e8m0 import e8m0_to_fp32, pow2_from_byte, ue8m0_byte
 from reference import formats
 from tolerance import layouts
 from tolerance.results import ContractError
@@ -92,6 +96,34 @@ def test_every_byte_decodes_to_the_same_value_on_both_sides() -> None:
     assert torch.equal(judged.isnan(), nan)
     assert torch.equal(golden[~nan].view(torch.int64), judged[~nan].view(torch.int64))
     assert golden[0].item() == 2.0**-127
+
+
+@triton.jit
+def _decode_every_byte(byte_ptr, read_ptr, field_ptr, back_ptr):
+    offs = tl.arange(0, 256)
+    byte = tl.load(byte_ptr + offs)
+    tl.store(read_ptr + offs, e8m0_to_fp32(byte))
+    field = pow2_from_byte(byte)
+    tl.store(field_ptr + offs, field)
+    tl.store(back_ptr + offs, ue8m0_byte(field))
+
+
+def test_every_byte_through_the_triton_helpers() -> None:
+    """The kernels' two readings of all 256 bytes: the tensor core's (`e8m0_to_fp32`, as the
+    golden and tolerance decode) and the exponent field's (`pow2_from_byte`: byte << 23, +0.0
+    for 0 and +Inf for 255), which `ue8m0_byte` and the golden's `ue8m0_bytes` turn back into
+    the byte."""
+    device = default_device()
+    b = torch.arange(256, dtype=torch.int32, device=device)
+    read, field = torch.empty(256, device=device), torch.empty(256, device=device)
+    back = torch.empty(256, dtype=torch.int32, device=device)
+    _decode_every_byte[(1,)](b, read, field, back)
+    golden = formats.e8m0_to_fp32(b.cpu().to(torch.uint8))
+    assert torch.equal(read.cpu().isnan(), golden.isnan())
+    assert torch.equal(read.cpu()[:255].view(torch.int32), golden[:255].view(torch.int32))
+    assert torch.equal(field.cpu().view(torch.int32), b.cpu() << 23)
+    assert torch.equal(back.cpu(), b.cpu())
+    assert torch.equal(formats.ue8m0_bytes(field.cpu()), b.cpu().to(torch.uint8))
 
 
 @pytest.mark.parametrize(
