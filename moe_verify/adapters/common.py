@@ -36,7 +36,7 @@ from moe_verify.spec import (
     Stage,
     StageContext,
     Trace,
-    compute_capability,
+    is_sm90,
 )
 from optimized.backend import OptimizedBackend, Outputs, gemm_operands
 from optimized.deepgemm import choose_grouped_layout
@@ -195,8 +195,7 @@ class AdaptedBackend(OptimizedBackend):
         the Triton interpreter."""
         if out.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             return False
-        capability = compute_capability(out.device)
-        return capability is not None and capability[0] == 9
+        return is_sm90(out.device)
 
     @staticmethod
     def _buffer(

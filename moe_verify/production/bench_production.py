@@ -140,8 +140,7 @@ def _deepgemm_alone(
         kwargs["recipe_b"] = (1, weight.block[1])
     if psum:
         kwargs["use_psum_layout"] = True
-        if a_scale.dtype == torch.float32 and deepgemm.probe().arch_major == 10:
-            a_scale = a_scale.contiguous()
+        a_scale = deepgemm.psum_activation_scales(a_scale)
     gemm = (
         dg.m_grouped_fp8_fp4_gemm_nt_contiguous
         if weight.fp4

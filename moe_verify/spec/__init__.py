@@ -12,7 +12,15 @@ stage), protocol (the stage methods every backend has), arch. Every name is re-e
 """
 
 from moe_verify.spec.activation import Activation
-from moe_verify.spec.arch import DeviceLike, cc_major, compute_capability, is_sm90, is_sm100
+from moe_verify.spec.arch import (
+    DeviceLike,
+    cc_major,
+    compute_capability,
+    is_sm90,
+    is_sm90_major,
+    is_sm100,
+    is_sm100_major,
+)
 from moe_verify.spec.arith import ceil_div, round_up
 from moe_verify.spec.checks import (
     ALIGNMENT_STEP,
@@ -148,7 +156,9 @@ __all__ = [
     "exact_keys",
     "explicit_lists",
     "is_sm100",
+    "is_sm100_major",
     "is_sm90",
+    "is_sm90_major",
     "missing_stages",
     "round_up",
     "run_stages",

@@ -13,6 +13,19 @@ import torch
 # What torch.cuda takes as a device: None is the current CUDA device, an int a CUDA index.
 DeviceLike = torch.device | str | int | None
 
+SM90_MAJOR = 9  # Hopper: H100, H200
+SM100_MAJOR = 10  # Blackwell datacenter: B200, GB200 (SM120, a 12, is not one)
+
+
+def is_sm90_major(major: int | None) -> bool:
+    """A compute capability major that is SM90: 9 exactly (None, no GPU, is not)."""
+    return major == SM90_MAJOR
+
+
+def is_sm100_major(major: int | None) -> bool:
+    """A compute capability major that is SM100: 10 exactly (None, no GPU, is not)."""
+    return major == SM100_MAJOR
+
 
 def compute_capability(device: DeviceLike = None) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device, or None without CUDA or for a device that is not CUDA
@@ -33,9 +46,9 @@ def cc_major(device: DeviceLike = None) -> int | None:
 
 def is_sm90(device: DeviceLike = None) -> bool:
     """A Hopper GPU (H100, H200: major 9); False without CUDA or off CUDA."""
-    return cc_major(device) == 9
+    return is_sm90_major(cc_major(device))
 
 
 def is_sm100(device: DeviceLike = None) -> bool:
     """A Blackwell datacenter GPU (B200, GB200: major 10); False without CUDA or off CUDA."""
-    return cc_major(device) == 10
+    return is_sm100_major(cc_major(device))

@@ -1,6 +1,6 @@
-"""The one GPU-arch predicate (moe_verify/spec/arch.py). The CPU has no GPU, so the CUDA answers
-are stood in for: torch.cuda.is_available and get_device_capability, as a Hopper or a Blackwell
-would give them."""
+"""The GPU-arch predicates (moe_verify/spec/arch.py), of a device and of a recorded major. The CPU
+has no GPU, so the CUDA answers are stood in for: torch.cuda.is_available and
+get_device_capability, as a Hopper or a Blackwell would give them."""
 
 from __future__ import annotations
 
@@ -70,3 +70,21 @@ def test_a_device_off_cuda_has_no_arch_even_beside_a_gpu(monkeypatch: pytest.Mon
         assert arch.cc_major(device) is None
         assert not arch.is_sm90(device)
     assert asked == []
+
+
+@pytest.mark.parametrize(
+    ("major", "sm90", "sm100"),
+    [
+        (9, True, False),  # Hopper
+        (10, False, True),  # Blackwell datacenter
+        (None, False, False),  # no GPU: no arch, not an error
+        (8, False, False),  # Ada / Ampere: below SM90
+        (11, False, False),  # between: not SM100 "or newer"
+        (12, False, False),  # SM120 (consumer Blackwell): not SM100
+    ],
+    ids=["9", "10", "none", "8", "11", "12"],
+)
+def test_a_major_is_sm90_or_sm100_exactly(major: int | None, sm90: bool, sm100: bool) -> None:
+    """The probe's recorded major (DeepGemmStatus.arch_major) answers as a device does."""
+    assert arch.is_sm90_major(major) is sm90
+    assert arch.is_sm100_major(major) is sm100

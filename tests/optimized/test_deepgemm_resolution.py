@@ -1,7 +1,8 @@
-"""Which DeepGEMM optimized/deepgemm.py takes, on fake packages in temporary directories: an
-installed standalone `deep_gemm` first, else the copy vLLM's wheel bundles
-(`vllm/third_party/deep_gemm`, DeepGEMM 2.8.1 in vLLM 0.33), loaded without running vLLM's own
-__init__; `probe()` names the one it took (source, version, location), also where it cannot load.
+"""Which DeepGEMM optimized/deepgemm (loading.py, status.py) takes, on fake packages in
+temporary directories: an installed standalone `deep_gemm` first, else the copy vLLM's wheel
+bundles (`vllm/third_party/deep_gemm`, DeepGEMM 2.8.1 in vLLM 0.33), loaded without running vLLM's
+own __init__; `probe()` names the one it took (source, version, location), also where it cannot
+load.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from optimized import deepgemm
+from optimized.deepgemm import loading
+from optimized.deepgemm import status as deepgemm_status
 
 pytestmark = pytest.mark.cpu
 
@@ -56,7 +59,7 @@ def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
 
     for name in [n for n in sys.modules if ours(n)]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(deepgemm, "cc_major", lambda: 9)
+    monkeypatch.setattr(deepgemm_status, "cc_major", lambda: 9)
     deepgemm.probe.cache_clear()
     yield tmp_path
     deepgemm.probe.cache_clear()
@@ -167,7 +170,7 @@ def test_without_a_gpu_the_probe_still_names_the_deepgemm_found(
 ) -> None:
     theirs = bundled(machine)
     _on_path(monkeypatch, machine)
-    monkeypatch.setattr(deepgemm, "cc_major", lambda: None)
+    monkeypatch.setattr(deepgemm_status, "cc_major", lambda: None)
     status = deepgemm.probe()
     assert not status.usable and "no CUDA GPU" in status.reason
     assert (status.source, status.version, status.location) == (
@@ -180,7 +183,7 @@ def test_without_a_gpu_the_probe_still_names_the_deepgemm_found(
 
 def test_neither_installed(machine: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _on_path(monkeypatch, machine)
-    monkeypatch.setattr(deepgemm, "_package_dir", lambda name: None)  # whatever this venv has
+    monkeypatch.setattr(loading, "_package_dir", lambda name: None)  # whatever this venv has
     status = deepgemm.probe()
     assert not status.usable and status.source is None and status.location is None
     assert "deep_gemm is not installed, and no vLLM bundles it" in status.reason
