@@ -45,7 +45,7 @@ import torch  # noqa: E402
 # Without a GPU, Triton kernels run under its interpreter: `optimized` sets that up (with its
 # float-cast fixes) when imported, which must happen before any test module imports triton.
 import optimized  # noqa: E402, F401
-from moe_verify.spec import cc_major  # noqa: E402
+from moe_verify.spec import cc_major, is_sm90_major, is_sm100_major  # noqa: E402
 
 if TYPE_CHECKING:
     from tolerance.report import Report
@@ -58,9 +58,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _gate_reason(item: pytest.Item, config: pytest.Config) -> str | None:
     major = cc_major()
-    if item.get_closest_marker("sm90") and major != 9:
+    if item.get_closest_marker("sm90") and not is_sm90_major(major):
         return f"needs an SM90 (Hopper) GPU; this machine has {_describe(major)}"
-    if item.get_closest_marker("sm100") and major != 10:
+    if item.get_closest_marker("sm100") and not is_sm100_major(major):
         return f"needs an SM100 (Blackwell) GPU; this machine has {_describe(major)}"
     if item.get_closest_marker("multi_gpu"):
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,6 +1,6 @@
 """The path under test: Triton kernels + DeepGEMM grouped GEMMs, staged like the golden.
 
-Never imports `reference`. `deep_gemm` is imported only by optimized/deepgemm.py, lazily.
+Never imports `reference`. `deep_gemm` is imported only by optimized/deepgemm/, lazily.
 
 Importing the package prepares Triton: without a GPU, kernels run under the Triton interpreter
 with its float casts fixed (optimized/triton_compat.py). Every module of the package, so every

@@ -67,7 +67,7 @@ ACT_GROUP = 128  # the 1 x 128 activation groups of the FP8 block recipe
 # Default verdict limit: requantizing the weights may raise E8M0's compounded output error to at
 # most 1.25x what E8M0 activation scales alone give. Power-of-two weight scales requantize to the
 # same values (exactly 1x); any other scale re-rounds every code, an error as large as an FP8
-# rounding of the weight itself: ~1.4x on synthetic Gaussian weights (tests/harness/test_audit.py).
+# rounding of the weight itself: ~1.4x on synthetic Gaussian weights (tests/audit/test_e8m0.py).
 # So with this limit every checkpoint whose scales are not powers of two comes out at-risk, which
 # is what requantization does to it; how much is in the ratio and the compounded errors.
 # Provisional: not calibrated against task accuracy (no real checkpoint audited yet).

@@ -28,7 +28,7 @@ KERNEL_STAGES: dict[str, tuple[str, ...]] = {
     "_silu_mul_quant_kernel": ("act_quant", "shared"),
     "_ep_gather_kernel": ("gather",),
 }
-# Every DeepGEMM kernel is a grouped GEMM of ours (optimized/deepgemm.py).
+# Every DeepGEMM kernel is a grouped GEMM of ours (optimized/deepgemm/).
 DEEPGEMM_STAGES = ("gemm1", "gemm2", "shared")
 
 

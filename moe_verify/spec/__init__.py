@@ -3,7 +3,7 @@
 Every backend (the golden in `reference/`, the DeepGEMM path in `optimized/`, a user's own kernels)
 speaks these types, so traces from any two of them compare stage by stage. Nothing here computes
 MoE math; it only names things and validates them. It imports torch and nothing else of the
-project: reference/, optimized/ and tolerance/ all stand on it (tests/harness/test_layering.py).
+project: reference/, optimized/ and tolerance/ all stand on it (tests/spec/test_layering.py).
 
 One idea per module: checks (argument checks, bounds), arith (ceil division, rounding up), stages,
 recipes, activation, routing, topology, problem, inputs, trace, context (what the harness hands a
