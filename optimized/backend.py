@@ -25,6 +25,7 @@ from moe_verify.spec import (
     GroupedLayout,
     MoEInputs,
     MoEProblem,
+    Outputs,  # noqa: E402 - the vocabulary names it once
     Recipe,
     ScaleFmt,
     Stage,
@@ -42,9 +43,6 @@ from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter, s
 from optimized.routing import select_experts
 from optimized.topology import ShardCache, tp_down_shard, tp_gate_up_shard
 from optimized.triton_compat import interpreter_mode
-
-Outputs = dict[str, object]
-
 
 # The Triton GEMM tile whose SM90 bits were measured to be the tensor core's (docs/gpu-results.md).
 MEASURED_BLOCK_ROWS = 128

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-Outputs = dict[str, object]
+from moe_verify.spec import Outputs
 
 
 def local_ids(

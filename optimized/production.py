@@ -40,6 +40,7 @@ from moe_verify.spec import (
     Engine,
     MoEInputs,
     MoEProblem,
+    Outputs,  # noqa: E402 - the vocabulary names it once
     QuantizedWeight,
     RankShard,
     Recipe,
@@ -55,9 +56,6 @@ from optimized.deepgemm import choose_engine, choose_grouped_layout
 from optimized.kernels import slot_counts
 from optimized.kernels._validate import fail
 from optimized.topology import hosted_experts, shard
-
-Outputs = dict[str, object]
-
 
 Taps = dict[str, Outputs]
 

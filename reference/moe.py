@@ -20,6 +20,7 @@ from moe_verify.spec import (
     MoEInputs,
     MoEProblem,
     MSumRecipe,
+    Outputs,  # noqa: E402 - the vocabulary names it once
     QuantizedWeight,
     Recipe,
     Routing,
@@ -58,8 +59,6 @@ from reference.topology import (
     shard,
     shared_shard,
 )
-
-Outputs = dict[str, object]
 
 
 def _slots_in_order(
