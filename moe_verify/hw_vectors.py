@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from moe_verify.spec import QuantizedWeight, ScaleFmt, compute_capability
+from moe_verify.spec import QuantizedWeight, ScaleFmt, compute_capability, round_up
 from reference.formats import quantize_fp8_blocks, quantize_fp8_groups
 from reference.gate_table import GATE_FILE, every_bf16, gate_key
 from reference.quotient_table import FLOORS, QUOTIENT_FILE, TABLES
@@ -88,7 +88,7 @@ def gemm_operands(shape: GemmShape, fmt: ScaleFmt) -> dict[str, torch.Tensor]:
     b, b_scale = quantize_fp8_blocks(w, (128, 128), use_ue8m0=fmt.is_ue8m0)
     out: dict[str, torch.Tensor] = {"b": b, "b_scale": b_scale}
     if shape.layout == "contiguous":
-        segments = [-(-r // ALIGNMENT) * ALIGNMENT for r in shape.rows]
+        segments = [round_up(r, ALIGNMENT) for r in shape.rows]
         x = _edge_rows(sum(segments), shape.k, gen)
         m_indices = torch.full((sum(segments),), -1, dtype=torch.int32)
         start = 0
@@ -98,7 +98,7 @@ def gemm_operands(shape: GemmShape, fmt: ScaleFmt) -> dict[str, torch.Tensor]:
             start += seg
         out["m_indices"] = m_indices
     else:
-        max_m = -(-max(shape.rows) // ALIGNMENT) * ALIGNMENT
+        max_m = round_up(max(shape.rows), ALIGNMENT)
         x = _edge_rows(experts * max_m, shape.k, gen).view(experts, max_m, shape.k)
         for e, live in enumerate(shape.rows):
             x[e, live:] = 0.0

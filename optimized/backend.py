@@ -32,6 +32,7 @@ from moe_verify.spec import (
     StageContext,
     TopologyKind,
     Trace,
+    ceil_div,
     check_bool,
     is_sm90,
     run_stages,
@@ -327,7 +328,7 @@ class OptimizedBackend:
             sh.expert_map,
             e_l,
             problem.ll_max_tokens,
-            expected_m=max(1, -(-t * k // max(e_l, 1))) if ctx.graph_safe else None,
+            expected_m=max(1, ceil_div(t * k, max(e_l, 1))) if ctx.graph_safe else None,
             a_out=ctx.buffers.get("a_perm", (rows, a1q.shape[1]), a1q.dtype, a1q.device),
         )
         out["a_batched"] = ctx.buffers.own(out["a_batched"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_verify.spec import Outputs
+from moe_verify.spec import Outputs, ceil_div
 
 
 def local_ids(
@@ -74,7 +74,7 @@ def batched_dispatch(
         a_out.view(torch.uint8).copy_(a_view)
         a_view = a_out.view(torch.uint8)
     if expected_m is None:
-        expected_m = max(1, -(-int(masked_m.sum()) // max(num_local, 1)))
+        expected_m = max(1, ceil_div(int(masked_m.sum()), max(num_local, 1)))
     return {
         "a_batched": a_view.view(torch.float8_e4m3fn).view(num_local, max_tokens, h),
         "a_scale_batched": s_b[:rows].view(num_local, max_tokens, a1q_scale.shape[1]),

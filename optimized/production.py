@@ -50,6 +50,7 @@ from moe_verify.spec import (
     TopologyKind,
     Trace,
     call_stage,
+    round_up,
 )
 from optimized import deepgemm
 from optimized.deepgemm import choose_engine, choose_grouped_layout
@@ -214,7 +215,7 @@ def workspace_layout(cfg: ForwardConfig, num_tokens: int) -> WorkspaceLayout:
     offsets, at = {}, 0
     for name, (shape, dtype) in shapes.items():
         offsets[name] = (at, shape, dtype)
-        at += -(-math.prod(shape) * dtype.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES
+        at += round_up(math.prod(shape) * dtype.itemsize, _ALIGN_BYTES)
     return WorkspaceLayout(rows, offsets, at)
 
 

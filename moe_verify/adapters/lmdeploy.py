@@ -78,6 +78,7 @@ from moe_verify.spec import (
     StageSkipped,
     TopologyKind,
     Trace,
+    round_up,
 )
 from optimized.backend import Outputs
 from optimized.deepgemm import choose_grouped_layout
@@ -180,7 +181,7 @@ def aligned_counts(counts: torch.Tensor, alignment: int) -> torch.Tensor:
     """int32 [E_l]: each expert's count rounded up to the alignment, as DeepEP's normal dispatch
     hands `num_recv_tokens_per_expert` to fused_moe_v3_fp8 (expert_alignment)."""
     c = counts.to(torch.int64)
-    return ((c + alignment - 1) // alignment * alignment).to(torch.int32)
+    return round_up(c, alignment).to(torch.int32)
 
 
 def local_ids(ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:

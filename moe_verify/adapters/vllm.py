@@ -60,6 +60,8 @@ from moe_verify.spec import (
     StageSkipped,
     TopologyKind,
     Trace,
+    ceil_div,
+    round_up,
 )
 from optimized.backend import Outputs
 from optimized.deepgemm import choose_grouped_layout
@@ -443,7 +445,7 @@ class VllmBackend(AdaptedBackend):
         groups = width // problem.recipe.act_group
         if packed:
             q, s = kernel(input=mm1.contiguous(), output_q=out_q, **kwargs)
-            words, tma = -(-groups // 4), -(-rows // 4) * 4
+            words, tma = ceil_div(groups, 4), round_up(rows, 4)
             _require_layout("packed act scales", s, (rows, words), (1, tma))
             recipe = ActQuantRecipe.PACKED
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_verify.spec import Recipe, StageContext
+from moe_verify.spec import Recipe, StageContext, round_up
 from optimized.backend import OptimizedBackend, Outputs
 from reference.formats import dequantize_fp8_blocks
 
@@ -53,7 +53,7 @@ class PaddingInfBleedsIntoTile(OptimizedBackend):
         tile = align["alignment"]
         for e, count in enumerate(align["counts"].tolist()):
             start = int(perm["expert_start"][e])
-            end, stop = start + count, start + -(-count // tile) * tile
+            end, stop = start + count, start + round_up(count, tile)
             if end == stop:  # a full last tile: no padding row shares it
                 continue
             rows = slice(end, stop)

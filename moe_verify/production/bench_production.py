@@ -135,9 +135,7 @@ def _deepgemm_alone(
     psum = cfg.layout == GroupedLayout.PSUM.value
     grouped = taps[Stage.PERMUTE.value]["expert_ends" if psum else "m_indices"]
     kwargs: dict[str, object] = {"disable_ue8m0_cast": disable_cast}
-    if weight.fp4 or weight.block != (128, 128):
-        kwargs["recipe_a"] = (1, cfg.recipe.act_group)
-        kwargs["recipe_b"] = (1, weight.block[1])
+    kwargs.update(deepgemm.scale_group_recipes(cfg.recipe.act_group, weight))
     if psum:
         kwargs["use_psum_layout"] = True
         a_scale = deepgemm.psum_activation_scales(a_scale)

@@ -64,6 +64,7 @@ from moe_verify.spec import (
     StageContext,
     TopologyKind,
     Trace,
+    ceil_div,
     run_stages,
 )
 from optimized import op, production
@@ -368,7 +369,7 @@ class GraphSession:
                 [*STALE_IDS, self.num_experts_table - 1, 0], dtype=torch.int32, device=self.device
             )
             pad = self.ids[live:].reshape(-1)
-            pad.copy_(plant.repeat(-(-pad.numel() // plant.numel()))[: pad.numel()])
+            pad.copy_(plant.repeat(ceil_div(pad.numel(), plant.numel()))[: pad.numel()])
         self.keepalive.extend([x.hidden_states, route["topk_ids"], route["topk_weights"]])
 
     def effective_route(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from moe_verify.spec import (
     QuantizedWeight,
     Recipe,
     Routing,
+    ceil_div,
     check_device,
     check_type,
 )
@@ -335,7 +336,7 @@ class _InputChecker:
         recipe = self.p.recipe
         if recipe is Recipe.FP8_BLOCK:
             q = ((e, n, k), torch.float8_e4m3fn)
-            scale = ((e, -(-n // 128), -(-k // 128)), torch.float32)
+            scale = ((e, ceil_div(n, 128), ceil_div(k, 128)), torch.float32)
             block = (128, 128)
         else:
             fp4 = recipe is Recipe.MXFP4_W4A8

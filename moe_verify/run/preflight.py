@@ -31,7 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify.spec import MoEProblem, Placement, Recipe, ScaleFmt, Stage, TopologyKind
+from moe_verify.spec import (
+    MoEProblem,
+    Placement,
+    Recipe,
+    ScaleFmt,
+    Stage,
+    TopologyKind,
+    ceil_div,
+    round_up,
+)
 
 _FP32, _BF16, _FP8 = 4, 2, 1
 # Golden, tested chained, tested isolated: the traces one rank holds at once.
@@ -89,7 +98,7 @@ def _local_experts(p: MoEProblem) -> int:
         return p.num_experts
     if topo.placement is Placement.EXPLICIT:
         return max(len(r) for r in topo.explicit or ((),))
-    return -(-p.num_experts // topo.size)
+    return ceil_div(p.num_experts, topo.size)
 
 
 def _max_m_sum(p: MoEProblem, e_l: int) -> int:
@@ -98,13 +107,13 @@ def _max_m_sum(p: MoEProblem, e_l: int) -> int:
     if p.topology.kind is TopologyKind.EP_LL:
         return e_l * p.ll_max_tokens
     rows = p.tokens * p.topk + e_l * (p.alignment - 1)
-    return -(-rows // p.alignment) * p.alignment
+    return round_up(rows, p.alignment)
 
 
 def _weight_items(prefix: str, p: MoEProblem, e: int, n: int, k: int, copies: int) -> list[Item]:
     """The quantized weight stack [e, n, k] the kernel sees: codes and scales."""
     if p.recipe is Recipe.FP8_BLOCK:
-        scale = Item(f"{prefix}.scale", (e, -(-n // 128), -(-k // 128)), _FP32, copies)
+        scale = Item(f"{prefix}.scale", (e, ceil_div(n, 128), ceil_div(k, 128)), _FP32, copies)
     else:
         scale = Item(f"{prefix}.scale", (e, n, k // 32), 1, copies)
     code = 0.5 if p.recipe is Recipe.MXFP4_W4A8 else _FP8

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from moe_verify.spec import Activation, MoEProblem, Recipe, Routing, ScaleFmt, Topology
+from moe_verify.spec import Activation, MoEProblem, Recipe, Routing, ScaleFmt, Topology, ceil_div
 
 SWIGLU_CLAMP = Activation("swigluoai", 1.702, 1.0, 7.0)  # gpt-oss: swigluoai with a clamp
 
@@ -273,7 +273,8 @@ def gemm_shapes(problems: list[MoEProblem]) -> set[tuple[int, int, int]]:
         if p.recipe is not Recipe.FP8_BLOCK:
             continue
         size = p.topology.size
-        local = p.num_experts if p.topology.kind is TopologyKind.TP else -(-p.num_experts // size)
+        tp = p.topology.kind is TopologyKind.TP
+        local = p.num_experts if tp else ceil_div(p.num_experts, size)
         if p.topology.explicit is not None:
             local = max(len(r) for r in p.topology.explicit)
         i = p.intermediate_per_rank

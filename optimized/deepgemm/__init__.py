@@ -51,7 +51,11 @@ from optimized.deepgemm.loading import (
     import_found,
 )
 from optimized.deepgemm.sm90_fp8_1d2d import SM90_LEGAL_ALIGNMENTS
-from optimized.deepgemm.sm100_ue8m0 import pack_ue8m0_reference, psum_activation_scales
+from optimized.deepgemm.sm100_ue8m0 import (
+    pack_ue8m0_reference,
+    psum_activation_scales,
+    scale_group_recipes,
+)
 from optimized.deepgemm.status import (
     LIBSTDCXX,
     MIN_VERSION,
@@ -105,6 +109,7 @@ __all__ = [
     "probe",
     "probe_first_call",
     "psum_activation_scales",
+    "scale_group_recipes",
     "sm_count_scope",
     "support",
     "validate_contiguous_call",
