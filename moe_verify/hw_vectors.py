@@ -12,9 +12,10 @@ an approximate division, a function of one bf16 value). This module records each
 - `record_gate_tables`: the act_quant kernel's gate for all 65,536 bf16 inputs, per alpha
   (optimized.kernels.act_quant.gate_table).
 - `record_quotient_tables`: other engines' approximate steps, each a function of one bf16 value
-  (reference/quotient_table.py): Triton's fp32 `448 / v` (div.full.f32, LMDeploy's quantizer),
-  the same quotient and silu's `v / (1 + expf(-v))` as nvcc compiles them with `--use_fast_math`
-  (SGLang's JIT CUDA quantizer and activation), for every bf16 v and the quantizers' amax floors.
+  (reference/hardware/quotient_table.py): Triton's fp32 `448 / v` (div.full.f32, LMDeploy's
+  quantizer), the same quotient and silu's `v / (1 + expf(-v))` as nvcc compiles them with
+  `--use_fast_math` (SGLang's JIT CUDA quantizer and activation), for every bf16 v and the
+  quantizers' amax floors.
 
 Each file carries the GPU, the driver's CUDA, torch, Triton and DeepGEMM versions and the date in
 its metadata (the quotient file also nvcc's). `python -m moe_verify.hw_vectors OUT_DIR` writes the
@@ -35,8 +36,8 @@ import torch
 
 from moe_verify.spec import QuantizedWeight, ScaleFmt, compute_capability, round_up
 from reference.formats import quantize_fp8_blocks, quantize_fp8_groups
-from reference.gate_table import GATE_FILE, every_bf16, gate_key
-from reference.quotient_table import FLOORS, QUOTIENT_FILE, TABLES
+from reference.hardware.gate_table import GATE_FILE, every_bf16, gate_key
+from reference.hardware.quotient_table import FLOORS, QUOTIENT_FILE, TABLES
 
 GEMM_FILE = "sm90_deepgemm_gemm.safetensors"
 SEED = 20261201
@@ -244,8 +245,8 @@ def _cuda_fast_math(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
 
 
 def record_quotient_tables(path: Path) -> int:
-    """Every table of reference/quotient_table.py `TABLES`, for all bf16 inputs and `FLOORS`;
-    returns the number of tables."""
+    """Every table of reference/hardware/quotient_table.py `TABLES`, for all bf16 inputs and
+    `FLOORS`; returns the number of tables."""
     from safetensors.torch import save_file
 
     from optimized.kernels.quant import triton_quotient

@@ -6,12 +6,12 @@ its bugs). Runs on CPU or GPU.
 
 from __future__ import annotations
 
-from reference.moe import ReferenceBackend, run
-from reference.tensor_core import (
+from reference.hardware.tensor_core import (
     tensor_core_gemm,
     tensor_core_grouped_gemm,
     tensor_core_masked_gemm,
 )
+from reference.moe import ReferenceBackend, run
 
 __all__ = [
     "ReferenceBackend",

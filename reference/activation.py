@@ -15,7 +15,7 @@ LMDeploy a fourth ("colmajor_amax_reciprocal", below):
 The Triton kernels use the approximate `tl.exp`, the CUDA one `expf` and `__fdividef`; the golden
 uses torch.exp and an IEEE division (a documented 1-ulp source of difference before the bf16
 rounding of the activation). The Triton kernels' gate as the H200 computes it is recorded for
-every bf16 input (reference/gate_table.py), so each Triton rounding has a twin recipe,
+every bf16 input (reference/hardware/gate_table.py), so each Triton rounding has a twin recipe,
 "packed_sm90_triton" / "colmajor_sm90_triton": the same IEEE steps around a gate read from that
 table (`sm90_triton_recipe`).
 """
@@ -36,8 +36,8 @@ from reference.formats import (
     quantize_groups_by_amax_reciprocal,
     ue8m0_bytes,
 )
-from reference.gate_table import gate_from_table, gate_table, tabulated_alphas
-from reference.quotient_table import bf16_entries
+from reference.hardware.gate_table import gate_from_table, gate_table, tabulated_alphas
+from reference.hardware.quotient_table import bf16_entries
 from reference.validate import (
     require_finite,
     require_positive_int,
@@ -104,10 +104,10 @@ def swiglu(
     rounding "colmajor": g, u re-rounded to bf16 after the clamp (matters when L is not
         bf16-representable); glu = bf16(g / (1 + exp(-g * alpha))); up = bf16(u + beta);
         y = bf16(glu * up).
-    table: fp32 [65536], the gate of every bf16 input at this alpha (reference/gate_table.py);
-        when given, glu is read from it instead of computed (the clamped gate must then be a
-        bf16 value: always under "colmajor", under "packed" when L is one). Every other step is
-        the same IEEE arithmetic.
+    table: fp32 [65536], the gate of every bf16 input at this alpha
+        (reference/hardware/gate_table.py); when given, glu is read from it instead of computed (the
+        clamped gate must then be a bf16 value: always under "colmajor", under "packed" when L is
+        one). Every other step is the same IEEE arithmetic.
     silu is alpha = 1, beta = 0. Returns fp32 [..., M, I] whose values are all bf16 numbers.
     """
     _check_mm1(mm1, activation)
@@ -163,7 +163,8 @@ _AMAX_RECIPROCAL_QUANTIZER = {
     ),
     ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA: InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA,
 }
-# SGLang's silu as nvcc --use_fast_math compiles it on an H200 (reference/quotient_table.py).
+# SGLang's silu as nvcc --use_fast_math compiles it on an H200
+# (reference/hardware/quotient_table.py).
 _SGLANG_SILU_TABLE = "silu_cuda_fast_math"
 
 
@@ -329,13 +330,13 @@ def act_quant(
         `quantize_groups_bf16_steps`. Scales as colmajor's, or packed with pad bytes 0.
     "packed_fast_reciprocal_sm90_cuda" (FLOAT32; SGLang's silu_and_mul then its JIT CUDA
         quantizer, as an H200 computes them): y = swiglu(rounding="packed") with silu read from
-        the recorded fast-math table (reference/quotient_table.py), then
+        the recorded fast-math table (reference/hardware/quotient_table.py), then
         `quantize_groups_by_amax_reciprocal` ("fast_reciprocal_sm90_cuda": amax floored at 1e-10,
         scale amax * (1/448), codes y times the table's 448 / amax).
     "packed_sm90_triton" / "colmajor_sm90_triton": "packed" / "colmajor" with the gate read from
-        the H200 Triton table of activation.alpha (`swiglu`'s table; reference/gate_table.py,
-        `gate_table_provenance` names the GPU and versions); a ValueError where no table applies
-        (`sm90_triton_recipe` says when one does).
+        the H200 Triton table of activation.alpha (`swiglu`'s table;
+        reference/hardware/gate_table.py, `gate_table_provenance` names the GPU and versions); a
+        ValueError where no table applies (`sm90_triton_recipe` says when one does).
     Zero groups: byte 94 (2^-33) packed; 1e-10/448 float32 and 2^-42 (byte 85) ceil (colmajor);
     bf16_steps: bf16(bf16(1e-10) * bf16(1/448)), or 2^-42 for the ue8m0 formats.
     """

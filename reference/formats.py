@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from moe_verify.spec import E2M1_MAX, FP8_MAX, InputQuantRecipe, ScaleFmt, ceil_div, round_up
-from reference.quotient_table import FLOORS, table_value
+from reference.hardware.quotient_table import FLOORS, table_value
 from reference.validate import (
     first_index,
     require_bool,
@@ -277,7 +277,7 @@ _GROUP_SCALES = {
 AMAX_RECIPROCAL_FLOOR, FAST_RECIPROCAL_FLOOR = FLOORS
 
 # The quantizers whose codes are x * (448 / amax): amax's floor, and where the quotient comes
-# from (None: the IEEE quotient; else the table of reference/quotient_table.py).
+# from (None: the IEEE quotient; else the table of reference/hardware/quotient_table.py).
 _AMAX_RECIPROCALS: dict[InputQuantRecipe, tuple[float, str | None]] = {
     InputQuantRecipe.AMAX_RECIPROCAL: (AMAX_RECIPROCAL_FLOOR, None),
     InputQuantRecipe.AMAX_RECIPROCAL_SM90_TRITON: (AMAX_RECIPROCAL_FLOOR, "quotient_448_triton"),
@@ -306,10 +306,11 @@ def quantize_groups_by_amax_reciprocal(
         amax = max(max|x|, floor), floor fp32(1e-6) (LMDeploy) or fp32(1e-10) (SGLang);
         float32: s = amax * fp32(1/448); q = cast_to_fp8(x * r), r the quotient 448 / amax: the
             correctly rounded one ("amax_reciprocal", what the Triton interpreter computes), or
-            as an H200 computes it, read from the recorded tables (reference/quotient_table.py):
-            Triton's div.full.f32 ("amax_reciprocal_sm90_triton") or nvcc --use_fast_math's
-            ("fast_reciprocal_sm90_cuda"). A multiply by r, not a division by s: one e4m3 code
-            apart where x / s is near a rounding boundary, and the approximate r one more;
+            as an H200 computes it, read from the recorded tables
+            (reference/hardware/quotient_table.py): Triton's div.full.f32
+            ("amax_reciprocal_sm90_triton") or nvcc --use_fast_math's ("fast_reciprocal_sm90_cuda").
+            A multiply by r, not a division by s: one e4m3 code apart where x / s is near a
+            rounding boundary, and the approximate r one more;
         ue8m0 formats (LMDeploy's): s = ceil_ue8m0(amax * fp32(1/448)) (its exponent-bit
             ceiling), and q = cast_to_fp8(x * (1 / s)), exact since s is a power of two (the
             approximate division of a power of two is exact too).

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from moe_verify.spec import GatherRecipe
+from reference.hardware.tensor_core import fma_fp32
 from reference.layout import local_expert_ids
-from reference.tensor_core import fma_fp32
 from reference.validate import require, require_tensor
 
 

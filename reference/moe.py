@@ -34,6 +34,7 @@ from reference import formats, routing
 from reference.activation import act_quant
 from reference.gather import gather
 from reference.gemm import grouped_gemm
+from reference.hardware.tensor_core import tensor_core_grouped_gemm, tensor_core_masked_gemm
 from reference.layout import (
     BatchedPlan,
     PermutePlan,
@@ -51,7 +52,6 @@ from reference.recipes import (
     input_quant_recipes,
     recipe_outputs,
 )
-from reference.tensor_core import tensor_core_grouped_gemm, tensor_core_masked_gemm
 from reference.topology import (
     Shard,
     dispatched_tokens,
@@ -268,8 +268,8 @@ class ReferenceBackend:
     def with_tensor_core(self, p: MoEProblem, x: MoEInputs, trace: Trace, stage: str) -> Trace:
         """`trace` (this golden's, of rank trace.rank) with GEMM `stage` also carrying its
         tensor-core recipe: the outputs of DeepGEMM's SM90 kernel as the Hopper tensor core
-        computes them (reference/tensor_core.py), on the same operands the stage read, under
-        "mm1@tensor_core" / "mm2@tensor_core" with "recipe_outputs" {"fp32_dequant": {"mm1":
+        computes them (reference/hardware/tensor_core.py), on the same operands the stage read,
+        under "mm1@tensor_core" / "mm2@tensor_core" with "recipe_outputs" {"fp32_dequant": {"mm1":
         "mm1"}, "tensor_core": {"mm1": "mm1@tensor_core"}} (reference/recipes.py). The stage's
         own outputs are unchanged, so every later stage still reads the fp32 golden.
 

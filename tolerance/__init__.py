@@ -16,9 +16,9 @@ from tolerance.compare import (
     keyed_values,
     not_compared,
 )
-from tolerance.layouts import unpack_ue8m0
 from tolerance.policy import ANY, POLICY, Check, Limit, Rule, policy_for
 from tolerance.report import Report, failure_message
+from tolerance.stages.layouts import unpack_ue8m0
 
 __all__ = [
     "ANY",

@@ -31,19 +31,19 @@ from moe_verify.spec import (
     check_enum,
     check_type,
 )
-from tolerance.bounded_stages import (
+from tolerance.policy import CONTRACT_REASON, policy_for
+from tolerance.results import CheckResult, ContractError, StageResult, Worst
+from tolerance.stages.bounded import (
     act_quant_checks,
     bounded_values,
     gemm_checks,
     token_output_checks,
 )
-from tolerance.context import Ctx, comparison_device
-from tolerance.exact_stages import align_checks, permute_checks, quant_input_checks, route_checks
-from tolerance.layouts import flatten_batched
-from tolerance.policy import CONTRACT_REASON, policy_for
-from tolerance.recipes import chained_copy_golden, hardware_check
-from tolerance.results import CheckResult, ContractError, StageResult, Worst
-from tolerance.slots import aligned_slots
+from tolerance.stages.context import Ctx, comparison_device
+from tolerance.stages.exact import align_checks, permute_checks, quant_input_checks, route_checks
+from tolerance.stages.layouts import flatten_batched
+from tolerance.stages.recipes import chained_copy_golden, hardware_check
+from tolerance.stages.slots import aligned_slots
 
 __all__ = [  # the entry points, and the result types callers read with them
     "CheckResult",

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_verify.spec import Stage, Trace
-from tolerance.context import live_slots
-from tolerance.layouts import flatten_batched
 from tolerance.results import CheckResult, ContractError, Worst
+from tolerance.stages.context import live_slots
+from tolerance.stages.layouts import flatten_batched
 
 
 @dataclass(frozen=True)

@@ -192,8 +192,9 @@ TENSOR_CORE_GEMM = Check(
     "where the tested GEMM ran DeepGEMM's SM90 kernel, or declares the recipe (the Triton engine "
     "compiled for SM90), or the recipe was asked for: live rows bit for bit against the golden's "
     "tensor-core recipe, in isolated mode on the same fp8 operands, chained against the golden's "
-    "SM90 chain (reference/tensor_core.py: the Hopper FP8 block accumulation, 100% of the recorded "
-    "H200 outputs), with the fp32-dequant bound reported beside it as the distance to exact math. "
+    "SM90 chain (reference/hardware/tensor_core.py: the Hopper FP8 block accumulation, 100% of the "
+    "recorded H200 outputs), with the fp32-dequant bound reported beside it as the distance to "
+    "exact math. "
     "The Triton engine under the CPU interpreter computes exact fp32 math (tl.dot is numpy's "
     "dot), not the tensor core's, so asked for there it fails "
     "(docs/tolerance.md#zero-tolerance-on-sm90)",
@@ -201,7 +202,7 @@ TENSOR_CORE_GEMM = Check(
 
 
 # Zero tolerance on SM90 (docs/tolerance.md#zero-tolerance-on-sm90): not table rows either. They
-# replace a stage's row where the golden computed the hardware's recipe (tolerance/recipes.py
+# replace a stage's row where the golden computed the hardware's recipe (tolerance/stages/recipes.py
 # `hardware_check`): act_quant declared as the H200 Triton kernel, and every stage of a chained
 # run compared against the golden's SM90 chain.
 _ZERO_DOC = "docs/tolerance.md#zero-tolerance-on-sm90"

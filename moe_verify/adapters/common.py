@@ -191,8 +191,8 @@ class AdaptedBackend(OptimizedBackend):
     @staticmethod
     def compiled_for_sm90(out: torch.Tensor) -> bool:
         """The kernel that wrote `out` ran compiled on an SM90 GPU (the hardware the recipes with
-        recorded tables model: reference/gate_table.py, reference/quotient_table.py), not under
-        the Triton interpreter."""
+        recorded tables model: reference/hardware/gate_table.py,
+        reference/hardware/quotient_table.py), not under the Triton interpreter."""
         if out.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             return False
         return is_sm90(out.device)

@@ -16,11 +16,11 @@ from unittest import mock
 
 import torch
 
-import reference.tensor_core as tensor_core
+import reference.hardware.tensor_core as tensor_core
 from moe_verify.spec import GEMM_OUTPUT, Stage, StageContext, Trace
 from optimized.backend import OptimizedBackend, Outputs
 from reference.activation import act_quant, fused_act_quant_recipe, sm90_triton_recipe
-from reference.gate_table import gate_table_provenance
+from reference.hardware.gate_table import gate_table_provenance
 from reference.moe import ReferenceBackend
 
 

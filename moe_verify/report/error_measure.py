@@ -30,18 +30,18 @@ from moe_verify.spec import (
     ceil_div,
 )
 from reference.topology import placement
-from tolerance.context import Ctx, Slots, comparison_device, downstream_slots, live_slots
-from tolerance.layouts import (
+from tolerance.metrics import bits, fp8_codes
+from tolerance.policy import policy_for
+from tolerance.results import ContractError
+from tolerance.stages.context import Ctx, Slots, comparison_device, downstream_slots, live_slots
+from tolerance.stages.layouts import (
     comparable_scale_codes,
     flatten_batched,
     psum_row_experts,
     scale_values,
     tested_layout,
 )
-from tolerance.metrics import bits, fp8_codes
-from tolerance.policy import policy_for
-from tolerance.recipes import chained_copy_golden, declared_recipe, golden_as, golden_recipes
-from tolerance.results import ContractError
+from tolerance.stages.recipes import chained_copy_golden, declared_recipe, golden_as, golden_recipes
 
 # Bounds of one panel, in cells: big cases are binned down to these (a DeepSeek-V3 rank has
 # ~10^5 permuted rows and 56 column blocks). A panel has at least this many pixels each way, so

@@ -25,11 +25,11 @@ from moe_verify.spec import (
     is_sm90,
 )
 from reference.activation import fused_act_quant_recipe, sm90_triton_recipe
-from reference.gate_table import gate_table_provenance
+from reference.hardware.gate_table import gate_table_provenance
 from reference.moe import ReferenceBackend
 from reference.recipes import act_quant_recipes
-from tolerance.recipes import HARDWARE_ACT_RECIPES, same_bits
-from tolerance.slots import slot_order
+from tolerance.stages.recipes import HARDWARE_ACT_RECIPES, same_bits
+from tolerance.stages.slots import slot_order
 
 # The scale formats DeepGEMM's SM90 FP8 GEMM reads (fp32 scales; ceil-UE8M0 ones are fp32 too).
 _SM90_FORMATS = (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0)
@@ -85,7 +85,7 @@ def with_gemm_recipe(
     """The golden trace with the tensor-core recipe added to each GEMM stage it applies to
     (`gemm_recipe_applies`), computed only then: the model costs 10-100x the fp32 GEMM. It runs
     after the tested side because the tested stage says which engine ran it; the comparison then
-    holds that stage bit for bit to the recipe (tolerance/bounded_stages.py `gemm_checks`)."""
+    holds that stage bit for bit to the recipe (tolerance/stages/bounded.py `gemm_checks`)."""
     reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
     for stage in GEMM_OUTPUT:
         if stage in golden_trace and gemm_recipe_applies(problem, tested, stage, gemm_recipe):
@@ -95,11 +95,11 @@ def with_gemm_recipe(
 
 def declare_hardware_gate(problem: MoEProblem, tested: Trace) -> None:
     """Declare, for a tested act_quant that declares no recipe itself, the recipe whose gate is
-    the recorded H200 table (reference/gate_table.py), where the stage reports it computed its
-    gate as that table was recorded: compiled by the same Triton version on a GPU of the same
+    the recorded H200 table (reference/hardware/gate_table.py), where the stage reports it computed
+    its gate as that table was recorded: compiled by the same Triton version on a GPU of the same
     compute capability ("gate_triton", "gate_capability"; optimized/kernels/act_quant.py
     `gate_source`), and the problem has that recipe. The stage is then held to it bit for bit
-    (tolerance/recipes.py `hardware_check`). Anything else (another Triton, the interpreter,
+    (tolerance/stages/recipes.py `hardware_check`). Anything else (another Triton, the interpreter,
     someone else's kernel) keeps the matcher and its bounds."""
     if Stage.ACT_QUANT not in tested or tested.failure(Stage.ACT_QUANT) is not None:
         return
@@ -186,8 +186,8 @@ def legitimately_other_route(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(slots, weights) for the SM90 chain's gather, from a tested route that routes every
     token to the golden's experts but is not bit for bit the golden's route: `slots` (the
-    golden's slot of each tested slot, tolerance/slots.py `slot_order`) where some token lists
-    its experts in another order, `weights` (the tested ones) where they are not the golden's
+    golden's slot of each tested slot, tolerance/stages/slots.py `slot_order`) where some token
+    lists its experts in another order, `weights` (the tested ones) where they are not the golden's
     bit for bit once in the same order. Both are legitimate: the order inside a token is not
     semantic, and each side renormalizes in its own sum order (a few ulps, which the route check
     bounds: tolerance/policy.py `renormalized_weight_ulps`). (None, None) where the route is the

@@ -52,7 +52,7 @@ from moe_verify.sanitize.output import (
     verdict_line,
 )
 from moe_verify.sanitize.report import Crumb, SanitizeReport, attribute
-from reference.tensor_core import FUSED_ENV
+from reference.hardware.tensor_core import FUSED_ENV
 
 SANITIZER = "compute-sanitizer"
 DEFAULT_CUDA_HOME = Path("/usr/local/cuda")

@@ -51,7 +51,7 @@ class InputQuantRecipe(enum.StrEnum):
     # 1e-6 in the input's dtype, codes x * (448 / amax) (not x / scale)
     AMAX_RECIPROCAL = "amax_reciprocal"
     # The same kernel compiled by Triton for an H200: 448 / amax is div.full.f32, read from the
-    # recorded table (reference/quotient_table.py)
+    # recorded table (reference/hardware/quotient_table.py)
     AMAX_RECIPROCAL_SM90_TRITON = "amax_reciprocal_sm90_triton"
     # SGLang 0.5.23's JIT CUDA per_token_group_quant (fp32 scales): amax floored at 1e-10, scale
     # amax * (1/448), codes x * (448 / amax) with nvcc --use_fast_math's division on an H200
@@ -70,10 +70,11 @@ class ActQuantRecipe(enum.StrEnum):
     # quantizer (InputQuantRecipe.AMAX_RECIPROCAL) on the bf16 activations
     COLMAJOR_AMAX_RECIPROCAL = "colmajor_amax_reciprocal"
     # The same two LMDeploy kernels compiled by Triton for an H200: the gate from the recorded
-    # Triton table (reference/gate_table.py), 448 / amax from the recorded quotient table
+    # Triton table (reference/hardware/gate_table.py), 448 / amax from the recorded quotient table
     COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON = "colmajor_amax_reciprocal_sm90_triton"
     # The two Triton kernels with the gate read from the table recorded on an H200 (Triton 3.6):
-    # tl.exp and the approximate division as that GPU computes them (reference/gate_table.py).
+    # tl.exp and the approximate division as that GPU computes them
+    # (reference/hardware/gate_table.py).
     PACKED_SM90_TRITON = "packed_sm90_triton"
     COLMAJOR_SM90_TRITON = "colmajor_sm90_triton"
     # SGLang 0.5.23 on an H200: silu_and_mul (JIT CUDA, fast math: silu read from the recorded

@@ -250,7 +250,7 @@ def gate_table(alpha: float, device: torch.device | str = "cuda") -> torch.Tenso
 
 def gate_source(device: torch.device) -> dict[str, str]:
     """Where the kernels' gate values come from on `device`, as facts the harness can match to a
-    recorded gate table (reference/gate_table.py): {"gate_triton": Triton's version,
+    recorded gate table (reference/hardware/gate_table.py): {"gate_triton": Triton's version,
     "gate_capability": "major.minor"} when compiled for a CUDA GPU; {} under the interpreter, whose
     gate is numpy's exp (the plain recipes)."""
     capability = compute_capability(device)

@@ -32,8 +32,8 @@ Math per weight format:
   fp8 blocks  tl.dot on fp8 operands per activation group (128 K: DeepGEMM's SM90 1D2D scheme),
               promoted as DeepGEMM promotes: acc = fma(part, fp32(SA * SB), acc). Hopper's fp8
               MMA accumulates each chunk at reduced precision, as DeepGEMM's does, so on SM90
-              the result is the tensor-core recipe's (reference/tensor_core.py) bit for bit;
-              under the CPU interpreter tl.dot is exact and the result is fp32 math's.
+              the result is the tensor-core recipe's (reference/hardware/tensor_core.py) bit for
+              bit; under the CPU interpreter tl.dot is exact and the result is fp32 math's.
   E8M0 (1,32) Triton on SM90 has no per-32 block-scaled MMA and no E2M1 operand, so the weights
               are upcast (E2M1 decoded) and multiplied by their E8M0 scale, a power of two, which
               is exact barring bf16 overflow or underflow; per-32 E8M0 activation scales are folded
@@ -149,7 +149,8 @@ def _expert_tile(
             )
             sa = _a_scale(sa_ptr, stride_sam, stride_sak, rows64, row_mask, k0 // A_GROUP, A_PACKED)
             # DeepGEMM's promotion, to the bit: one fp32 product of the two scales, then a
-            # single-rounding FMA into the accumulator (reference/tensor_core.py `promote`).
+            # single-rounding FMA into the accumulator
+            # (reference/hardware/tensor_core.py `promote`).
             acc = tl.fma(part, sa[:, None] * sb[None, :], acc)
         else:
             # Per-32 E8M0 weight scales vary along K inside the chunk: fold them (powers of two,

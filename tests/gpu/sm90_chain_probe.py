@@ -29,8 +29,8 @@ from optimized.backend import OptimizedBackend
 from reference.activation import act_quant, fused_act_quant_recipe, sm90_triton_recipe
 from reference.gather import gather
 from reference.gemm import grouped_gemm
+from reference.hardware.tensor_core import tensor_core_grouped_gemm
 from reference.moe import ReferenceBackend
-from reference.tensor_core import tensor_core_grouped_gemm
 
 DSV3 = dict(  # DeepSeek-V3 EP8-local: 32 of 256 experts
     hidden=7168,

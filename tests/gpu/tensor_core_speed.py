@@ -1,6 +1,6 @@
 """Measurement script (not a test): the tensor-core recipe's time on DeepSeek-V3 EP8-local and
-Qwen3-like grouped GEMMs, eager and fused (reference/tensor_core.py), beside the fp32 golden GEMM
-on the same operands. docs/tensor-core.md#speed records its output on the H200.
+Qwen3-like grouped GEMMs, eager and fused (reference/hardware/tensor_core.py), beside the fp32
+golden GEMM on the same operands. docs/tensor-core.md#speed records its output on the H200.
 
     python tests/gpu/tensor_core_speed.py [NAME_FILTER ...]     # CUDA
     SKIP_EAGER=1 python tests/gpu/tensor_core_speed.py          # the fused form only
@@ -19,8 +19,8 @@ import torch
 
 from moe_verify.common.timing import timed_once
 from moe_verify.spec import QuantizedWeight
-from reference import tensor_core as tc
 from reference.gemm import grouped_gemm
+from reference.hardware import tensor_core as tc
 
 # name: (experts, rows per expert, N, K)
 CASES = {

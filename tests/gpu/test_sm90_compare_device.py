@@ -21,7 +21,7 @@ from moe_verify.sweep.cases import DSV3_LOCAL, GPU_SHAPE
 from optimized.backend import OptimizedBackend
 from tests.tester.test_wrong_backends import CASES, Expect
 from tolerance.compare import CheckResult, StageResult, compare
-from tolerance.context import comparison_device
+from tolerance.stages.context import comparison_device
 
 pytestmark = pytest.mark.sm90
 P = MoEProblem

@@ -75,10 +75,10 @@ def test_deepgemm_still_computes_the_recorded_bits(shape: hw_vectors.GemmShape, 
 
 def test_the_quotient_tables_are_this_machines(tmp_path: Path) -> None:
     """Triton's and nvcc --use_fast_math's 448 / v and SGLang's fast-math silu
-    (reference/quotient_table.py), recorded again here (nvcc compiles the snippet)."""
+    (reference/hardware/quotient_table.py), recorded again here (nvcc compiles the snippet)."""
     from safetensors.torch import load_file
 
-    from reference.quotient_table import QUOTIENT_FILE, TABLES
+    from reference.hardware.quotient_table import QUOTIENT_FILE, TABLES
 
     stored_path = ROOT / "reference" / "data" / QUOTIENT_FILE
     fresh_path = tmp_path / QUOTIENT_FILE

@@ -155,7 +155,7 @@ def test_poisoned_workspaces_agree_with_a_fresh_run(scale_fmt: str) -> None:
     both poisons."""
     from moe_verify.run.inputs import make_inputs
     from optimized.backend import OptimizedBackend
-    from tolerance.context import live_slots
+    from tolerance.stages.context import live_slots
 
     problem = MoEProblem(tokens=300, topk=4, scale_fmt=scale_fmt, **GPU_SHAPE)
     inputs = make_inputs(problem, "cuda")

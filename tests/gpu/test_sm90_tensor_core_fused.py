@@ -1,7 +1,7 @@
-"""SM90 tier: the tensor-core recipe's fused form (reference/tensor_core.py `chunk_steps` and the
-promotion's FMA under torch.compile, Triton code on the GPU; the default on CUDA for large GEMMs)
-gives the eager form's bits and DeepGEMM's on a DeepSeek-V3 EP8-local gemm1, and how fast both are
-beside the fp32 golden GEMM (printed; docs/tensor-core.md#speed records it)."""
+"""SM90 tier: the tensor-core recipe's fused form (reference/hardware/tensor_core.py `chunk_steps`
+and the promotion's FMA under torch.compile, Triton code on the GPU; the default on CUDA for large
+GEMMs) gives the eager form's bits and DeepGEMM's on a DeepSeek-V3 EP8-local gemm1, and how fast
+both are beside the fp32 golden GEMM (printed; docs/tensor-core.md#speed records it)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from moe_verify.run.inputs import make_inputs
 from moe_verify.run.runner import run_chained
 from moe_verify.spec import MoEProblem
 from optimized.backend import OptimizedBackend
-from reference import tensor_core as tc
 from reference.gemm import grouped_gemm
+from reference.hardware import tensor_core as tc
 from reference.moe import ReferenceBackend
 
 pytestmark = pytest.mark.sm90

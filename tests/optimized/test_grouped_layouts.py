@@ -31,7 +31,7 @@ from moe_verify.spec import (
 )
 from optimized import deepgemm
 from optimized.backend import OptimizedBackend
-from tolerance.context import live_slots
+from tolerance.stages.context import live_slots
 
 pytestmark = pytest.mark.cpu
 

@@ -13,7 +13,7 @@ from moe_verify.run.verify import verify
 from moe_verify.run.workspaces import GUARD_BYTES, Workspaces
 from moe_verify.spec import MoEInputs, MoEProblem, Routing, ScaleFmt, StageContext, Trace
 from optimized.backend import OptimizedBackend
-from tolerance.context import live_slots
+from tolerance.stages.context import live_slots
 
 pytestmark = pytest.mark.cpu
 

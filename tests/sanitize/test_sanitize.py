@@ -31,7 +31,7 @@ from moe_verify.sanitize.run import (
     sanitize_run,
 )
 from moe_verify.spec import MoEProblem
-from reference.tensor_core import FUSED_ENV
+from reference.hardware.tensor_core import FUSED_ENV
 
 pytestmark = pytest.mark.cpu
 

@@ -1,5 +1,6 @@
 """A backend whose act_quant computes the gate as the H200's Triton does: read from the recorded
-table (reference/gate_table.py), the rest of the kernel's arithmetic as the golden's recipe.
+table (reference/hardware/gate_table.py), the rest of the kernel's arithmetic as the
+golden's recipe.
 
 It is what a kernel developer with a tensor-core-exact or table-exact kernel looks like to the
 suite on a CPU: the optimized path with act_quant replaced, declaring the hardware recipe.

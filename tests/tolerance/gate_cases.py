@@ -16,7 +16,7 @@ import torch
 
 from moe_verify.spec import Activation, ActQuantRecipe, ScaleFmt
 from reference.activation import act_quant, sm90_triton_recipe
-from reference.gate_table import every_bf16, gate_table
+from reference.hardware.gate_table import every_bf16, gate_table
 
 BF16 = torch.bfloat16
 # Candidate up values: every bf16 in [1, 2), and 0 (y = (0 + beta) * glu).

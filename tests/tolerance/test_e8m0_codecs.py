@@ -3,10 +3,10 @@
 Each side has its own codec on purpose: the golden's (reference/formats.py: pack_ue8m0,
 unpack_ue8m0, ue8m0_bytes, e8m0_to_fp32), the optimized path's (optimized/kernels/quant.py:
 pack_ue8m0, pack_ue8m0_from_fp32; the Triton helpers of optimized/kernels/e8m0.py) and
-tolerance's (tolerance/layouts.py: unpack_ue8m0, fp32_to_e8m0, e8m0_to_float), which may import
-neither of the others (tests/spec/test_layering.py), so a side's packed scales are never judged by
-that side's own decoder. Here one side encodes and another decodes: a byte-order, sign or pad slip
-in any one of them shows as a difference.
+tolerance's (tolerance/stages/layouts.py: unpack_ue8m0, fp32_to_e8m0, e8m0_to_float), which may
+import neither of the others (tests/spec/test_layering.py), so a side's packed scales are never
+judged by that side's own decoder. Here one side encodes and another decodes: a byte-order, sign or
+pad slip in any one of them shows as a difference.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from moe_verify.common.device import default_device
 from optimized.kernels import quant
 from optimized.kernels.e8m0 import e8m0_to_fp32, pow2_from_byte, ue8m0_byte
 from reference import formats
-from tolerance import layouts
 from tolerance.results import ContractError
+from tolerance.stages import layouts
 
 pytestmark = pytest.mark.cpu
 

@@ -35,7 +35,7 @@ from optimized import triton_compat
 from optimized.backend import OptimizedBackend
 from optimized.triton_compat import interpreter_mode
 from reference.activation import act_quant, sm90_triton_recipe
-from reference.gate_table import gate_table_provenance, tabulated_alphas
+from reference.hardware.gate_table import gate_table_provenance, tabulated_alphas
 from reference.moe import ReferenceBackend
 from reference.recipes import act_quant_recipes
 from tests.tolerance import gate_cases

@@ -17,8 +17,8 @@ from tests.tolerance.synthetic import (
     tiny_problem,
 )
 from tolerance.compare import ContractError, compare_stage, keyed_values
-from tolerance.layouts import scale_values
 from tolerance.metrics import calc_diff
+from tolerance.stages.layouts import scale_values
 
 pytestmark = pytest.mark.cpu
 

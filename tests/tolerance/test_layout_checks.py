@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moe_verify.spec import Mode, MoEProblem, Status, Trace
 from tests.tolerance.synthetic import ALIGNMENT, build_golden, clone_trace, slot_row, tiny_problem
 from tolerance import StageResult, compare, compare_stage
-from tolerance.layouts import psum_row_experts
+from tolerance.stages.layouts import psum_row_experts
 
 pytestmark = pytest.mark.cpu
 

@@ -29,7 +29,7 @@ from reference.gather import gather
 from reference.moe import ReferenceBackend
 from tests.tolerance.synthetic import clone_trace, replace_stage
 from tolerance.compare import compare_stage
-from tolerance.recipes import RECIPE_REASON, golden_as
+from tolerance.stages.recipes import RECIPE_REASON, golden_as
 
 pytestmark = pytest.mark.cpu
 

@@ -1,11 +1,11 @@
-"""tolerance/slots.py: a token's top-k slots matched by expert, not by position."""
+"""tolerance/stages/slots.py: a token's top-k slots matched by expert, not by position."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tolerance.slots import slot_order
+from tolerance.stages.slots import slot_order
 
 pytestmark = pytest.mark.cpu
 

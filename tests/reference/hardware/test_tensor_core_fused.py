@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from moe_verify.spec import QuantizedWeight
-from reference import tensor_core as tc
-from tests.reference import test_tensor_core_vectors as recorded
+from reference.hardware import tensor_core as tc
+from tests.reference.hardware import test_tensor_core_vectors as recorded
 
 pytestmark = [
     pytest.mark.cpu,

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 
 from moe_verify.spec import ActQuantRecipe, GemmRecipe, Mode, Stage, Trace
-from tolerance.context import Ctx, tensor_of
 from tolerance.policy import ACT_QUANT_BITWISE, GATHER_BITWISE, SHARED_BITWISE, Check
 from tolerance.results import CheckResult, ContractError
+from tolerance.stages.context import Ctx, tensor_of
 
 RECIPE_REASON = (
     "a stage with several legitimate recipes matches one the golden models for this problem; a "
@@ -33,7 +33,8 @@ Comparer = Callable[[Ctx], tuple[list[CheckResult], float]]
 
 
 # The act_quant recipes computed as an H200 computes them, from recorded tables
-# (reference/gate_table.py, reference/quotient_table.py): held bit for bit where declared.
+# (reference/hardware/gate_table.py, reference/hardware/quotient_table.py): held bit for
+# bit where declared.
 HARDWARE_ACT_RECIPES = frozenset(
     {
         ActQuantRecipe.PACKED_SM90_TRITON.value,

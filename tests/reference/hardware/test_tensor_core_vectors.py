@@ -18,11 +18,11 @@ import torch
 from moe_verify import hw_vectors
 from moe_verify.spec import QuantizedWeight, ScaleFmt
 from reference.gemm import grouped_gemm
-from reference.tensor_core import tensor_core_grouped_gemm, tensor_core_masked_gemm
+from reference.hardware.tensor_core import tensor_core_grouped_gemm, tensor_core_masked_gemm
 
 pytestmark = pytest.mark.cpu
 
-DATA = Path(__file__).parent / "data" / hw_vectors.GEMM_FILE
+DATA = Path(__file__).parents[1] / "data" / hw_vectors.GEMM_FILE
 VECTORS = hw_vectors.load_gemm_vectors(DATA)
 KEYS = sorted(VECTORS, key=str)
 

@@ -174,7 +174,8 @@ def block_step(
     """
     # An int8 max across the leading axis: torch.compile's CPU code (torch 2.13, the CPU tier's)
     # takes an int8 max *along memory* of negative values as 0; this one it gets right, and
-    # tests/reference/test_tensor_core_fused.py's all-below-one case fails on the other layout.
+    # tests/reference/hardware/test_tensor_core_fused.py's all-below-one case fails on the
+    # other layout.
     block_exp = torch.maximum(product_exps.amax(0).to(torch.int32), _floor_log2(acc))
     block_exp = block_exp.clamp_min(MIN_BLOCK_EXP)
     unit = _pow2(block_exp - FRAC_BITS)

@@ -17,25 +17,6 @@ from functools import cached_property, partial
 import torch
 
 from moe_verify.spec import GEMM_OUTPUT, GemmRecipe, Mode, Stage
-from tolerance.checks import (
-    bound_check,
-    bounded_checks,
-    counted,
-    fp8_value,
-    nonfinite_check,
-    shape_fail,
-    ulp_checks,
-)
-from tolerance.context import (
-    Ctx,
-    Slots,
-    downstream_slots,
-    rows_in_range,
-    slot_name,
-    slot_worst,
-    tensor_of,
-)
-from tolerance.layouts import layout_check, row_experts, scale_values, tested_layout
 from tolerance.metrics import (
     argmax_coords,
     bf16_ulp_distance,
@@ -47,8 +28,27 @@ from tolerance.metrics import (
     row_max,
 )
 from tolerance.policy import LAYOUT_REASON, TENSOR_CORE_GEMM
-from tolerance.recipes import golden_as, golden_recipes, match_recipe, sm90_chain
 from tolerance.results import CheckResult, ContractError, Worst
+from tolerance.stages.checks import (
+    bound_check,
+    bounded_checks,
+    counted,
+    fp8_value,
+    nonfinite_check,
+    shape_fail,
+    ulp_checks,
+)
+from tolerance.stages.context import (
+    Ctx,
+    Slots,
+    downstream_slots,
+    rows_in_range,
+    slot_name,
+    slot_worst,
+    tensor_of,
+)
+from tolerance.stages.layouts import layout_check, row_experts, scale_values, tested_layout
+from tolerance.stages.recipes import golden_as, golden_recipes, match_recipe, sm90_chain
 
 _LIVE_ROWS = "live (token, k) rows"
 TOKEN_STAGES = (Stage.GATHER, Stage.SHARED, Stage.REDUCE)

@@ -1,6 +1,6 @@
 """The generic check builders every stage comparer shares: bound and exact checks, the NaN/Inf,
 per-element (atol x rowmax + rtol), per-row and bf16-ulp checks with their worst coordinates, and
-the small value helpers their messages use. The context they read is `tolerance.context`."""
+the small value helpers their messages use. The context they read is `tolerance.stages.context`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import torch
 
-from tolerance.context import Ctx
 from tolerance.metrics import (
     Mismatch,
     argmax_coords,
@@ -28,6 +27,7 @@ from tolerance.metrics import (
 )
 from tolerance.policy import CONTRACT_REASON, NONFINITE_REASON, Limit
 from tolerance.results import CheckResult, Worst
+from tolerance.stages.context import Ctx
 
 # Values and rows --------------------------------------------------------------------------------
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from moe_verify.spec import GroupedLayout, Mode, Stage, Trace, round_up
-from tolerance.context import Ctx, int_of
 from tolerance.metrics import bits
 from tolerance.policy import CONTRACT_REASON
 from tolerance.results import CheckResult, ContractError, entry
+from tolerance.stages.context import Ctx, int_of
 
 E8M0_NAN = 0xFF  # the one E8M0 byte that is no number: the kernels read it as NaN
 

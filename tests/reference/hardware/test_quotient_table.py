@@ -1,4 +1,4 @@
-"""The H200 quotient tables (reference/quotient_table.py) and the recipes that read them.
+"""The H200 quotient tables (reference/hardware/quotient_table.py) and the recipes that read them.
 
 The tables were recorded on an H200 (moe_verify/hw_vectors.py `record_quotient_tables`);
 tests/gpu/test_sm90_hw_vectors.py records them again there. Here: what the recorded bits are
@@ -26,15 +26,15 @@ from moe_verify.spec import (
 )
 from reference.activation import act_quant, sglang_sm90_cuda_recipe
 from reference.formats import TABLE_QUOTIENT_RECIPES, quantize_fp8_groups
-from reference.gate_table import every_bf16
-from reference.moe import ReferenceBackend
-from reference.quotient_table import (
+from reference.hardware.gate_table import every_bf16
+from reference.hardware.quotient_table import (
     FLOORS,
     TABLES,
     bf16_entries,
     quotient_table_provenance,
     table_value,
 )
+from reference.moe import ReferenceBackend
 
 pytestmark = pytest.mark.cpu
 

@@ -1,4 +1,5 @@
-"""The tensor-core model of DeepGEMM's SM90 FP8 GEMM (reference/tensor_core.py), checked four ways.
+"""The tensor-core model of DeepGEMM's SM90 FP8 GEMM (reference/hardware/tensor_core.py),
+checked four ways.
 
 1. A plain scalar implementation below, in Python fractions and written straight from the model's
    five steps (docs/tensor-core.md), must agree bit for bit with the vectorized one: on hand-made
@@ -20,9 +21,10 @@ import pytest
 import torch
 
 from moe_verify.spec import MoEProblem, QuantizedWeight, ScaleFmt
-from reference import formats, tensor_core
+from reference import formats
 from reference.gemm import grouped_gemm
-from reference.tensor_core import (
+from reference.hardware import tensor_core
+from reference.hardware.tensor_core import (
     chunk_accumulators,
     decode_e4m3,
     fma_fp32,

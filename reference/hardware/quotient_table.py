@@ -22,7 +22,7 @@ import functools
 import torch
 from torch import Tensor
 
-from reference.gate_table import bf16_index, read_recorded
+from reference.hardware.gate_table import bf16_index, read_recorded
 
 __all__ = [
     "FLOORS",

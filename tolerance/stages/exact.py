@@ -11,7 +11,17 @@ from functools import cached_property, partial
 import torch
 
 from moe_verify.spec import GroupedLayout, Stage, round_up
-from tolerance.checks import (
+from tolerance.metrics import (
+    Mismatch,
+    argmax_coords,
+    first_true,
+    fp8_codes,
+    fp32_ulp_distance,
+    mismatch_of,
+    nan_inf_counts,
+)
+from tolerance.results import CheckResult, ContractError, Worst, entry
+from tolerance.stages.checks import (
     bound_check,
     decode_scale,
     exact_check,
@@ -20,7 +30,7 @@ from tolerance.checks import (
     shape_fail,
     take_rows,
 )
-from tolerance.context import (
+from tolerance.stages.context import (
     Ctx,
     Slots,
     int_of,
@@ -29,7 +39,7 @@ from tolerance.context import (
     slot_worst,
     tensor_of,
 )
-from tolerance.layouts import (
+from tolerance.stages.layouts import (
     E8M0_NAN,
     comparable_scale_codes,
     consumed,
@@ -40,17 +50,7 @@ from tolerance.layouts import (
     tested_m_indices,
     unpack_ue8m0,
 )
-from tolerance.metrics import (
-    Mismatch,
-    argmax_coords,
-    first_true,
-    fp8_codes,
-    fp32_ulp_distance,
-    mismatch_of,
-    nan_inf_counts,
-)
-from tolerance.recipes import match_recipe
-from tolerance.results import CheckResult, ContractError, Worst, entry
+from tolerance.stages.recipes import match_recipe
 
 
 def _canonical_route(
