@@ -89,7 +89,9 @@ class StageResult:
     checks: list[CheckResult] = field(default_factory=list)
     reason: str = ""
     rank: int | None = None  # the rank whose trace this is (None: single rank or cross-rank)
-    engine: str | None = None  # the GEMM engine the tested side reported, for GEMM stages
+    # The code the tested side reported running the stage: the GEMM engine for GEMM stages, or
+    # moe_verify.spec.SUITE_CODE where an adapter ran the suite's own code in the engine's place.
+    engine: str | None = None
     # The legitimate recipe the tested side matched (or declared), for stages with several
     # correct implementations ("quant_input: triton_reciprocal"); None where only one exists.
     recipe: str | None = None

@@ -31,6 +31,7 @@ import torch
 from moe_verify.spec import (
     GEMM_OUTPUT,
     GEMM_WEIGHT,
+    SUITE_CODE,
     Engine,
     MoEProblem,
     Stage,
@@ -209,6 +210,23 @@ class AdaptedBackend(OptimizedBackend):
         torch.empty as the engine allocates it."""
         buf = ctx.buffers.get(name, shape, dtype, device)
         return torch.empty(shape, dtype=dtype, device=device) if buf is None else buf
+
+    # -- stages the engine's code does not run here: the suite's, said so ----------------------
+
+    def route(self, ctx: StageContext) -> Outputs:
+        """The suite's routing (no engine's router is adapted)."""
+        return self.suite_code(super().route(ctx), "routing (the engine's router is not adapted)")
+
+    def shared(self, ctx: StageContext) -> Outputs:
+        """The suite's shared experts (engines run them as dense linears, not on this path)."""
+        return self.suite_code(super().shared(ctx), "shared experts (dense, not this path)")
+
+    def suite_code(self, outputs: Outputs, what: str) -> Outputs:
+        """Mark `outputs` as the suite's own code run in the engine's place: the report's stage
+        column shows it ("align [suite]") and the kernel record says what and why."""
+        outputs["engine"] = SUITE_CODE
+        outputs["kernel"] = self._kernel(f"the suite's {what}")
+        return outputs
 
     # -- GEMMs: the engine's DeepGEMM wrapper, or the suite's engine ---------------------------
 

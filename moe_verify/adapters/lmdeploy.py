@@ -333,8 +333,7 @@ class LmdeployBackend(AdaptedBackend):
             )
         out = super().align(ctx)
         out["recipe"] = MSumRecipe.EXACT_COUNTS.value
-        out["kernel"] = "DeepEP's role: the suite's count; M_sum as fused_moe_v3_fp8 sizes it"
-        return out
+        return self.suite_code(out, "count in DeepEP's role; M_sum as fused_moe_v3_fp8 sizes it")
 
     def permute(self, ctx: StageContext) -> Outputs:
         """ep_scatter_fp8 on DeepEP's inputs: local ids, the aligned counts, M_sum rows."""

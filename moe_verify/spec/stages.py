@@ -64,6 +64,10 @@ REPORT_STAGES: tuple[Stage, ...] = (
 # The two GEMM stages: the output each writes and the weight it multiplies by.
 GEMM_OUTPUT: dict[Stage, str] = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
 GEMM_WEIGHT: dict[Stage, str] = {Stage.GEMM1: "w13", Stage.GEMM2: "w2"}
+# The `engine` entry a stage reports where an adapter ran the suite's own code in the engine's
+# place (its router, DeepEP's count): the report's stage column then reads "align [suite]", so a
+# pass there is not mistaken for the engine's.
+SUITE_CODE = "suite"
 
 # Each stage's per-slot outputs: [T, k], indexed like route's topk_ids, so a token's slot order
 # runs through them.

@@ -31,7 +31,7 @@ from __future__ import annotations
 import pytest
 
 from moe_verify.run.verify import verify
-from moe_verify.spec import MoEProblem, Routing, ScaleFmt, Topology, TopologyKind
+from moe_verify.spec import SUITE_CODE, MoEProblem, Routing, ScaleFmt, Topology, TopologyKind
 
 pytestmark = pytest.mark.lmdeploy
 
@@ -137,6 +137,8 @@ def test_lmdeploy_stage_verdicts(problem: MoEProblem, lmdeploy_backend, record_r
             assert r.recipe == "amax_reciprocal", r
         if r.stage == "permute" and r.status == "pass":
             assert r.recipe == "segment_owned_padding", r
+        if r.stage in ("route", "align") and r.status != "skip":  # DeepEP's role: the suite's
+            assert r.engine == SUITE_CODE, r
     verdict = {s: ("fail" if "fail" in v else next(iter(v))) for s, v in got.items()}
     assert verdict == expected(problem), "\n".join(report.failure_messages())
     for stage, checks in FINDING_CHECKS.items():
