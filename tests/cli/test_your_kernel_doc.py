@@ -146,7 +146,7 @@ def check_names() -> set[str]:
     """Every check name tolerance/ writes as a literal (names built by f-strings, such as
     '<output> shape' and 'mm1 bits', are listed in the glossary by hand)."""
     names = set()
-    for path in sorted((ROOT / "tolerance").glob("*.py")):
+    for path in sorted((ROOT / "tolerance").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
