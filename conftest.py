@@ -69,7 +69,8 @@ def _gate_reason(item: pytest.Item, config: pytest.Config) -> str | None:
     for marker, engine in ENGINE_TIERS.items():
         if item.get_closest_marker(marker):
             usable, why = _engine_availability(marker)
-            if not usable:
+            # a step that names the release it installed runs the tier, so a refusal fails it
+            if not usable and not os.environ.get(f"MOE_VERIFY_EXPECT_{marker.upper()}"):
                 return f"needs {engine}'s kernels (the -m {marker} tier, .ci/run): {why}"
     if item.get_closest_marker("slow") and not config.getoption("--run-slow"):
         return "slow test: pass --run-slow to run it"

@@ -5,8 +5,9 @@
   so a field the probe learns appears here without a change; with `--first-call`, one GEMM run
   in a subprocess (`probe_first_call`);
 - the engine adapters (`moe_verify.run.runner.ADAPTERS`: vllm, sglang, lmdeploy): the installed
-  release or null, the releases the adapter accepts, and whether it would run here, or why not
-  (each adapter's own `availability()`, the check `--backend NAME` makes).
+  release or null, the releases the adapter accepts (its window), and whether it would run here
+  with the evidence that admitted it, or why not (each adapter's own `availability()`, the check
+  `--backend NAME` makes).
 """
 
 from __future__ import annotations
@@ -92,25 +93,17 @@ def adapter_status(name: str) -> dict[str, Any]:
 
 
 def accepted_releases(module: ModuleType) -> str:
-    """The releases an adapter module accepts, from its version gate's constants: the tested
-    ones (TESTED_RELEASES or TESTED_VERSION), the oldest it knows (MIN_VERSION), and the
-    variable that lets a newer or other release run untested (UNTESTED_ENV), with its state."""
-    tested = getattr(module, "TESTED_RELEASES", None)
-    oldest = getattr(module, "MIN_VERSION", None)
-    if tested is not None:
-        names = [".".join(map(str, r)) for r in tested]
-        text = f"tested: {', '.join(names)}"
-        if oldest is not None:
-            text += f"; {'.'.join(map(str, oldest))} up to {names[-1]} accepted"
-    else:
-        text = f"tested: {module.TESTED_VERSION}"
-    env = getattr(module, "UNTESTED_ENV", None)
-    if env is None:
-        return text + "; no other release"
-    from moe_verify.adapters.common import opted_in
+    """The releases an adapter module admits (its WINDOW, moe_verify/adapters/releases.py): those
+    whose tier passed and any with identical kernel sources, the oldest it knows, and the
+    variable that lets another release run untested, with its state."""
+    from moe_verify.adapters.releases import opted_in
 
-    state = "set" if opted_in(env) else "not set"
-    return text + f"; {'newer' if oldest else 'other'} releases untested with {env}=1 ({state})"
+    window = module.WINDOW
+    text = window.describe()
+    if window.oldest is not None:
+        text += f"; releases before {'.'.join(map(str, window.oldest))} refused"
+    state = "set" if opted_in(window.untested_env) else "not set"
+    return text + f"; other releases untested with {window.untested_env}=1 ({state})"
 
 
 def _triton_version() -> str | None:

@@ -1,7 +1,8 @@
 """What the engine adapters (vllm.py, sglang.py, lmdeploy.py) share, written once.
 
-- Loading: the installed release (`installed_version`, `release`, `opted_in` for an untested
-  one), the engine's kernel modules imported with a check of the names the adapter calls
+- Loading: the installed release (`installed_version`) and the evidence that admits it
+  (`check_release`: moe_verify/adapters/releases.py, against the adapter's `WINDOW`), the
+  engine's kernel modules imported with a check of the names the adapter calls
   (`import_kernels`), optionally with the package root stubbed (`stub_package`: a module object
   with `__path__`, so `pkg/__init__.py` never runs), and `availability`'s (usable, why).
 - `accepts`: whether an installed kernel's signature takes a parameter (a newer release's).
@@ -18,7 +19,6 @@ import importlib
 import importlib.util
 import inspect
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping
 from importlib import metadata
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from moe_verify.adapters.releases import Evidence, ReleaseWindow, admit
 from moe_verify.spec import (
     GEMM_OUTPUT,
     GEMM_WEIGHT,
@@ -57,17 +58,12 @@ def installed_version(dists: tuple[str, ...], unavailable: Unavailable, missing:
     raise unavailable(missing)
 
 
-def release(version: str, parts: int, engine: str, unavailable: Unavailable) -> tuple[int, ...]:
-    """The leading `parts` numbers of a version string ('0.32.0', '0.33.0.dev12+g1234abc')."""
-    m = re.match(r"\.".join([r"(\d+)"] * parts), version)
-    if m is None:
-        raise unavailable(f"cannot read {engine}'s version {version!r}")
-    return tuple(int(g) for g in m.groups())
-
-
-def opted_in(env: str) -> bool:
-    """The user set `env` (to anything but 0) to run a release the adapter was not tested on."""
-    return os.environ.get(env, "0") not in ("", "0")
+def check_release(
+    window: ReleaseWindow, version: str, unavailable: Unavailable, root: Path | None = None
+) -> Evidence:
+    """The evidence that admits the installed `version` (its kernel sources read under `root`,
+    default the installed package's directory), or `unavailable` saying why not."""
+    return admit(window, version, root or package_dir(window.package, unavailable), unavailable)
 
 
 def package_dir(package: str, unavailable: Unavailable) -> Path:
@@ -135,12 +131,14 @@ def import_kernels(
 def availability(
     load: Callable[[], Any], unavailable: Unavailable, engine: str
 ) -> tuple[bool, str]:
-    """(usable, why): whether `load` loads the installed engine here, its version and switches."""
+    """(usable, why): whether `load` loads the installed engine here: its version, the evidence
+    that admitted it, and the switches applied."""
     try:
         k = load()
     except unavailable as exc:
         return False, str(exc)
-    return True, f"{engine} {k.version}" + (f" ({'; '.join(k.switches)})" if k.switches else "")
+    switches = f" ({'; '.join(k.switches)})" if k.switches else ""
+    return True, f"{engine} {k.version}: {k.evidence}{switches}"
 
 
 def accepts(fn: Callable[..., Any], parameter: str) -> bool:

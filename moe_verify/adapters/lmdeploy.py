@@ -56,6 +56,7 @@ import functools
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 from unittest import mock
@@ -64,6 +65,7 @@ import torch
 
 from moe_verify.adapters import common
 from moe_verify.adapters.common import AdaptedBackend, Operand
+from moe_verify.adapters.releases import Evidence, ReleaseWindow, module_source, recorded
 from moe_verify.spec import (
     ActQuantRecipe,
     Engine,
@@ -84,7 +86,6 @@ from optimized.backend import Outputs
 from optimized.deepgemm import choose_grouped_layout
 from optimized.topology import hosted_experts
 
-TESTED_VERSION = "0.18.0"
 # DeepEP normal mode's expert_alignment in FusedMoENormal (blocked_fp8.py:48), and ep_scatter_fp8's
 # BLOCK_E, whose multiple M_sum must be (ep_fp8.py:122).
 ALIGNMENT = 128
@@ -111,6 +112,26 @@ _MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+# The releases the adapter admits, on what evidence (moe_verify/adapters/releases.py): those whose
+# -m lmdeploy tier passed, and any whose kernel sources are identical to theirs: the modules above,
+# get_device_props' (kernels/cuda/utils.py) and the DeepGEMM wrapper the GEMMs call on a GPU.
+WINDOW = ReleaseWindow(
+    engine="LMDeploy",
+    key="lmdeploy",
+    package="lmdeploy",
+    dists=("lmdeploy",),
+    sources=(
+        *(module_source(name) for name, _ in _MODULES.values()),
+        "pytorch/kernels/cuda/utils.py",
+        "pytorch/third_party/deep_gemm/__init__.py",
+    ),
+    untested_env="MOE_VERIFY_LMDEPLOY_UNTESTED",
+    records=recorded("lmdeploy"),
+)
+# Set to 1 to run a release outside the window (its kernels may have changed their contract).
+UNTESTED_ENV = WINDOW.untested_env
+
+
 class LmdeployUnavailable(RuntimeError):
     """LMDeploy cannot be adapted here; the message says why and what to do."""
 
@@ -120,6 +141,7 @@ class LmdeployKernels:
     """The installed LMDeploy's kernel modules the adapter calls, its version, and the switches."""
 
     version: str
+    evidence: Evidence  # what admitted the release (releases.py)
     quant: ModuleType
     activation: ModuleType
     ep_fp8: ModuleType
@@ -131,7 +153,7 @@ class LmdeployKernels:
 
 def installed_version() -> str:
     return common.installed_version(
-        ("lmdeploy",),
+        WINDOW.dists,
         LmdeployUnavailable,
         "LMDeploy is not installed; it pins torch<=2.12.1 and triton<=3.7.1, so install it "
         "without its dependencies: pip install --no-deps lmdeploy==0.18.0 psutil pydantic "
@@ -139,22 +161,17 @@ def installed_version() -> str:
     )
 
 
-def check_version(version: str) -> None:
-    """Accept the tested release only: the kernels' signatures and conventions are its."""
-    rel = common.release(version, 3, "LMDeploy", LmdeployUnavailable)
-    if ".".join(map(str, rel)) != TESTED_VERSION:
-        raise LmdeployUnavailable(
-            f"LMDeploy {version} is not {TESTED_VERSION}, the release this adapter was built and "
-            "tested on; fused_moe_v3_fp8's kernels and conventions (DeepEP's aligned counts, "
-            "ep_gather's BLOCK_D) may differ in it. Install lmdeploy==0.18.0"
-        )
+def check_version(version: str, root: Path | None = None) -> Evidence:
+    """The evidence that admits `version` (its kernel sources read under `root`, default the
+    installed lmdeploy package), or LmdeployUnavailable naming the window and the opt-in."""
+    return common.check_release(WINDOW, version, LmdeployUnavailable, root)
 
 
 @functools.cache
 def load() -> LmdeployKernels:
     """Check the installed LMDeploy, import its kernel modules without its package root."""
     version = installed_version()
-    check_version(version)
+    evidence = check_version(version)
     # lmdeploy/__init__.py imports the serving stack and TurboMind
     stub = "lmdeploy/__init__.py not run: a bare package object stands for it"
     switches = [s for s in (common.stub_package("lmdeploy", LmdeployUnavailable, stub),) if s]
@@ -168,7 +185,12 @@ def load() -> LmdeployKernels:
     if not on_cuda:
         switches.append("kernels.cuda.utils.get_device_props answers an H200's (no CUDA)")
     return LmdeployKernels(
-        version=version, deep_gemm=deep_gemm, on_cuda=on_cuda, switches=tuple(switches), **modules
+        version=version,
+        evidence=evidence,
+        deep_gemm=deep_gemm,
+        on_cuda=on_cuda,
+        switches=tuple(switches),
+        **modules,
     )
 
 

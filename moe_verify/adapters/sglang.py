@@ -49,6 +49,7 @@ import contextlib
 import dis
 import functools
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ import torch
 
 from moe_verify.adapters import common
 from moe_verify.adapters.common import AdaptedBackend
+from moe_verify.adapters.releases import Evidence, ReleaseWindow, module_source, recorded
 from moe_verify.spec import (
     Engine,
     GroupedLayout,
@@ -77,9 +79,6 @@ from moe_verify.spec import (
 from optimized.backend import Outputs
 from reference.activation import sglang_sm90_cuda_recipe
 
-TESTED_VERSION = "0.5.23"
-# Set to 1 to run another release (its kernels may have changed their contract).
-UNTESTED_ENV = "MOE_VERIFY_SGLANG_UNTESTED"
 # DeepGEMM's get_mk_alignment_for_contiguous_layout() on SM90: the contiguous layout's BLOCK_M.
 DEEPGEMM_CONTIGUOUS_ALIGNMENT = 128
 # What the CPU's post_reorder_deepgemm launch sees: an H200 (torch.cuda.get_device_properties).
@@ -109,6 +108,32 @@ _HELPERS = {
 }
 
 
+# The kernel modules the adapter imports only on CUDA (quant_input, act_quant).
+_CUDA_SOURCES = (
+    "kernels/ops/quantization/fp8_kernel.py",
+    "kernels/ops/activation/activation.py",
+    "kernels/ops/activation/silu_and_mul_clamp.py",
+)
+# The releases the adapter admits, on what evidence (moe_verify/adapters/releases.py): those whose
+# -m sglang tier passed, and any whose kernel sources (the modules above, the helpers' files and
+# the CUDA-only kernel modules) are identical to theirs.
+WINDOW = ReleaseWindow(
+    engine="SGLang",
+    key="sglang",
+    package="sglang",
+    dists=("sglang",),
+    sources=(
+        *(module_source(name) for name, _ in _MODULES.values()),
+        *(relpath for relpath, _ in _HELPERS.values()),
+        *_CUDA_SOURCES,
+    ),
+    untested_env="MOE_VERIFY_SGLANG_UNTESTED",
+    records=recorded("sglang"),
+)
+# Set to 1 to run a release outside the window (its kernels may have changed their contract).
+UNTESTED_ENV = WINDOW.untested_env
+
+
 class SglangUnavailable(RuntimeError):
     """SGLang cannot be adapted here; the message says why and what to do."""
 
@@ -118,6 +143,7 @@ class SglangKernels:
     """The installed SGLang's kernel modules and helpers the adapter calls, and the switches."""
 
     version: str
+    evidence: Evidence  # what admitted the release (releases.py)
     ep: ModuleType
     pad: ModuleType
     compact_all_tokens: Callable[[int, int, int], int]
@@ -129,23 +155,57 @@ class SglangKernels:
 
 def installed_version() -> str:
     return common.installed_version(
-        ("sglang",),
+        WINDOW.dists,
         SglangUnavailable,
         "SGLang is not installed; in a venv of its own (it pins another torch): "
         "pip install --no-deps sglang==0.5.23 plus the kernel modules' imports (docs/sglang.md)",
     )
 
 
-def check_version(version: str) -> None:
-    """Accept the tested release (and its local builds); refuse anything else unless opted in."""
-    rel = common.release(version, 3, "SGLang", SglangUnavailable)
-    if ".".join(map(str, rel)) == TESTED_VERSION:
+def check_version(version: str, root: Path | None = None) -> Evidence:
+    """The evidence that admits `version` (its kernel sources read under `root`, default the
+    installed sglang package), or SglangUnavailable naming the window and the opt-in."""
+    return common.check_release(WINDOW, version, SglangUnavailable, root)
+
+
+@contextlib.contextmanager
+def _torchvision_stand_in(switches: list[str]) -> Iterator[None]:
+    """Where torchvision is not installed, a stand-in `torchvision.io` while the kernel modules
+    import, removed afterwards; `switches` records it if anything imported from it. SGLang
+    0.5.20's sglang/srt/utils/common.py, which the kernel modules import, imports
+    `torchvision.io.decode_jpeg` at its top (for image inputs); the kernel path never calls it,
+    and the stand-in raises if anything does."""
+    if importlib.util.find_spec("torchvision") is not None:
+        yield
         return
-    if not common.opted_in(UNTESTED_ENV):
-        raise SglangUnavailable(
-            f"SGLang {version} is not {TESTED_VERSION}, the release this adapter was tested on: "
-            "the DeepGEMM runner's kernels (ep_moe_kernels, pad_expert_counts) and its M_sum "
-            f"and alignment helpers may have moved or changed. Set {UNTESTED_ENV}=1 to try it"
+    served: list[str] = []
+
+    def decode_jpeg(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("torchvision is not installed: moe-verify stood in for it at import")
+
+    def serve(name: str) -> Any:
+        if name != "decode_jpeg":
+            raise AttributeError(f"moe-verify's stand-in torchvision.io has no {name!r}")
+        served.append(name)
+        return decode_jpeg
+
+    io = ModuleType("torchvision.io")
+    io.__getattr__ = serve  # type: ignore[method-assign]
+    package = ModuleType("torchvision")
+    package.__path__ = []  # type: ignore[attr-defined]
+    package.io = io  # type: ignore[attr-defined]
+    sys.modules.update({"torchvision": package, "torchvision.io": io})
+    try:
+        yield
+    finally:
+        for name, module in (("torchvision", package), ("torchvision.io", io)):
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
+    if served:
+        switches.append(
+            "torchvision is not installed: a stand-in torchvision.io served decode_jpeg while "
+            "the kernel modules imported (sglang/srt/utils/common.py imports it at its top); the "
+            "kernel path never calls it (the stand-in raises if anything does)"
         )
 
 
@@ -196,16 +256,17 @@ class _DeepGemmDefault:
 def load() -> SglangKernels:
     """Check the installed SGLang, stub its root, import its kernel modules."""
     version = installed_version()
-    check_version(version)
+    evidence = check_version(version)
     root = common.package_dir("sglang", SglangUnavailable)
     stub = "sglang/__init__.py not run (the package root is a stub with __path__)"
     switches = [s for s in (common.stub_package("sglang", SglangUnavailable, stub),) if s]
-    modules = common.import_kernels(
-        _MODULES,
-        f"SGLang {version}",
-        SglangUnavailable,
-        lambda exc: " (docs/sglang.md lists what the kernel modules import)",
-    )
+    with _torchvision_stand_in(switches):
+        modules = common.import_kernels(
+            _MODULES,
+            f"SGLang {version}",
+            SglangUnavailable,
+            lambda exc: " (docs/sglang.md lists what the kernel modules import)",
+        )
     on_cuda = bool(getattr(modules["ep"], "_is_cuda", False))
     try:
         import deep_gemm  # noqa: F401
@@ -229,6 +290,7 @@ def load() -> SglangKernels:
         switches.append("post_reorder_deepgemm's launch sees an H200's device properties")
     return SglangKernels(
         version=version,
+        evidence=evidence,
         on_cuda=on_cuda,
         has_deep_gemm=has_dg,
         switches=tuple(switches),
@@ -397,6 +459,20 @@ class SglangBackend(AdaptedBackend):
             scale_ue8m0=problem.scale_fmt is ScaleFmt.FLOAT32_CEIL_UE8M0,
         )
 
+    def _clamp_kernel(self) -> ModuleType:
+        """silu_and_mul_clamp's module, where the release has it (0.5.20's runner takes another
+        kernel, from kernels/ops/attention/dsv4, which is not adapted)."""
+        name = "sglang.kernels.ops.activation.silu_and_mul_clamp"
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            raise StageSkipped(
+                f"SGLang {self.sglang.version} has no {name} (its runner's swiglu clamp is another "
+                "kernel, not adapted)"
+            ) from exc
+
     @staticmethod
     def grouped_layout(problem: MoEProblem, upstream: Trace) -> tuple[GroupedLayout, torch.Tensor]:
         """SGLang's contiguous runner reads m_indices, whatever the arch (no psum)."""
@@ -521,8 +597,7 @@ class SglangBackend(AdaptedBackend):
         rows, n = mm1.shape
         down = torch.empty((rows, n // 2), dtype=torch.bfloat16, device=mm1.device)
         if act.limit is not None:
-            clamp = importlib.import_module("sglang.kernels.ops.activation.silu_and_mul_clamp")
-            clamp.silu_and_mul_clamp(mm1.view(-1, n), down, act.limit)
+            self._clamp_kernel().silu_and_mul_clamp(mm1.view(-1, n), down, act.limit)
         else:
             activation = importlib.import_module("sglang.kernels.ops.activation.activation")
             activation.silu_and_mul(mm1.view(-1, n), down)

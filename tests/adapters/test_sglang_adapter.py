@@ -1,10 +1,15 @@
-"""The SGLang adapter's own logic, without SGLang: the version gate, the tight M_sum recipe it
+"""The SGLang adapter's own logic, without SGLang (its release window:
+tests/adapters/test_adapter_windows.py): the torchvision stand-in, the tight M_sum recipe it
 declares, the expert range it hands ep_scatter, and how `--backend sglang` reports an SGLang it
 cannot load."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,26 +21,55 @@ from reference.layout import aligned_m_sum_exact, aligned_m_sum_recipes, aligned
 
 pytestmark = pytest.mark.cpu
 
+NO_TORCHVISION = pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here"
+)
 
-@pytest.mark.parametrize("version", ["0.5.23", "0.5.23+cu129"])
-def test_the_tested_release_is_accepted(version: str) -> None:
-    adapter.check_version(version)
+
+def _package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, source: str) -> str:
+    """A module `name` (in a package of its own, first on sys.path) whose source is `source`."""
+    package = tmp_path / f"pkg_{name}"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"pkg_{name}.{name}"
 
 
-@pytest.mark.parametrize("version", ["0.5.22", "0.5.24", "0.6.0"])
-def test_other_releases_need_an_explicit_opt_in(
-    version: str, monkeypatch: pytest.MonkeyPatch
+@NO_TORCHVISION
+def test_torchvision_is_stood_in_while_the_kernel_modules_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(adapter.UNTESTED_ENV, raising=False)
-    with pytest.raises(adapter.SglangUnavailable, match=adapter.UNTESTED_ENV):
-        adapter.check_version(version)
-    monkeypatch.setenv(adapter.UNTESTED_ENV, "1")
-    adapter.check_version(version)
+    """As SGLang 0.5.20's sglang/srt/utils/common.py imports it: the import succeeds, the switch
+    says so, the stand-in is gone afterwards and raises if called."""
+    name = _package(tmp_path, monkeypatch, "uses_tv", "from torchvision.io import decode_jpeg\n")
+    switches: list[str] = []
+    with adapter._torchvision_stand_in(switches):
+        module = importlib.import_module(name)
+    assert "torchvision" not in sys.modules and "torchvision.io" not in sys.modules
+    assert len(switches) == 1 and "stand-in torchvision.io served decode_jpeg" in switches[0]
+    assert "never calls it" in switches[0]
+    with pytest.raises(RuntimeError, match="torchvision is not installed"):
+        module.decode_jpeg(b"")
 
 
-def test_an_unreadable_version_is_refused() -> None:
-    with pytest.raises(adapter.SglangUnavailable, match="cannot read"):
-        adapter.check_version("main")
+@NO_TORCHVISION
+def test_no_torchvision_switch_where_nothing_imports_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = _package(tmp_path, monkeypatch, "plain", "import math\n")
+    switches: list[str] = []
+    with adapter._torchvision_stand_in(switches):
+        importlib.import_module(name)
+    assert switches == [] and "torchvision" not in sys.modules
+
+
+@NO_TORCHVISION
+def test_the_stand_in_serves_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = _package(tmp_path, monkeypatch, "wants_more", "from torchvision.io import read_image\n")
+    with pytest.raises(ImportError, match="read_image"), adapter._torchvision_stand_in([]):
+        importlib.import_module(name)
+    assert "torchvision" not in sys.modules
 
 
 def test_backend_sglang_says_why_it_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:

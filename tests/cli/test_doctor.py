@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -35,33 +36,39 @@ def test_doctor_names_each_adapter_with_its_releases_and_verdict(
         if entry["installed"] is None:  # this venv: none of the engines (their tiers' venvs have)
             assert not entry["runs_here"] and "not installed" in entry["detail"], entry
     accepts = {name: e["accepts"] for name, e in report["adapters"].items()}
-    assert accepts["vllm"].startswith("tested: 0.32, 0.33; 0.20 up to 0.33 accepted; newer")
-    assert "MOE_VERIFY_VLLM_UNTESTED=1" in accepts["vllm"]
-    assert accepts["sglang"].startswith("tested: 0.5.23; other releases untested with ")
-    assert accepts["lmdeploy"] == "tested: 0.18.0; no other release"
+    assert accepts["vllm"].startswith("vLLM releases whose tier passed (0.34.0, 0.33.0, 0.32.0)")
+    assert "whose 6 kernel source files are identical to one of theirs; " in accepts["vllm"]
+    assert "; releases before 0.20 refused; " in accepts["vllm"]
+    assert accepts["sglang"].startswith("SGLang releases whose tier passed (0.5.23, 0.5.20), ")
+    assert accepts["lmdeploy"].startswith("LMDeploy releases whose tier passed (0.18.0), and any ")
+    for name, text in accepts.items():
+        assert text.endswith(f"untested with MOE_VERIFY_{name.upper()}_UNTESTED=1 (not set)")
 
 
 def test_an_installed_release_the_adapter_refuses_says_why(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """vLLM 0.34 installed: the doctor reports the release and the adapter's own refusal."""
+    """vLLM 0.35 installed, its kernel sources changed: the doctor reports the release and the
+    adapter's own refusal; with the opt-in, that it runs untested."""
     monkeypatch.delenv(vllm.UNTESTED_ENV, raising=False)
-    monkeypatch.setattr(vllm, "installed_version", lambda: "0.34.0")
+    monkeypatch.setattr(vllm, "installed_version", lambda: "0.35.0")
 
     def availability() -> tuple[bool, str]:
         try:
-            vllm.check_version("0.34.0")
+            evidence = vllm.check_version("0.35.0", root=tmp_path)
         except vllm.VllmUnavailable as exc:
             return False, str(exc)
-        return True, "vLLM 0.34.0"
+        return True, f"vLLM 0.35.0: {evidence}"
 
     monkeypatch.setattr(vllm, "availability", availability)
     entry = _printed(capsys)["adapters"]["vllm"]
-    assert entry["installed"] == "0.34.0" and entry["runs_here"] is False
-    assert "newer than 0.32 and 0.33" in entry["detail"] and vllm.UNTESTED_ENV in entry["detail"]
+    assert entry["installed"] == "0.35.0" and entry["runs_here"] is False
+    assert "vLLM 0.35.0 is outside the adapter's window" in entry["detail"]
+    assert f"set {vllm.UNTESTED_ENV}=1" in entry["detail"]
     monkeypatch.setenv(vllm.UNTESTED_ENV, "1")
     entry = _printed(capsys)["adapters"]["vllm"]
     assert entry["runs_here"] is True and entry["accepts"].endswith("=1 (set)")
+    assert entry["detail"] == f"vLLM 0.35.0: untested, run because {vllm.UNTESTED_ENV}=1 is set"
 
 
 @pytest.mark.parametrize("module", [sglang, lmdeploy], ids=lambda m: m.__name__.split(".")[-1])
