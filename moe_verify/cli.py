@@ -352,7 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("sweep", help="run a preset's cases; junit XML, JSON, markdown")
     sw.add_argument(
-        "--preset", default="smoke", help="smoke | topology | nightly | pipeline | dsv3-ep8"
+        "--preset",
+        default="smoke",
+        help="smoke | topology | nightly | pipeline | dsv3-ep8 | engine-vllm | engine-sglang | "
+        "engine-lmdeploy (moe-verify engines --run's checks)",
     )
     sw.add_argument("--out", default="moe-verify-out", help="directory for the summaries")
     containment = sw.add_mutually_exclusive_group()
@@ -552,6 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--first-call", action="store_true", help="also run one DeepGEMM GEMM in a subprocess"
     )
     doc.set_defaults(func=cmd_doctor)
+
+    from moe_verify.engines.command import add_arguments, cmd_engines
+
+    eng = sub.add_parser("engines", help="engine release windows; --run checks each release")
+    add_arguments(eng)
+    eng.set_defaults(func=cmd_engines)
     return parser
 
 

@@ -198,12 +198,23 @@ def nightly() -> list[MoEProblem]:
     return [c.problem for c in nightly_cases()]
 
 
+def engine_checks(key: str) -> list[MoEProblem]:
+    """The cases `moe-verify engines --run` runs on each release of engine `key`
+    (moe_verify/engines/checks.py)."""
+    from moe_verify.engines import checks
+
+    return checks.preset(key)
+
+
 PRESETS = {
     "smoke": lambda: list(SMOKE),
     "topology": lambda: list(TOPOLOGY),
     "nightly": nightly,
     "pipeline": pipeline,
     "dsv3-ep8": dsv3_ep8,
+    "engine-vllm": lambda: engine_checks("vllm"),
+    "engine-sglang": lambda: engine_checks("sglang"),
+    "engine-lmdeploy": lambda: engine_checks("lmdeploy"),
 }
 
 
@@ -214,9 +225,13 @@ def preset(name: str) -> list[MoEProblem]:
 
 
 def preset_edges(name: str) -> dict[str, str]:
-    """Case id -> the edge it exercises, for presets that carry it as data (the nightly design;
-    the other lists say it in their source comments)."""
+    """Case id -> the edge it exercises, for presets that carry it as data (the nightly design,
+    the engine checks; the other lists say it in their source comments)."""
     preset(name)  # the same error for an unknown name
+    if name.startswith("engine-"):
+        from moe_verify.engines import checks
+
+        return checks.edges(name.removeprefix("engine-"))
     if name != "nightly":
         return {}
     from moe_verify.sweep.nightly import nightly_cases
