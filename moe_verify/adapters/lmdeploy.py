@@ -35,6 +35,10 @@ kernel, whose atomic cursor starts at each aligned segment start and ends at sta
 The GEMM's scale layout transform (`get_mn_major_tma_aligned_tensor`) is DeepGEMM's and runs only
 where DeepGEMM is installed.
 
+Releases (WINDOW, docs/engines.md): those whose -m lmdeploy tier passed (releases.json), and any
+whose kernel sources are byte-identical to theirs (0.17.0's are 0.18.0's); another only with
+MOE_VERIFY_LMDEPLOY_UNTESTED=1.
+
 Importing: `lmdeploy/__init__.py` imports the whole serving stack (TurboMind, the API server);
 the adapter puts a bare package object for `lmdeploy` (its `__path__` the installed package's)
 in sys.modules before importing the kernel modules, so only their closure is imported

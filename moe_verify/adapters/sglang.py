@@ -13,6 +13,9 @@ Every stage SGLang owns calls the installed SGLang; none of its code is copied:
 | act_quant   | silu_and_mul[_clamp] + sglang_per_token_group_quant_fp8 (JIT CUDA; skipped on CPU) |
 | gather      | ep_moe_kernels.post_reorder_deepgemm                                               |
 
+Releases (WINDOW, docs/engines.md): those whose -m sglang tier passed (releases.json), and any
+whose kernel sources are byte-identical to theirs; another only with MOE_VERIFY_SGLANG_UNTESTED=1.
+
 route, the GEMMs and shared are the suite's optimized path (SGLang's routers and DeepGEMM wrapper
 are not adapted; the GEMM stages record the engine that ran).
 
@@ -29,6 +32,9 @@ What runs differently on a CPU (the Triton interpreter), and why:
   The package root is stubbed instead, a module object for `sglang` with `__path__` set, so the
   kernel modules import without it (~57 modules, needing msgspec, orjson, psutil, pybase64,
   pydantic_core, pyzmq, requests, starlette and what those import).
+  Where torchvision is not installed, a stand-in `torchvision.io` serves the one name 0.5.20's
+  sglang/srt/utils/common.py imports from it at its top, while the kernel modules import
+  (`_torchvision_stand_in`; a switch records it).
 - The runner module itself needs transformers and the distributed stack: its two pure helpers
   the adapter calls, `_get_compact_all_tokens` (deep_gemm.py) and
   `get_contiguous_layout_alignment` (deep_gemm_wrapper/entrypoint.py), are compiled alone from the
