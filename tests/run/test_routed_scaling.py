@@ -8,10 +8,14 @@ weights (moe_verify/run/runner.py `fed_upstream`). Each near miss fails at its o
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moe_verify.run import sm90_chain
+from moe_verify.run.inputs import make_inputs
+from moe_verify.run.runner import fed_upstream
 from moe_verify.run.verify import verify
-from moe_verify.spec import MoEProblem, Routing, Stage
+from moe_verify.spec import MoEProblem, Routing, Stage, Trace
+from reference.moe import ReferenceBackend
 from tests.tester import routed_scaling_backends as rs
 from tolerance.policy import GATHER_BITWISE
 
@@ -71,8 +75,10 @@ def test_a_declared_reading_the_problem_lacks_fails_at_route(record_report) -> N
     assert "not a legitimate recipe" in route.checks[0].detail
 
 
-# The SM90 chain (docs/tolerance.md "Zero tolerance on SM90"): k = 4 of 8 experts in 4 groups.
+# The SM90 chain (docs/tolerance.md "Zero tolerance on SM90"): k = 4 of 8 experts in 4 groups;
+# weights a few ulps off move a bf16 output only on enough elements (65,536 here: WIDE).
 K4 = GROUPED.replace(tokens=32, hidden=256, topk=4)
+WIDE = GROUPED.replace(tokens=64, hidden=1024, intermediate=256)
 
 
 @pytest.fixture
@@ -82,17 +88,38 @@ def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "backend",
-    [rs.ScaleOnOutputChain, rs.RotatedScaleOnOutputChain, rs.OtherSumOrderOnOutputChain],
-    ids=lambda b: b.name,
+    ("backend", "problem"),
+    [
+        (rs.ScaleOnOutputChain, K4),
+        (rs.RotatedScaleOnOutputChain, K4),  # the chain sums in the tested slot order
+        (rs.OtherSumOrderOnOutputChain, WIDE),  # ... with the tested unscaled weights
+    ],
+    ids=lambda x: getattr(x, "name", None) or x.id,
 )
 def test_the_sm90_chain_gathers_in_the_routes_reading(
-    backend: type, sm90: None, record_report
+    backend: type, problem: MoEProblem, sm90: None, record_report
 ) -> None:
     """Chained against the golden's SM90 chain, the gather is held bit for bit to the
     scale_on_output reading, on the tested route's unscaled weights in its own slot order."""
-    report = record_report(verify(K4, backend=backend(engine="triton"), mode="chained"))
+    report = record_report(verify(problem, backend=backend(engine="triton"), mode="chained"))
     assert report.passed, "\n".join([report.summary_line(), *report.failure_messages()])
     (gather,) = [r for r in report.chained or [] if r.stage == Stage.GATHER]
     assert any(c.reason == GATHER_BITWISE.ulp.reason and c.limit == 0 for c in gather.checks)
     assert gather.recipe == "mul_add+scale_on_output"
+
+
+def test_isolated_mode_feeds_the_declared_reading() -> None:
+    """The golden's route, bound to the reading the tested route declared: its unscaled weights
+    under the contract's name, the declaration, and nothing of the other reading."""
+    inputs = make_inputs(GROUPED)
+    golden = ReferenceBackend().run(GROUPED, inputs)
+    declared = Trace("tested")
+    declared.add(Stage.ROUTE, {**golden[Stage.ROUTE], "recipe": rs.ON_OUTPUT})
+    fed = fed_upstream(golden, declared, Stage.GATHER)[Stage.ROUTE]
+    assert torch.equal(fed["topk_weights"], golden[Stage.ROUTE]["topk_weights@scale_on_output"])
+    assert fed["recipe"] == rs.ON_OUTPUT
+    assert not [k for k in fed if "@" in k or k == "recipe_outputs"], list(fed)
+    undeclared = Trace("tested")
+    undeclared.add(Stage.ROUTE, {"topk_ids": golden[Stage.ROUTE]["topk_ids"]})
+    plain = fed_upstream(golden, undeclared, Stage.GATHER)[Stage.ROUTE]
+    assert plain["topk_weights"] is golden[Stage.ROUTE]["topk_weights"]
