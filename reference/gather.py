@@ -1,6 +1,8 @@
 """Un-permute and reduce over top-k: the weighted fp32 gather with one final rounding, as vLLM's
 `ep_gather` (fused_moe/deep_gemm_utils.py) computes it, each step rounded as the recipe says
-(moe_verify.spec.GatherRecipe: the product and the sum rounded apart, or one FMA)."""
+(moe_verify.spec.GatherRecipe: the product and the sum rounded apart, or one FMA); with a
+`scale`, the fp32 sum multiplied by it before the rounding, as SGLang's post_reorder_deepgemm
+applies routed_scaling_factor (moe_verify.spec.RoutedScalingRecipe.SCALE_ON_OUTPUT)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,14 @@ def gather(
     inv_perm: torch.Tensor,
     expert_map: torch.Tensor | None = None,
     recipe: GatherRecipe = GatherRecipe.MUL_ADD,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """out[t] = bf16( Σ_k over live slots, k ascending, fp32(mm2[inv_perm[t,k]]) · w[t,k] ).
+    """out[t] = bf16( fl(Σ_k over live slots, k ascending, fp32(mm2[inv_perm[t,k]]) · w[t,k]) ·
+    scale ).
 
     A slot is live when its (mapped) expert id is >= 0. Tokens with no live slot are exact zeros.
-    Each step is acc = fl(acc + fl(x · w)) (MUL_ADD) or acc = fma(x, w, acc) (FMA) in fp32.
+    Each step is acc = fl(acc + fl(x · w)) (MUL_ADD) or acc = fma(x, w, acc) (FMA) in fp32; a
+    `scale` other than 1 multiplies the fp32 sum once (one fp32 rounding) before the bf16 one.
     """
     require(
         recipe in list(GatherRecipe),
@@ -53,4 +58,6 @@ def gather(
         else:
             step = acc + x * w
         acc = torch.where(live[:, k].unsqueeze(1), step, acc)
+    if scale != 1.0:
+        acc = acc * torch.tensor(scale, dtype=torch.float32)
     return acc.to(torch.bfloat16)

@@ -23,6 +23,7 @@ from moe_verify.spec import (
     Outputs,  # noqa: E402 - the vocabulary names it once
     QuantizedWeight,
     Recipe,
+    RoutedScalingRecipe,
     Routing,
     Stage,
     StageContext,
@@ -48,9 +49,11 @@ from reference.layout import (
 )
 from reference.recipes import (
     act_quant_recipes,
+    gather_reading_recipes,
     gather_recipes,
     input_quant_recipes,
     recipe_outputs,
+    routed_scaling_recipes,
 )
 from reference.topology import (
     Shard,
@@ -62,15 +65,23 @@ from reference.topology import (
 
 
 def _slots_in_order(
-    trace: Trace, slots: torch.Tensor | None, topk_weights: torch.Tensor | None
+    trace: Trace,
+    slots: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    reading: RoutedScalingRecipe | None = None,
 ) -> Trace:
     """`trace` with its per-slot outputs in the order `slots` gives (`Trace.in_slot_order`) and
-    its route weights replaced by `topk_weights`; `trace` itself when neither is given."""
+    its route weights in `reading` (default: the plain ones, the route's own) replaced by
+    `topk_weights`; `trace` itself when neither is given."""
     if slots is None and topk_weights is None:
         return trace
     result = trace.in_slot_order(slots) if slots is not None else trace.only(trace.stages)
     if topk_weights is not None:
-        result[Stage.ROUTE]["topk_weights"] = topk_weights
+        route = result[Stage.ROUTE]  # the copy's own dict (Trace.add copies)
+        key = "topk_weights"
+        if reading is not None:
+            key = route["recipe_outputs"][reading]["topk_weights"]
+        route[key] = topk_weights
     return result
 
 
@@ -104,12 +115,14 @@ class ReferenceBackend:
     # -- stages ----------------------------------------------------------------------------------
 
     def route(self, ctx: StageContext) -> Outputs:
+        """The top-k ids and weights; under grouped routing with a routed_scaling_factor other
+        than 1, the weights in both readings of the factor (`_scaling_readings`)."""
         p, x, rank = ctx.problem, ctx.inputs, ctx.rank
         local = self.shard(p, x, rank)
         if x.topk_ids is not None and x.topk_weights is not None:
-            ids, weights = x.topk_ids, x.topk_weights
+            ids, weights = x.topk_ids, {"topk_weights": x.topk_weights}
         elif p.routing is Routing.GROUPED:
-            ids, weights = routing.grouped_topk(
+            ids, scaled = routing.grouped_topk(
                 x.router_logits,
                 x.score_bias,
                 p.topk,
@@ -118,18 +131,34 @@ class ReferenceBackend:
                 p.renormalize,
                 p.routed_scaling_factor,
             )
+            weights = self._scaling_readings(p, x, scaled)
         else:
-            ids, weights = routing.softmax_topk(x.router_logits, p.topk, p.renormalize)
+            ids, w = routing.softmax_topk(x.router_logits, p.topk, p.renormalize)
+            weights = {"topk_weights": w}
         ids = logical_to_physical(ids, p)
         if p.topology.kind is not TopologyKind.EP_HT:
-            return {"topk_ids": ids, "topk_weights": weights}
+            return {"topk_ids": ids, **weights}
         # DeepEP HT: this rank receives only tokens with a slot on it; ids travel as int64.
         token_index = dispatched_tokens(local_expert_ids(ids, local.expert_map))
-        return {
-            "topk_ids": ids[token_index].long(),
-            "topk_weights": weights[token_index],
-            "token_index": token_index,
+        received = {
+            k: v[token_index] if isinstance(v, torch.Tensor) else v for k, v in weights.items()
         }
+        return {"topk_ids": ids[token_index].long(), **received, "token_index": token_index}
+
+    @staticmethod
+    def _scaling_readings(p: MoEProblem, x: MoEInputs, scaled: torch.Tensor) -> Outputs:
+        """Grouped routing's weights: `scaled` (routed_scaling_factor applied in routing), and
+        where the factor is not 1 both readings of it (routed_scaling_recipes): the golden's own
+        scaled weights under the plain name, the unscaled ones (the same routing with factor 1)
+        under "topk_weights@scale_on_output", listed in "recipe_outputs"."""
+        readings = routed_scaling_recipes(p)
+        if not readings:
+            return {"topk_weights": scaled}
+        _, unscaled = routing.grouped_topk(
+            x.router_logits, x.score_bias, p.topk, p.num_expert_group, p.topk_group, p.renormalize
+        )
+        by_recipe = dict(zip(readings, ((scaled,), (unscaled,)), strict=True))
+        return recipe_outputs(by_recipe, ("topk_weights",))
 
     def quant_input(self, ctx: StageContext) -> Outputs:
         p, x, up = ctx.problem, ctx.inputs, ctx.upstream
@@ -317,6 +346,7 @@ class ReferenceBackend:
         slots: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         shared: bool = False,
+        reading: RoutedScalingRecipe | None = None,
     ) -> Trace:
         """`trace` (this golden's, of rank trace.rank) from gemm1 on as SM90 computes the chain:
         gemm1 and gemm2 by the tensor-core recipe (their fp32-dequant outputs beside, under
@@ -334,7 +364,9 @@ class ReferenceBackend:
         it sum as a tested route that is a legitimately different rounding of the same routing
         does: the same experts listed in another order (a tie broken otherwise), weights a
         renormalization sum order apart. The harness passes them, so the gather is still held
-        bit for bit (moe_verify/run/sm90_chain.py `with_sm90_chain`).
+        bit for bit (moe_verify/run/sm90_chain.py `with_sm90_chain`). `reading`: the
+        routed-scaling reading `topk_weights` are in (a tested route's declared one; default the
+        golden's own), whose gather outputs they then feed.
         """
         local = self.shard(p, x, trace.rank)
         recipes = act_quant_recipes(p)
@@ -363,16 +395,18 @@ class ReferenceBackend:
             elif stage == Stage.ACT_QUANT:
                 outs = self._act_quant(p, result["gemm1"]["mm1"], recipes)
             elif stage == Stage.GATHER:
-                outs = self.gather(
-                    StageContext(p, x, _slots_in_order(result, slots, topk_weights), trace.rank)
-                )
+                route = _slots_in_order(result, slots, topk_weights, reading)
+                outs = self.gather(StageContext(p, x, route, trace.rank))
             elif stage == Stage.SHARED and shared:
                 outs = self._shared(p, x, trace.rank, recipes[0], tensor_core=True)
             result.add(stage, outs)
         return result
 
     def gather(self, ctx: StageContext) -> Outputs:
-        """The weighted fp32 sum per token, once per legitimate recipe (gather_recipes)."""
+        """The weighted fp32 sum per token, once per legitimate recipe (gather_recipes); with a
+        routed_scaling_factor other than 1 once more per recipe in the scale_on_output reading
+        (the route's unscaled weights, the sum times the factor), listed by reading in
+        "routed_scaling_recipes" (reference/recipes.py gather_reading_recipes)."""
         p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
         route = up["route"]
         if "dispatch" in up:  # LL combine: the same weighted fp32 sum over the batched rows
@@ -389,7 +423,23 @@ class ReferenceBackend:
                 self.shard(p, x, rank).expert_map,
             )
         by_recipe = {r: (gather(*args, recipe=r),) for r in gather_recipes(p)}
-        return recipe_outputs(by_recipe, ("out",))
+        names = gather_reading_recipes(p)
+        if not names:
+            return recipe_outputs(by_recipe, ("out",))
+        # scale_on_output: the route's unscaled weights, the fp32 sum times the factor
+        on_output = RoutedScalingRecipe.SCALE_ON_OUTPUT
+        keys = (route.get("recipe_outputs") or {}).get(on_output)
+        if keys is None:
+            raise ValueError(
+                f"gather of {p.id}: the route it reads has no {on_output} reading (the golden "
+                "route's unscaled topk_weights, listed in its recipe_outputs)"
+            )
+        unscaled = route[keys["topk_weights"]]
+        args = (args[0], args[1], unscaled, *args[3:])
+        scale = p.routed_scaling_factor
+        for r in gather_recipes(p):
+            by_recipe[names[on_output][r]] = (gather(*args, recipe=r, scale=scale),)
+        return {**recipe_outputs(by_recipe, ("out",)), "routed_scaling_recipes": names}
 
     def shared(self, ctx: StageContext) -> Outputs:
         """The shared experts: a dense gated MLP over every token (weight 1), this rank's shard

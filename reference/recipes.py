@@ -20,6 +20,7 @@ from moe_verify.spec import (
     InputQuantRecipe,
     MoEProblem,
     Recipe,
+    RoutedScalingRecipe,
     ScaleFmt,
     TopologyKind,
 )
@@ -29,7 +30,14 @@ from reference.activation import (
     sm90_triton_recipe,
 )
 
-__all__ = ["act_quant_recipes", "gather_recipes", "input_quant_recipes", "recipe_outputs"]
+__all__ = [
+    "act_quant_recipes",
+    "gather_recipes",
+    "gather_reading_recipes",
+    "input_quant_recipes",
+    "recipe_outputs",
+    "routed_scaling_recipes",
+]
 
 # The one act_quant group size the low-latency CUDA kernel takes.
 _BF16_STEPS_GROUP = 128
@@ -95,6 +103,30 @@ def gather_recipes(problem: MoEProblem) -> tuple[GatherRecipe, ...]:
     """gather's recipes, the golden's own first: the product and the sum rounded apart (mul_add),
     and one FMA per step (fma), as a GPU compiles `acc += x * w`; both apply to every problem."""
     return (GatherRecipe.MUL_ADD, GatherRecipe.FMA)
+
+
+def routed_scaling_recipes(problem: MoEProblem) -> tuple[RoutedScalingRecipe, ...]:
+    """The route's readings of routed_scaling_factor, the golden's own first: the factor in the
+    route's weights (scale_in_routing) and on the gather's fp32 sum (scale_on_output), where
+    the problem has a factor other than 1 (grouped routing only, moe_verify/spec/routing.py);
+    none otherwise, where the two readings are the same numbers."""
+    if problem.routed_scaling_factor == 1.0:
+        return ()
+    return (RoutedScalingRecipe.SCALE_IN_ROUTING, RoutedScalingRecipe.SCALE_ON_OUTPUT)
+
+
+def gather_reading_recipes(problem: MoEProblem) -> dict[str, dict[str, str]]:
+    """The gather's recipe names per routed-scaling reading, {reading: {gather recipe: name}}:
+    the golden's own reading under the plain gather recipe names (mul_add, fma: as without a
+    factor), the other under "<gather recipe>+<reading>" (fma+scale_on_output). Empty where
+    the problem has one reading (`routed_scaling_recipes`)."""
+    readings = routed_scaling_recipes(problem)
+    return {
+        str(reading): {
+            str(r): str(r) if n == 0 else f"{r}+{reading}" for r in gather_recipes(problem)
+        }
+        for n, reading in enumerate(readings)
+    }
 
 
 def recipe_outputs(

@@ -248,6 +248,7 @@ def _route(v: _View, out: _Outputs) -> None:
         m: Dim = ("T", p.tokens)
         out.tensor("topk_ids", torch.int32, (m, v.k))
         out.tensor("topk_weights", torch.float32, (m, v.k))
+        out.host_str("recipe")
         return
     # DeepEP HT: only the received tokens, ids as int64; M is what this rank received.
     ids = out.tensor("topk_ids", torch.int64, (("M", None), v.k))
@@ -257,6 +258,7 @@ def _route(v: _View, out: _Outputs) -> None:
     m = ("M", rows)
     out.tensor("topk_weights", torch.float32, (m, v.k))
     out.tensor("token_index", torch.int64, (m,))
+    out.host_str("recipe")
 
 
 def _quant_input(v: _View, out: _Outputs) -> None:

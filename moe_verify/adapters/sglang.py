@@ -76,11 +76,13 @@ from moe_verify.spec import (
     MSumRecipe,
     Placement,
     Recipe,
+    RoutedScalingRecipe,
     ScaleFmt,
     StageContext,
     StageSkipped,
     TopologyKind,
     Trace,
+    routed_scale_on_output,
 )
 from optimized.backend import Outputs
 from reference.activation import sglang_sm90_cuda_recipe
@@ -621,12 +623,33 @@ class SglangBackend(AdaptedBackend):
             return self._declare(out, recipe.value)
         return out
 
+    def route(self, ctx: StageContext) -> Outputs:
+        """The suite's routing in SGLang's convention for routed_scaling_factor: with a factor
+        other than 1, TopK leaves the weights unscaled (topk.py,
+        apply_routed_scaling_factor_on_output False on the DeepGEMM runner's path) and the gather
+        applies it; the route declares that reading (RoutedScalingRecipe.SCALE_ON_OUTPUT), so
+        it is compared against the golden's unscaled weights and isolated mode hands the gather
+        those (docs/stage-contract.md#routed-scaling)."""
+        problem = ctx.problem
+        if problem.routed_scaling_factor == 1.0:
+            return super().route(ctx)
+        unscaled = ctx.replace(problem=problem.replace(routed_scaling_factor=1.0))
+        outputs = super().route(unscaled)
+        # declared whatever `declares_recipes` says: it is what the weights mean, not a rounding
+        outputs["recipe"] = RoutedScalingRecipe.SCALE_ON_OUTPUT.value
+        return outputs
+
     def gather(self, ctx: StageContext) -> Outputs:
         """post_reorder_deepgemm: each token's fp32 weighted sum over the slots whose src2dst row
-        is >= 0, routed_scaling_factor 1, one rounding to the output dtype."""
+        is >= 0, times routed_scaling_factor, one rounding to the output dtype, as
+        post_permute_deep_gemm_to_standard calls it. The factor is the problem's where the route
+        it reads declares scale_on_output (its weights unscaled: SGLang's own route, or the
+        golden's in that reading, isolated), else 1 (the weights carry it: the golden's plain
+        route, production mode's)."""
         problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         route = upstream["route"]
+        scaling = routed_scale_on_output(route, problem.routed_scaling_factor)
         ids, weights = route["topk_ids"], route["topk_weights"]
         # the kernel indexes rows by hidden_size: hand it a contiguous mm2
         mm2 = upstream["gemm2"]["mm2"].contiguous()
@@ -643,7 +666,7 @@ class SglangBackend(AdaptedBackend):
                     ids.shape[1],
                     tokens,
                     hidden,
-                    1.0,
+                    scaling,
                 )
         return {"out": ctx.buffers.own(out), "kernel": self._kernel("post_reorder_deepgemm")}
 

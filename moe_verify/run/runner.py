@@ -376,14 +376,41 @@ def run_chained(
 def run_isolated(
     backend: Backend | Side, problem: MoEProblem, inputs: MoEInputs, golden: Trace, rank: int
 ) -> Trace:
-    """Each stage fed the golden's upstream: a divergence belongs to exactly that stage."""
+    """Each stage fed the golden's upstream (`fed_upstream`): a divergence belongs to exactly
+    that stage."""
     trace = Trace(backend.name, rank)
     for stage in problem.stages:
         if golden.failure(stage):
             trace.add_skipped(stage, f"the golden has no {stage} output to compare")
             continue
-        run_stage_into(trace, backend, stage, problem, inputs, golden.upto(stage), Mode.ISOLATED)
+        upstream = fed_upstream(golden, trace, stage)
+        run_stage_into(trace, backend, stage, problem, inputs, upstream, Mode.ISOLATED)
     return trace
+
+
+def fed_upstream(golden: Trace, tested: Trace, stage: str) -> Trace:
+    """The golden's upstream of `stage` as an isolated tested stage is handed it: the golden's
+    route in the routed-scaling reading the tested route declared (its "recipe", one of the
+    golden route's "recipe_outputs": scale_on_output gets the unscaled weights, and the route
+    declares it, so the tested gather applies the factor once), else the golden's upstream as it
+    is. The readings are one routing, two conventions for where the factor goes; a gather fed
+    the other convention's weights would scale twice or not at all (docs/stage-contract.md
+    #routed-scaling)."""
+    upstream = golden.upto(stage)
+    if Stage.ROUTE not in upstream or Stage.ROUTE not in tested or tested.failure(Stage.ROUTE):
+        return upstream
+    route = upstream[Stage.ROUTE]
+    declared = tested[Stage.ROUTE].get("recipe")
+    readings = route.get("recipe_outputs")
+    if not isinstance(readings, dict) or declared not in readings or declared == route["recipe"]:
+        return upstream
+    # the reading's tensors under the contract's names; the golden's other readings left out
+    plain = {k: v for k, v in route.items() if "@" not in k and k != "recipe_outputs"}
+    bound = {name: route[key] for name, key in readings[declared].items()}
+    fed = Trace(upstream.backend, upstream.rank)
+    for name, outputs in upstream.items():
+        fed.add(name, {**plain, **bound, "recipe": declared} if name == Stage.ROUTE else outputs)
+    return fed
 
 
 def run_golden(golden: Backend, problem: MoEProblem, inputs: MoEInputs, rank: int) -> Trace:

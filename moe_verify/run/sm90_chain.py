@@ -19,6 +19,7 @@ from moe_verify.spec import (
     MoEInputs,
     MoEProblem,
     Recipe,
+    RoutedScalingRecipe,
     ScaleFmt,
     Stage,
     Trace,
@@ -28,7 +29,12 @@ from reference.activation import fused_act_quant_recipe, sm90_triton_recipe
 from reference.hardware.gate_table import gate_table_provenance
 from reference.moe import ReferenceBackend
 from reference.recipes import act_quant_recipes
-from tolerance.stages.recipes import HARDWARE_ACT_RECIPES, same_bits
+from tolerance.stages.recipes import (
+    HARDWARE_ACT_RECIPES,
+    golden_recipes,
+    route_reading,
+    same_bits,
+)
 from tolerance.stages.slots import slot_order
 
 # The scale formats DeepGEMM's SM90 FP8 GEMM reads (fp32 scales; ceil-UE8M0 ones are fp32 too).
@@ -165,7 +171,9 @@ def with_sm90_chain(
     reference = golden if isinstance(golden, ReferenceBackend) else ReferenceBackend()
     slots, weights = legitimately_other_route(golden_trace, tested)
     shared = sm90_shared(tested)
-    return reference.sm90_chain(problem, inputs, golden_trace, act, slots, weights, shared)
+    reading = route_reading(golden_trace, tested)
+    reading = RoutedScalingRecipe(reading) if reading is not None else None
+    return reference.sm90_chain(problem, inputs, golden_trace, act, slots, weights, shared, reading)
 
 
 def same_quantized_input(golden: Trace, tested: Trace) -> bool:
@@ -188,7 +196,9 @@ def legitimately_other_route(
     token to the golden's experts but is not bit for bit the golden's route: `slots` (the
     golden's slot of each tested slot, tolerance/stages/slots.py `slot_order`) where some token
     lists its experts in another order, `weights` (the tested ones) where they are not the golden's
-    bit for bit once in the same order. Both are legitimate: the order inside a token is not
+    bit for bit once in the same order (the golden's weights in the routed-scaling reading the
+    tested route declares, `route_reading`: its unscaled ones for scale_on_output, which the
+    chain's gather then reads in that reading). Both are legitimate: the order inside a token is not
     semantic, and each side renormalizes in its own sum order (a few ulps, which the route check
     bounds: tolerance/policy.py `renormalized_weight_ulps`). (None, None) where the route is the
     golden's, or routes elsewhere (the route check then fails, and names the stage)."""
@@ -196,7 +206,9 @@ def legitimately_other_route(
         return None, None
     g, t = golden[Stage.ROUTE], tested[Stage.ROUTE]
     ids, weights = t.get("topk_ids"), t.get("topk_weights")
-    g_ids, g_weights = g["topk_ids"], g["topk_weights"]
+    reading = route_reading(golden, tested)  # the golden's weights in the tested route's reading
+    key = golden_recipes(golden, Stage.ROUTE)[reading]["topk_weights"] if reading else None
+    g_ids, g_weights = g["topk_ids"], g[key or "topk_weights"]
     if not isinstance(ids, torch.Tensor) or not isinstance(weights, torch.Tensor):
         return None, None
     if ids.shape != g_ids.shape or weights.shape != g_weights.shape:

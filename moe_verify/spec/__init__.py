@@ -67,9 +67,10 @@ from moe_verify.spec.recipes import (
     InputQuantRecipe,
     MSumRecipe,
     Recipe,
+    RoutedScalingRecipe,
     ScaleFmt,
 )
-from moe_verify.spec.routing import Routing, check_routing
+from moe_verify.spec.routing import Routing, check_routing, routed_scale_on_output
 from moe_verify.spec.stages import (
     GEMM_OUTPUT,
     GEMM_WEIGHT,
@@ -129,6 +130,7 @@ __all__ = [
     "QuantizedWeight",
     "RankShard",
     "Recipe",
+    "RoutedScalingRecipe",
     "Routing",
     "ScaleFmt",
     "Stage",
@@ -163,6 +165,7 @@ __all__ = [
     "is_sm90_major",
     "missing_stages",
     "round_up",
+    "routed_scale_on_output",
     "run_stages",
     "stage_method",
 ]

@@ -96,6 +96,22 @@ class GatherRecipe(enum.StrEnum):
     FMA = "fma"
 
 
+class RoutedScalingRecipe(enum.StrEnum):
+    """Where grouped routing's routed_scaling_factor multiplies in
+    (docs/tolerance.md#routed-scaling): both readings compute the same MoE, and the route stage's
+    topk_weights say which one a backend follows. A backend on the second declares it (the route
+    stage's "recipe" entry): its gather is then fed and judged in that reading."""
+
+    # the route's topk_weights are the renormalized weights times the factor, and the gather sums
+    # them (vLLM 0.32's grouped_topk; the golden's own)
+    SCALE_IN_ROUTING = "scale_in_routing"
+    # the route's topk_weights are unscaled, and the gather multiplies each token's fp32 sum by
+    # the factor before its one rounding (SGLang 0.5.23: TopK leaves the weights unscaled, and
+    # the DeepGEMM runner's post_permute_deep_gemm_to_standard hands the factor to
+    # post_reorder_deepgemm)
+    SCALE_ON_OUTPUT = "scale_on_output"
+
+
 class GemmRecipe(enum.StrEnum):
     """What a GEMM stage's live rows are held to (docs/tolerance.md#legitimate-recipes,
     docs/tolerance.md#zero-tolerance-on-sm90)."""

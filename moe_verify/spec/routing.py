@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+
+from moe_verify.spec.recipes import RoutedScalingRecipe
 
 
 class Routing(enum.StrEnum):
@@ -77,3 +80,14 @@ def check_routing(
                 f"MoEProblem.topk: expected < num_experts={num_experts} with routing "
                 f"{r.value!r} (an expert must be left empty), got {topk}"
             )
+
+
+def routed_scale_on_output(route: Mapping[str, object], routed_scaling_factor: float) -> float:
+    """The factor a gather multiplies each token's fp32 sum by before its one rounding:
+    `routed_scaling_factor` where the route stage it reads declares scale_on_output (its
+    topk_weights are unscaled), else 1.0 (the weights already carry the factor, or there is
+    none). Production mode hands the op's route, which declares nothing: its weights are the
+    caller's scaled ones (docs/stage-contract.md#routed-scaling)."""
+    if route.get("recipe") == RoutedScalingRecipe.SCALE_ON_OUTPUT:
+        return float(routed_scaling_factor)
+    return 1.0

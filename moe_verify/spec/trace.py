@@ -133,13 +133,15 @@ class Trace:
         return out
 
     def in_slot_order(self, order: torch.Tensor) -> Trace:
-        """A copy whose per-slot outputs (`PER_SLOT_OUTPUTS`, [T, k]) are read in `order`:
-        out[t, i] = x[t, order[t, i]] (int64 [T, k]); a token's k slots re-listed, nothing else
-        touched. Outputs of another shape are left as they are (the comparison names them)."""
+        """A copy whose per-slot outputs (`PER_SLOT_OUTPUTS`, [T, k], and their other recipes'
+        `name@recipe`) are read in `order`: out[t, i] = x[t, order[t, i]] (int64 [T, k]); a
+        token's k slots re-listed, nothing else touched. Outputs of another shape are left as
+        they are (the comparison names them)."""
         out = Trace(self.backend, self.rank)
         for name, outs in self._stages.items():
             outs = dict(outs)
-            for key in PER_SLOT_OUTPUTS.get(name, ()):
+            per_slot = PER_SLOT_OUTPUTS.get(name, ())
+            for key in [k for k in outs if k.split("@", 1)[0] in per_slot]:
                 x = outs.get(key)
                 if isinstance(x, torch.Tensor) and x.shape == order.shape:
                     outs[key] = x.gather(1, order.to(x.device))

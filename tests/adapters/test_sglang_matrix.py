@@ -14,8 +14,19 @@ from __future__ import annotations
 
 import pytest
 
+from moe_verify.adapters.sglang import SglangBackend
 from moe_verify.run.verify import verify
-from moe_verify.spec import Activation, MoEProblem, Routing, ScaleFmt, Stage, Status, Topology
+from moe_verify.spec import (
+    Activation,
+    MoEProblem,
+    RoutedScalingRecipe,
+    Routing,
+    ScaleFmt,
+    Stage,
+    Status,
+    Topology,
+)
+from optimized.backend import OptimizedBackend
 
 pytestmark = pytest.mark.sglang
 
@@ -63,6 +74,11 @@ MATRIX: list[MoEProblem] = [
     case(F32, "tp:1", Routing.SOFTMAX, tokens=1, topk=4),  # T = 1, T*k < E
     case(F32, "ep:2", Routing.SOFTMAX, tokens=3),  # T*k < E with an expert range
     case(CEIL, "tp:1", Routing.SKEW, tokens=4, experts=4, hidden=7168),  # DeepSeek-V3's H
+    # grouped routing with routed_scaling_factor 2.5: SGLang's route leaves the weights unscaled
+    # (declares scale_on_output) and post_reorder_deepgemm multiplies the fp32 sum by 2.5
+    case(F32, "tp:1", Routing.GROUPED).replace(
+        num_expert_group=4, topk_group=2, routed_scaling_factor=2.5
+    ),
 ]
 
 SGLANG_STAGES = (Stage.ALIGN, Stage.PERMUTE, Stage.GATHER)
@@ -99,3 +115,33 @@ def test_sglang_matches_the_golden(problem: MoEProblem, sglang_backend, record_r
                 if r.stage == Stage.QUANT_INPUT or results is report.chained:
                     want = "CUDA"
                 assert r.status is Status.SKIP and want in (r.reason or ""), (r.label, r.reason)
+
+
+SCALED = [p for p in MATRIX if p.routed_scaling_factor != 1.0]
+ON_OUTPUT = RoutedScalingRecipe.SCALE_ON_OUTPUT.value
+
+
+class SglangWithSuiteQuant(SglangBackend):
+    """SGLang's kernels with the suite's quant_input and act_quant in place of SGLang's JIT-CUDA
+    ones, so that on a CPU chained mode reaches post_reorder_deepgemm on SGLang's own route."""
+
+    name = label = "sglang+suite-quant"
+    quant_input = OptimizedBackend.quant_input
+    act_quant = OptimizedBackend.act_quant
+
+
+@pytest.mark.parametrize("problem", SCALED, ids=lambda p: p.id)
+def test_sglang_applies_the_routed_scaling_factor_on_output(
+    problem: MoEProblem, record_report
+) -> None:
+    """Route declares scale_on_output (unscaled weights), and the gather is SGLang's kernel with
+    the factor, judged in that reading, isolated (fed the golden's unscaled weights) and chained
+    (its own route's)."""
+    backend = SglangWithSuiteQuant()
+    report = record_report(verify(problem, backend=backend, mode="both"))
+    assert report.passed, "\n".join([report.summary_line(), *report.failure_messages()])
+    for mode in ("isolated", "chained"):
+        ran = {r.stage for r in getattr(report, mode) or [] if r.status is Status.PASS}
+        assert {Stage.ROUTE, Stage.GATHER} <= ran, (mode, report.summary_line())
+        assert report.recipes(mode)[Stage.ROUTE] == ON_OUTPUT, report.recipes(mode)
+    assert report.recipes("isolated")[Stage.GATHER].endswith(f"+{ON_OUTPUT}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from moe_verify.run.verify import verify
-from moe_verify.spec import MoEProblem, ScaleFmt
+from moe_verify.spec import MoEProblem, Routing, ScaleFmt
 from tests.adapters import wrong_sglang as wrong
 from tests.adapters.expect import Expect, assert_fails_at_its_stage
 
@@ -18,6 +18,11 @@ BASE = MoEProblem(
     scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
 )  # fmt: skip
 
+# grouped routing with routed_scaling_factor 2.5: SGLang's route leaves the weights unscaled
+GROUPED = BASE.replace(
+    routing=Routing.GROUPED, num_expert_group=4, topk_group=2, routed_scaling_factor=2.5
+)
+
 
 CASES: list[Expect] = [
     Expect(wrong.CountsMissLastSlot, BASE, "align"),  # softmax routing: the last slot is live
@@ -25,6 +30,7 @@ CASES: list[Expect] = [
     Expect(wrong.ScalesOfTheNextToken, BASE, "permute"),  # every token has its own scales
     Expect(wrong.GatherWeightsReversed, BASE, "gather"),  # top-2 weights differ within a token
     Expect(wrong.GatherScaledTwice, BASE, "gather"),
+    Expect(wrong.GatherWithoutTheFactor, GROUPED, "gather"),  # 2.5x short
 ]
 
 

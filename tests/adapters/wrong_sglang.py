@@ -101,10 +101,27 @@ class GatherScaledTwice(SglangBackend):
             return super().gather(ctx)
 
 
+class GatherWithoutTheFactor(SglangBackend):
+    """gather: post_reorder_deepgemm handed routed_scaling_factor 1.0 where the route's weights
+    are unscaled (scale_on_output): the output is short by the factor."""
+
+    def gather(self, ctx: StageContext) -> Outputs:
+        ep = self.sglang.ep
+        reorder = ep.post_reorder_deepgemm
+
+        @functools.wraps(reorder)
+        def unscaled(*args: Any) -> None:
+            return reorder(*args[:-1], 1.0)
+
+        with mock.patch.object(ep, "post_reorder_deepgemm", unscaled):
+            return super().gather(ctx)
+
+
 WRONG_VARIANTS: tuple[type[SglangBackend], ...] = (
     CountsMissLastSlot,
     PaddingRowsClaimed,
     ScalesOfTheNextToken,
     GatherWeightsReversed,
     GatherScaledTwice,
+    GatherWithoutTheFactor,
 )

@@ -21,6 +21,7 @@ from moe_verify.spec import (
     InputQuantRecipe,
     Mode,
     MoEProblem,
+    RoutedScalingRecipe,
     Stage,
     StageContext,
     Status,
@@ -296,3 +297,72 @@ def test_the_fma_gather_rounds_each_step_once() -> None:
     assert gather(x, ids, w, inv, recipe=MUL_ADD).item() == 0.0
     fused = gather(x, ids, w, inv, recipe=FMA)
     assert fused.item() == torch.tensor(eps, dtype=torch.float32).to(torch.bfloat16).item() != 0
+
+
+# -- routed scaling: the factor in the route's weights, or on the gather's sum -------------------
+
+ON_OUTPUT = RoutedScalingRecipe.SCALE_ON_OUTPUT.value
+# DeepSeek-V3's routing, two groups of two experts, factor 2.5 (not a power of two: the readings
+# round differently)
+GROUPED = P.replace(routing="grouped", num_expert_group=2, topk_group=2, routed_scaling_factor=2.5)
+
+
+def on_output_route(trace: object, weights: str = "topk_weights@scale_on_output") -> object:
+    """A copy of `trace` whose route declares scale_on_output and returns the golden's
+    `weights` (its unscaled ones unless told), as SGLang's route does."""
+    route = trace[Stage.ROUTE]
+    outputs = {"topk_ids": route["topk_ids"].clone(), "topk_weights": route[weights].clone()}
+    return replace_stage(clone_trace(trace), Stage.ROUTE, {**outputs, "recipe": ON_OUTPUT})
+
+
+def test_the_routed_scaling_readings_differ_by_many_ulps_on_cancelling_sums() -> None:
+    g = cancelling(GROUPED)[Stage.GATHER]
+    assert g["routed_scaling_recipes"][ON_OUTPUT] == {
+        MUL_ADD: f"{MUL_ADD}+{ON_OUTPUT}",
+        FMA: f"{FMA}+{ON_OUTPUT}",
+    }
+    ulps = (g["out"].view(torch.int16) - g[f"out@{MUL_ADD}+{ON_OUTPUT}"].view(torch.int16)).abs()
+    assert int(ulps.max()) > 1
+
+
+@pytest.mark.parametrize("rounding", [MUL_ADD, FMA])
+def test_a_scale_on_output_gather_is_judged_in_its_routes_reading(rounding: str) -> None:
+    g = cancelling(GROUPED)
+    out = g[Stage.GATHER][f"out@{rounding}+{ON_OUTPUT}"].clone()
+    declared = with_outputs(on_output_route(g), Stage.GATHER, out=out)
+    result = compare_stage(Stage.GATHER, g, declared, GROUPED)
+    assert result.status is Status.PASS, result.checks
+    assert result.recipe == f"{rounding}+{ON_OUTPUT}"
+    # the same gather under a route in the golden's own reading: judged against the scaled
+    # weights' sums, where cancelling residues round many ulps apart
+    undeclared = with_outputs(g, Stage.GATHER, out=out)
+    assert compare_stage(Stage.GATHER, g, undeclared, GROUPED).status is Status.FAIL
+
+
+def test_a_declared_plain_gather_recipe_is_read_in_the_routes_reading() -> None:
+    g = cancelling(GROUPED)
+    out = g[Stage.GATHER][f"out@{FMA}+{ON_OUTPUT}"].clone()
+    fma = with_outputs(on_output_route(g), Stage.GATHER, out=out, recipe=FMA)
+    result = compare_stage(Stage.GATHER, g, fma, GROUPED)
+    assert result.status is Status.PASS, result.checks
+    assert result.recipe == f"{FMA}+{ON_OUTPUT}"
+    mul_add = with_outputs(on_output_route(g), Stage.GATHER, out=out, recipe=MUL_ADD)
+    assert compare_stage(Stage.GATHER, g, mul_add, GROUPED).status is Status.FAIL
+
+
+def test_a_declared_route_reading_is_held_to_its_weights() -> None:
+    g = golden(GROUPED)
+    result = compare_stage(Stage.ROUTE, g, on_output_route(g), GROUPED)
+    assert result.status is Status.PASS, result.checks
+    assert result.recipe == ON_OUTPUT
+    scaled = on_output_route(g, weights="topk_weights")  # declared, but the scaled weights
+    result = compare_stage(Stage.ROUTE, g, scaled, GROUPED)
+    assert result.status is Status.FAIL
+    assert {c.name for c in result.failed_checks} == {"topk_weights"}
+    assert "against the declared recipe scale_on_output" in result.failed_checks[0].detail
+    # unscaled weights without the declaration: the golden's own (scaled) reading, failed
+    plain = replace_stage(clone_trace(g), Stage.ROUTE, {
+        "topk_ids": g[Stage.ROUTE]["topk_ids"].clone(),
+        "topk_weights": g[Stage.ROUTE]["topk_weights@scale_on_output"].clone(),
+    })  # fmt: skip
+    assert compare_stage(Stage.ROUTE, g, plain, GROUPED).status is Status.FAIL

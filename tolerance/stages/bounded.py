@@ -48,7 +48,13 @@ from tolerance.stages.context import (
     tensor_of,
 )
 from tolerance.stages.layouts import layout_check, row_experts, scale_values, tested_layout
-from tolerance.stages.recipes import golden_as, golden_recipes, match_recipe, sm90_chain
+from tolerance.stages.recipes import (
+    gather_in_reading,
+    golden_as,
+    golden_recipes,
+    match_recipe,
+    sm90_chain,
+)
 
 _LIVE_ROWS = "live (token, k) rows"
 TOKEN_STAGES = (Stage.GATHER, Stage.SHARED, Stage.REDUCE)
@@ -222,8 +228,8 @@ def bounded_values(ctx: Ctx, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
     elif stage == Stage.ACT_QUANT:
         rows = act_quant_rows(ctx)
         keyed = rows if isinstance(rows, CheckResult) else rows.values()
-    elif stage in TOKEN_STAGES:
-        keyed = token_rows(ctx, stage)
+    elif stage in TOKEN_STAGES:  # the gather in its route's routed-scaling reading
+        keyed = token_rows(gather_in_reading(ctx) if stage == Stage.GATHER else ctx, stage)
     else:
         raise ValueError(f"{stage} is not a bounded stage; keyed values exist for {_BOUNDED}")
     failed = keyed if isinstance(keyed, CheckResult) else (keyed.row_map or keyed.layout_map)
@@ -505,8 +511,11 @@ def gather_against(ctx: Ctx) -> tuple[list[CheckResult], float]:
 
 def token_output_checks(ctx: Ctx, stage: str) -> list[CheckResult]:
     """gather / shared / reduce: out [M, H] per element and per token; the gather against its
-    legitimate recipes (reference/recipes.py gather_recipes)."""
+    legitimate recipes (reference/recipes.py gather_recipes) in the routed-scaling reading of the
+    route it read (`gather_in_reading`)."""
     kind = ctx.check.kind
+    if stage == Stage.GATHER:
+        ctx = gather_in_reading(ctx)
     if kind == "gather" and stage == Stage.GATHER:
         return match_recipe(ctx, stage, gather_against)
     keyed = token_rows(ctx, stage)

@@ -50,7 +50,7 @@ from tolerance.stages.layouts import (
     tested_m_indices,
     unpack_ue8m0,
 )
-from tolerance.stages.recipes import match_recipe
+from tolerance.stages.recipes import declared_recipe, match_recipe
 
 
 def _canonical_route(
@@ -68,6 +68,22 @@ def _canonical_route(
 
 
 def route_checks(ctx: Ctx) -> list[CheckResult]:
+    """ids as a set per token, weights within the policy's ulps: against the golden's own
+    weights, or, for a route that declares its routed-scaling reading
+    (moe_verify.spec.RoutedScalingRecipe), against the golden's weights in that reading alone.
+    A reading is never inferred: it decides what the gather is fed and judged against
+    (docs/tolerance.md#routed-scaling), so a route on another one says so."""
+    if declared_recipe(ctx.other, Stage.ROUTE) is None:
+        return route_against(ctx)
+    return match_recipe(ctx, Stage.ROUTE, lambda c: _with_distance(route_against(c)))
+
+
+def _with_distance(checks: list[CheckResult]) -> tuple[list[CheckResult], float]:
+    return checks, float(sum(not c.passed for c in checks))
+
+
+def route_against(ctx: Ctx) -> list[CheckResult]:
+    """route's checks against the golden of `ctx` (one reading's weights)."""
     g_ids, o_ids = ctx.pair(Stage.ROUTE, "topk_ids")
     if g_ids.shape != o_ids.shape:
         return [shape_fail(ctx, "topk_ids", o_ids, g_ids)]

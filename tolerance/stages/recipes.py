@@ -101,6 +101,46 @@ def golden_as(golden: Trace, stage: str, keys: dict[str, str]) -> Trace:
     return out
 
 
+def route_reading(golden: Trace, other: Trace) -> str | None:
+    """The routed-scaling reading (moe_verify.spec.RoutedScalingRecipe) the tested side's
+    gather reads its route in: the one its route declares where the golden's route has it, else
+    the golden's own; None where the problem has one reading (docs/tolerance.md#routed-scaling).
+    A route that did not run declares nothing: the golden's own reading, as the isolated feed
+    (moe_verify/run/runner.py `fed_upstream`) hands its gather."""
+    if Stage.ROUTE not in golden:
+        return None
+    own = golden[Stage.ROUTE].get("recipe")
+    readings = golden_recipes(golden, Stage.ROUTE)
+    if Stage.ROUTE in other and other.failure(Stage.ROUTE) is None:
+        declared = other[Stage.ROUTE].get("recipe")
+        if declared in readings:
+            return declared
+    return own if readings else None
+
+
+def gather_in_reading(ctx: Ctx) -> Ctx:
+    """`ctx` for the gather judged in its route's reading (`route_reading`): the golden's gather
+    recipes of that reading only ("routed_scaling_recipes", reference/recipes.py
+    gather_reading_recipes), the first of them under the plain names (what the bounded chained
+    check reads), and a declared plain gather recipe (mul_add, fma) read as that reading's.
+    Unchanged where the problem has one reading."""
+    names = ctx.golden[Stage.GATHER].get("routed_scaling_recipes")
+    reading = route_reading(ctx.golden, ctx.other)
+    if not isinstance(names, dict) or reading not in names:
+        return ctx
+    own = names[reading]
+    recipes = golden_recipes(ctx.golden, Stage.GATHER)
+    kept = {n: recipes[n] for n in own.values() if n in recipes}
+    # the plain names hold the reading's first recipe: what a bound (chained) check reads
+    golden = golden_as(ctx.golden, Stage.GATHER, next(iter(kept.values())))
+    golden = golden.replaced(Stage.GATHER, recipe_outputs=kept)
+    other = ctx.other
+    declared = declared_recipe(other, Stage.GATHER)
+    if declared in own:
+        other = other.replaced(Stage.GATHER, recipe=own[declared])
+    return dataclasses.replace(ctx, golden=golden, other=other)
+
+
 def _undeclarable(ctx: Ctx, stage: str, declared: str, known: list[str]) -> CheckResult:
     legit = ", ".join(known) if known else f"none: {stage} has one implementation here"
     return CheckResult(
