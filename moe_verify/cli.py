@@ -552,6 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--first-call", action="store_true", help="also run one DeepGEMM GEMM in a subprocess"
     )
     doc.set_defaults(func=cmd_doctor)
+
+    from moe_verify.findings.commands import add_parsers
+
+    add_parsers(sub)  # findings, repro
     return parser
 
 
