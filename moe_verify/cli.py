@@ -561,6 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng = sub.add_parser("engines", help="engine release windows; --run checks each release")
     add_arguments(eng)
     eng.set_defaults(func=cmd_engines)
+
+    from moe_verify.findings.commands import add_parsers
+
+    add_parsers(sub)  # findings, repro
     return parser
 
 

@@ -26,7 +26,13 @@ pytestmark = pytest.mark.vllm
 
 # A = 128 is DeepGEMM's contiguous-layout BLOCK_M, the one vLLM pads to.
 TINY = ["-T", "16", "-H", "256", "-I", "256", "-E", "4", "-k", "2", "--alignment", "128"]
-GRAPH = ["graph", *TINY, "--engine", "triton", "--backend", "vllm"]
+
+
+def graph_args(backend: str = "vllm") -> list[str]:
+    return ["graph", *TINY, "--engine", "triton", "--backend", backend]
+
+
+GRAPH = graph_args()
 
 
 @pytest.mark.parametrize(
@@ -54,16 +60,22 @@ STALE_ID_READS = [
 ]
 
 
+def half_live_replay(topology: str, json_path: Path, backend: str = "vllm") -> tuple[int, dict]:
+    """`moe-verify graph --replays half-live` of `backend` (the capture, then 8 live rows and 8
+    padding rows of stale ids): its exit code and its JSON report (the crash form names the
+    replay, rank and stage in flight). Finding 1's check (test_vllm_findings.py) runs it too."""
+    flags = ["--topology", topology, "--replays", "half-live", "--json", str(json_path)]
+    return main([*graph_args(backend), *flags]), json.loads(json_path.read_text())
+
+
 @pytest.mark.parametrize(("topology", "stage"), STALE_ID_READS, ids=[t for t, _ in STALE_ID_READS])
 def test_vllm_indexes_by_stale_padding_ids(
     topology: str, stage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = tmp_path / "graph.json"
-    flags = ["--topology", topology, "--replays", "half-live", "--json", str(path)]
-    assert main([*GRAPH, *flags]) == 1
+    rc, report = half_live_replay(topology, tmp_path / "graph.json")
+    assert rc == 1
     out = capsys.readouterr().out
     assert "CRASH graph" in out and "killed by SIGSEGV" in out, out
-    report = json.loads(path.read_text())
     assert report["at"] == {
         "case": report["case"],
         "replay": "half-live",

@@ -458,16 +458,9 @@ def test_an_unwritable_output_path_exits_2_before_any_work(
 # -- help ----------------------------------------------------------------------------------------
 
 COMMANDS = [
-    "run",
-    "sweep",
-    "replay",
-    "calibrate",
-    "bench",
-    "graph",
-    "audit-e8m0",
-    "doctor",
-    "engines",
-]
+    "run", "sweep", "replay", "calibrate", "bench", "graph", "audit-e8m0", "doctor", "engines",
+    "findings", "repro",
+]  # fmt: skip
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
