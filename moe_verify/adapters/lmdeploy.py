@@ -21,11 +21,12 @@ LMDeploy); the GEMMs run on the suite's Triton engine where DeepGEMM is absent (
 
 Fixed parameters are declared, and a problem asking another is skipped with the reason: the
 alignment is 128 (`expert_alignment=128`, blocked_fp8.py:48; `ep_scatter_fp8` asserts
-`m_indices.shape[0] % 128 == 0`, ep_fp8.py:122), the grouped layout is m_indices (LMDeploy passes
+`m_indices.shape[0] % 128 == 0`, ep_fp8.py:102), the grouped layout is m_indices (LMDeploy passes
 no psum layout), the activation is plain silu (`silu_and_mul` has no clamp, no swigluoai), the
 scales are fp32 (the ue8m0 packed format is not on this path), H is a multiple of 1024
-(`ep_gather` asserts `hidden_size % BLOCK_D == 0` with BLOCK_D = 1024, moe/ep.py:181), and EP
-places E/N contiguous experts per rank (`num_local_experts = num_experts // ep_size`,
+(`ep_gather` asserts `hidden_size % BLOCK_D == 0` with BLOCK_D = 1024 in 0.18, moe/ep.py:181;
+the gather reports that assertion as ep_gather raises it, with the BLOCK_D read from its frame),
+and EP places E/N contiguous experts per rank (`num_local_experts = num_experts // ep_size`,
 blocked_fp8.py:54, and DeepEP's local ids).
 
 What LMDeploy produces is returned as produced, with these explicit conversions (each in the
@@ -58,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import linecache
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,10 +93,8 @@ from optimized.deepgemm import choose_grouped_layout
 from optimized.topology import hosted_experts
 
 # DeepEP normal mode's expert_alignment in FusedMoENormal (blocked_fp8.py:48), and ep_scatter_fp8's
-# BLOCK_E, whose multiple M_sum must be (ep_fp8.py:122).
+# BLOCK_E, whose multiple M_sum must be (ep_fp8.py:102).
 ALIGNMENT = 128
-# ep_gather's BLOCK_D: H must be a multiple of it (moe/ep.py:177-181).
-GATHER_BLOCK_D = 1024
 # _quant_fp8_kernel's columns per CTA for bf16 input (512 bytes a warp, 2 warps): a K that is a
 # multiple takes the unmasked branch, the one the Triton interpreter runs.
 INTERPRETED_QUANT_COLUMNS = 512
@@ -443,17 +443,36 @@ class LmdeployBackend(AdaptedBackend):
         problem, upstream = ctx.problem, ctx.upstream
         self._require_supported(problem)
         mm2 = upstream["gemm2"]["mm2"]
-        if mm2.shape[1] % GATHER_BLOCK_D:
-            raise StageSkipped(
-                f"LMDeploy 0.18's ep_gather refuses this shape: it asserts H is a multiple of "
-                f"{GATHER_BLOCK_D} (BLOCK_D, moe/ep.py:181), H = {mm2.shape[1]} "
-                "(docs/implementations.md, finding 7)"
-            )
         route = upstream["route"]
         ids = local_ids(route["topk_ids"], ctx.shard.expert_map)
         out = self._buffer(ctx, "out", (ids.shape[0], mm2.shape[1]), torch.bfloat16, mm2.device)
-        self.lmd.ep.ep_gather(mm2, ids, route["topk_weights"], upstream["permute"]["inv_perm"], out)
+        try:
+            self.lmd.ep.ep_gather(
+                mm2, ids, route["topk_weights"], upstream["permute"]["inv_perm"], out
+            )
+        except AssertionError as exc:  # checked on the host, before any launch
+            raise StageSkipped(self._gather_refusal(exc, mm2.shape[1])) from exc
         return {"out": ctx.buffers.own(out), "kernel": self._kernel("ep_gather")}
+
+    def _gather_refusal(self, exc: AssertionError, hidden: int) -> str:
+        """ep_gather's own shape assertion, named with the BLOCK_D it checked, read from its
+        frame: a release that changes BLOCK_D is followed, not restated (finding 7). Any other
+        assertion is re-raised."""
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is None or tb.tb_frame.f_code.co_name != "ep_gather":
+            raise exc
+        frame = tb.tb_frame
+        if "BLOCK_D" not in frame.f_locals:
+            raise exc
+        where = f"{Path(frame.f_code.co_filename).name}:{tb.tb_lineno}"
+        line = linecache.getline(frame.f_code.co_filename, tb.tb_lineno).strip()
+        return (
+            f"LMDeploy {self.lmd.version}'s ep_gather refuses this shape: `{line}` ({where}) with "
+            f"BLOCK_D = {frame.f_locals['BLOCK_D']}, H = {hidden} "
+            "(docs/implementations.md, finding 7)"
+        )
 
     # -- GEMMs: LMDeploy's DeepGEMM wrapper where DeepGEMM runs (common.AdaptedBackend) -------
 

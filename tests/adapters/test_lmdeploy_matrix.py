@@ -167,7 +167,7 @@ REFUSED = [
 ]
 REFUSAL = {
     "quant_input": "must be a multiple of 512 on a CPU",
-    "gather": "ep_gather refuses this shape",
+    "gather": "hidden_size % BLOCK_D == 0` (ep.py:181) with BLOCK_D = 1024, H =",
     "act_quant": "plain silu",
 }
 
