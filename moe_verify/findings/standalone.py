@@ -4,10 +4,13 @@ It needs torch, safetensors and the engine, nothing of moe-verify: the inputs ar
 inputs.safetensors beside this file (their metadata says what each call is), the kernel is the
 engine's public function, and the check is computed here in plain torch. Each call runs in a
 child process, so a kernel that reads or writes out of bounds and crashes is reported as the bug
-rather than ending the run.
+rather than ending the run. The children are forked without a GPU and spawned (a fresh
+interpreter that imports the kernel itself) with one: CUDA cannot be used in a forked child once
+the parent has initialized it, as importing an engine does.
 
     python repro.py                     # the engine's kernel
     python repro.py --kernel pkg.mod:fn # another function of the same signature (a fixed build)
+    python repro.py --spawn             # spawn the children also without a GPU
 
 Exit 0: the kernel's answer is right; 1: it is wrong, or a call crashed (the bug is there);
 2: the repro could not run (the engine is not importable, the inputs are unreadable).
@@ -173,12 +176,12 @@ CHECKS = {"count_expert_num_tokens": count_expert_num_tokens, "ep_gather": ep_ga
 # -- running each call in a child ------------------------------------------------------------------
 
 
-def run_call(check: str, kernel: Callable[..., object], t: Tensors, call: dict) -> None:
-    """The child: one call and its check; exit 0 right, 1 wrong (a CUDA fault included), 2 when
-    the call raised anything else (the repro cannot judge it)."""
+def run_call(check: str, path: str, t: Tensors, call: dict) -> None:
+    """The child: one call of the kernel `path` names and its check; exit 0 right, 1 wrong (a
+    CUDA fault included), 2 when the call raised anything else (the repro cannot judge it)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        lines = CHECKS[check](kernel, t, call, device)
+        lines = CHECKS[check](load_kernel(path), t, call, device)
     except Exception as exc:  # noqa: BLE001 - the kernel's own error, reported as it is
         fault = "CUDA error" in str(exc) or "illegal memory access" in str(exc)
         verdict = "WRONG" if fault else "cannot judge"
@@ -186,6 +189,12 @@ def run_call(check: str, kernel: Callable[..., object], t: Tensors, call: dict) 
         sys.exit(EXIT_WRONG if fault else EXIT_CANNOT_RUN)
     print("\n".join(lines), flush=True)
     sys.exit(EXIT_WRONG if any(line.startswith("WRONG") for line in lines) else EXIT_RIGHT)
+
+
+def start_method(gpu: bool, spawn: bool) -> str:
+    """How each call's child starts: forked without a GPU (cheap, the kernel already imported),
+    spawned with one (a forked child cannot use CUDA that its parent initialized)."""
+    return "spawn" if gpu or spawn else "fork"
 
 
 def read_inputs(path: Path) -> tuple[dict, dict[str, Tensors]]:
@@ -203,22 +212,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", help="module:function to call instead of the engine's")
     parser.add_argument("--inputs", default=str(Path(__file__).with_name(INPUTS)))
+    parser.add_argument("--spawn", action="store_true", help="spawn each call's child, not fork")
     args = parser.parse_args(argv)
     try:
         about, tensors = read_inputs(Path(args.inputs))
         path = args.kernel or about["kernel"]
-        kernel = load_kernel(path)
+        load_kernel(path)  # importable here, or the repro cannot run
     except Exception as exc:  # noqa: BLE001 - any failure to start is "cannot run"
         print(f"cannot run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     print(about["title"])
-    where = "on the GPU" if torch.cuda.is_available() else "no GPU: Triton kernels interpreted"
+    gpu = torch.cuda.is_available()
+    where = "on the GPU" if gpu else "no GPU: Triton kernels interpreted"
     print(f"kernel: {path} ({where})")
     verdict = EXIT_RIGHT
-    fork = multiprocessing.get_context("fork")
+    children = multiprocessing.get_context(start_method(gpu, args.spawn))
     for name, call in about["calls"].items():
         print(f"\n{name}: {call['about']}", flush=True)
-        child = fork.Process(target=run_call, args=(about["check"], kernel, tensors[name], call))
+        child = children.Process(target=run_call, args=(about["check"], path, tensors[name], call))
         child.start()
         child.join()
         code = child.exitcode if child.exitcode is not None else EXIT_CANNOT_RUN

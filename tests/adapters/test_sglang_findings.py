@@ -73,9 +73,9 @@ class StaleIdsCounted(StaleIdsPlanted):
 
 def stale_ids_skipped(backend: type[SglangBackend]) -> Observation:
     report = verify(ROW, backend=backend(), mode="isolated")
-    status = {r.stage: r.status for r in report.isolated or [] if r.stage in STAGES}
-    failing = sorted({s for s, v in status.items() if v is not Status.PASS})
-    seen = set(status) == set(STAGES) and not failing
+    results = [r for r in report.isolated or [] if r.stage in STAGES]  # one per stage and rank
+    failing = sorted({r.stage for r in results if r.status is not Status.PASS})
+    seen = {r.stage for r in results} == set(STAGES) and not failing
     return Observation(seen, f"{ROW.id}: " + (f"{failing} did not pass" if failing else "passed"))
 
 

@@ -5,8 +5,9 @@
 The project's packages (and its tests) are set to None in sys.modules, so any import of them,
 however indirect, raises ImportError: the script must run on torch, safetensors and the engine
 alone. This file's own directory is on sys.path (Python puts it there), so a module written
-beside it can stand in for the engine's kernel (`--kernel module:function`). The script's child
-processes are forked and inherit the same sys.modules.
+beside it can stand in for the engine's kernel (`--kernel module:function`). The script's forked
+child processes inherit the same sys.modules; a spawned one (`--spawn`, or any on a GPU) starts a
+fresh interpreter, which this runner does not reach.
 """
 
 import runpy

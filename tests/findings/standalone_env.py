@@ -15,9 +15,11 @@ REPO = HERE.parents[1]
 TIMEOUT_S = 600
 
 
-def run_script(script: Path, kernel: str | None = None) -> subprocess.CompletedProcess[str]:
-    """`python repro.py [--kernel correct_kernels:NAME]` under the blocked runner, in a scratch
-    directory beside the script; stdout and stderr together in `.stdout`."""
+def run_script(
+    script: Path, kernel: str | None = None, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """`python repro.py [--kernel correct_kernels:NAME] [ARGS]` under the blocked runner, in a
+    scratch directory beside the script; stdout and stderr together in `.stdout`."""
     env_dir = script.parent / "standalone-env"
     env_dir.mkdir(exist_ok=True)
     assert REPO not in env_dir.resolve().parents, f"{env_dir} is inside the repository"
@@ -27,6 +29,7 @@ def run_script(script: Path, kernel: str | None = None) -> subprocess.CompletedP
     cmd = [sys.executable, str(env_dir / "blocked_runner.py"), str(script)]
     if kernel is not None:
         cmd += ["--kernel", f"correct_kernels:{kernel}"]
+    cmd += args
     return subprocess.run(
         cmd,
         cwd=env_dir,

@@ -57,6 +57,26 @@ def test_the_repro_of_a_finding(
     assert done.returncode == code and says in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize(
+    ("kernel", "code"), [("count_expert_num_tokens", 0), ("count_wrapping_ids", 1)]
+)
+def test_spawned_children_import_the_kernel_themselves(
+    kernel: str, code: int, tmp_path: Path
+) -> None:
+    """On a GPU each call's child is spawned (CUDA cannot be used in a child forked after the
+    parent initialized it, as importing vLLM does): the child imports the kernel by its path."""
+    script = written(["--finding", "1"], tmp_path / "repro")
+    done = run_script(script, kernel, "--spawn")
+    assert done.returncode == code, done.stdout
+    assert "cannot judge" not in done.stdout, done.stdout
+
+
+def test_children_are_spawned_on_a_gpu() -> None:
+    assert standalone.start_method(gpu=True, spawn=False) == "spawn"
+    assert standalone.start_method(gpu=False, spawn=True) == "spawn"
+    assert standalone.start_method(gpu=False, spawn=False) == "fork"
+
+
 def test_finding_1s_calls_plant_the_stale_ids(tmp_path: Path) -> None:
     calls = about(written(["--finding", "1"], tmp_path / "repro"))["calls"]
     assert list(calls) == ["one_past_the_map", "stale_ids"]

@@ -154,24 +154,10 @@ def test_poisoned_workspaces_agree_with_a_fresh_run(scale_fmt: str) -> None:
     #1098, SGLang issue #33106): every live row of every stage must be bitwise the fresh run's under
     both poisons."""
     from moe_verify.run.inputs import make_inputs
-    from optimized.backend import OptimizedBackend
-    from tolerance.stages.context import live_slots
+    from tests.run.test_workspaces import assert_two_poisons_agree_with_a_fresh_run
 
     problem = MoEProblem(tokens=300, topk=4, scale_fmt=scale_fmt, **GPU_SHAPE)
-    inputs = make_inputs(problem, "cuda")
-    fresh = OptimizedBackend(engine="deepgemm").run(problem, inputs)
-    assert fresh["gemm1"]["engine"] == "deepgemm"
-    for poison in (0x00, 0xFF):
-        backend = OptimizedBackend(engine="deepgemm", workspace=True, poison=poison)
-        backend.run(problem, inputs)
-        trace = backend.run(problem, inputs)
-        assert torch.equal(trace["gather"]["out"], fresh["gather"]["out"]), poison
-        # ep_scatter places a segment's rows by atomics: key rows by (token, k), not position.
-        slots = live_slots(fresh, trace)
-        for stage, name in (("gemm1", "mm1"), ("act_quant", "a2q"), ("gemm2", "mm2")):
-            got = trace[stage][name][slots.other_rows].view(torch.uint8)
-            want = fresh[stage][name][slots.gold_rows].view(torch.uint8)
-            assert torch.equal(got, want), (stage, poison)
+    assert_two_poisons_agree_with_a_fresh_run(problem, make_inputs(problem, "cuda"), "deepgemm")
 
 
 def test_bad_layouts_are_refused_before_deepgemm_and_the_context_survives() -> None:

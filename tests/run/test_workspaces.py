@@ -42,23 +42,29 @@ def _run(side: Side, problem: MoEProblem, inputs: MoEInputs) -> Trace:
     return run_chained(side, problem, inputs, 0)
 
 
-@pytest.mark.parametrize("problem", CASES, ids=lambda p: p.id)
-def test_two_poisons_agree_bitwise_with_a_fresh_run(problem: MoEProblem) -> None:
-    inputs = make_inputs(problem, "cpu")
-    fresh = OptimizedBackend(engine="triton").run(problem, inputs)
-    runs = []
+def assert_two_poisons_agree_with_a_fresh_run(
+    problem: MoEProblem, inputs: MoEInputs, engine: str
+) -> None:
+    """Workspaces reused across calls and poisoned before each (0x00, then 0xFF): every live row
+    of every stage bitwise the fresh run's. tests/gpu/test_sm90_pipeline.py runs it on DeepGEMM."""
+    fresh = OptimizedBackend(engine=engine).run(problem, inputs)
+    assert fresh["gemm1"]["engine"] == engine
     for poison in (0x00, 0xFF):
-        side = _side(OptimizedBackend(engine="triton"), poison)
+        side = _side(OptimizedBackend(engine=engine), poison)
         _run(side, problem, inputs)  # a first call leaves its values in the workspaces
-        runs.append(_run(side, problem, inputs))
-    for trace in runs:
-        assert torch.equal(trace["gather"]["out"], fresh["gather"]["out"])
+        trace = _run(side, problem, inputs)
+        assert torch.equal(trace["gather"]["out"], fresh["gather"]["out"]), poison
         # Rows keyed by (token, k): on a GPU ep_scatter orders a segment's rows by atomics.
         slots = live_slots(fresh, trace)
         for stage, name in (("gemm1", "mm1"), ("gemm2", "mm2"), ("act_quant", "a2q")):
             got = trace[stage][name][slots.other_rows].view(torch.uint8)
             want = fresh[stage][name][slots.gold_rows].view(torch.uint8)
-            assert torch.equal(got, want), (stage, name)
+            assert torch.equal(got, want), (stage, name, poison)
+
+
+@pytest.mark.parametrize("problem", CASES, ids=lambda p: p.id)
+def test_two_poisons_agree_bitwise_with_a_fresh_run(problem: MoEProblem) -> None:
+    assert_two_poisons_agree_with_a_fresh_run(problem, make_inputs(problem, "cpu"), "triton")
 
 
 def test_workspaces_are_reused_across_calls() -> None:
