@@ -40,8 +40,9 @@ from tolerance.stages.bounded import (
     token_output_checks,
 )
 from tolerance.stages.context import Ctx, comparison_device
-from tolerance.stages.exact import align_checks, permute_checks, quant_input_checks, route_checks
+from tolerance.stages.exact import align_checks, quant_input_checks, route_checks
 from tolerance.stages.layouts import flatten_batched
+from tolerance.stages.permute import permute_checks
 from tolerance.stages.recipes import chained_copy_golden, hardware_check
 from tolerance.stages.slots import aligned_slots
 

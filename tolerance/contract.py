@@ -11,7 +11,7 @@ upstream the stage was handed (M_sum from its align, the rows of the tensor a GE
 every legitimate variant passes: an upper-bound or an exact M_sum, a permute that sizes its own
 buffer to another valid M_sum, either grouped layout. Extra named outputs are allowed. Values
 (ids in range, M_sum fitting the counts, which layout a forced problem reports) are the
-comparison's (tolerance/stages/exact.py, tolerance/stages/layouts.py).
+comparison's (tolerance/stages/exact.py, tolerance/stages/permute.py, tolerance/stages/layouts.py).
 
 Only `moe_verify.spec` is imported: tolerance shares no code with the golden or the kernels it
 judges, so this module counts the local experts of a rank itself (tested against
