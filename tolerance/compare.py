@@ -15,13 +15,16 @@ as an error (`Trace.failure`); neither is ever a pass.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from moe_verify.spec import (
+    COLUMN_ORDER,
     GEMM_OUTPUT,
+    Gemm1Columns,
     Mode,
     MoEProblem,
     Stage,
@@ -31,8 +34,9 @@ from moe_verify.spec import (
     check_enum,
     check_type,
 )
-from tolerance.policy import CONTRACT_REASON, policy_for
+from tolerance.policy import COLUMN_ORDER_REASON, CONTRACT_REASON, policy_for
 from tolerance.results import CheckResult, ContractError, StageResult, Worst
+from tolerance.stages import columns
 from tolerance.stages.bounded import (
     act_quant_checks,
     bounded_values,
@@ -126,15 +130,56 @@ def compare_stage(
     *,
     mode: Mode | str = Mode.ISOLATED,
     device: torch.device | str | None = None,
+    fed_own: bool = False,
 ) -> StageResult:
     """Compare one stage; never raises for a broken trace (status fail/skip/error instead).
 
     device: where to compare (both sides are moved there); the golden's device by default.
+    fed_own: the stage ran on the tested side's own upstream although `mode` is isolated (a
+    stage inside a fused group after its first): judged by the chained bounds.
     """
     stage, mode, device = _checked(stage, golden, other, problem, mode, device)
     early = not_compared(stage, golden, other)
     if early is not None:
         return early
+    declared_order = columns.declared(other)
+    other = columns.gate_first(other)
+    result = _compare_stage(stage, golden, other, problem, mode, device, fed_own)
+    mm1 = columns.mm1_of(other) if stage == Stage.GEMM1 else None
+    if mm1 is not None and result.status is Status.FAIL:
+        swapped = other.replaced(Stage.GEMM1, **{columns.MM1: columns.swap_halves(mm1)})
+        if _compare_stage(stage, golden, swapped, problem, mode, device, fed_own).status is (
+            Status.PASS
+        ):
+            result.checks.insert(0, column_order_check(declared_order))  # named first
+    return result
+
+
+def column_order_check(declared_order: Gemm1Columns) -> CheckResult:
+    """The failed check that says gemm1's halves would match exchanged."""
+    other = next(c for c in Gemm1Columns if c is not declared_order)
+    return CheckResult(
+        "column order",
+        False,
+        1,
+        0,
+        COLUMN_ORDER_REASON,
+        None,
+        f"mm1 matches the golden with its halves exchanged: this gemm1 writes {other.value} "
+        f"columns but declares {declared_order.value}; return {COLUMN_ORDER}="
+        f"'{other.value}' from gemm1 if that is its convention",
+    )
+
+
+def _compare_stage(
+    stage: Stage,
+    golden: Trace,
+    other: Trace,
+    problem: MoEProblem,
+    mode: Mode,
+    device: torch.device | None,
+    fed_own: bool,
+) -> StageResult:
     comparer = _COMPARERS.get(stage)
     if Stage.DISPATCH in golden:  # batched layout: compare it as a contiguous one
         golden, other = flatten_batched(golden), flatten_batched(other)
@@ -144,7 +189,8 @@ def compare_stage(
         return StageResult(stage, Status.ERROR, [], f"no comparison is defined for stage '{stage}'")
     where = torch.device(device) if device is not None else comparison_device(golden, stage)
     try:
-        check = hardware_check(stage, golden, other, Mode(mode), policy_for(stage, problem, mode))
+        bounds = Mode.CHAINED if fed_own else Mode(mode)
+        check = hardware_check(stage, golden, other, bounds, policy_for(stage, problem, bounds))
         ctx = Ctx(golden, other, problem, check, Mode(mode), where)
         checks = comparer(chained_copy_golden(ctx, stage))
     except ContractError as exc:
@@ -180,6 +226,7 @@ def keyed_values(
     early = not_compared(stage, golden, other)
     if early is not None:
         raise ContractError(f"{stage} cannot be keyed: {early.reason}")
+    other = columns.gate_first(other)
     if Mode(mode) is Mode.CHAINED:
         other = aligned_slots(golden, other)
     if Stage.DISPATCH in golden:
@@ -187,6 +234,11 @@ def keyed_values(
     where = torch.device(device) if device is not None else comparison_device(golden, stage)
     check = policy_for(stage, problem, mode)
     return bounded_values(Ctx(golden, other, problem, check, Mode(mode), where), stage)
+
+
+def first_fused(trace: Trace, group: str) -> str:
+    """The first stage (in trace order of the problem) the fused group named `group` computed."""
+    return next(s for s, g in trace.fused.items() if g == group)
 
 
 def compare(
@@ -209,6 +261,16 @@ def compare(
     names = list(stages) if stages is not None else default_stages(problem, golden, other)
     if mode is Mode.CHAINED:  # the tested side's own route: its slots in the golden's order
         other = aligned_slots(golden, other)
-    return [
-        compare_stage(stage, golden, other, problem, mode=mode, device=device) for stage in names
-    ]
+    results = []
+    for stage in names:
+        group = other.fused.get(stage)
+        if group is None:
+            results.append(compare_stage(stage, golden, other, problem, mode=mode, device=device))
+        elif stage in other:  # exposed by its fused group: judged, named with the group
+            own = stage != first_fused(other, group)  # fed by the group's own earlier stages
+            result = compare_stage(
+                stage, golden, other, problem, mode=mode, device=device, fed_own=own
+            )
+            results.append(dataclasses.replace(result, group=group))
+        # a stage the group kept inside is judged where the group's outputs are
+    return results

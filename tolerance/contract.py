@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from moe_verify.spec import (
+    COLUMN_ORDER,
+    Gemm1Columns,
     GroupedLayout,
     MoEProblem,
     Placement,
@@ -353,6 +355,7 @@ def _gemm1(v: _View, out: _Outputs) -> None:
     out.tensor("mm1", torch.bfloat16, (*lead, ("2*Ip", 2 * ip)))
     out.host_str("engine")
     out.host_str("layout", _LAYOUTS)
+    out.host_str(COLUMN_ORDER, [c.value for c in Gemm1Columns])
 
 
 def _act_quant(v: _View, out: _Outputs) -> None:

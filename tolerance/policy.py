@@ -121,6 +121,10 @@ NONFINITE_REASON = (
 CONTRACT_REASON = (
     "stage contract (docs/stage-contract.md): names, dtypes and shapes every backend returns"
 )
+COLUMN_ORDER_REASON = (
+    "gemm1's column order (docs/stage-contract.md#gemm1-column-order): [gate | up] unless the "
+    "backend declares up_first"
+)
 LAYOUT_REASON = (
     "the grouped layout a GEMM reads (m_indices, or psum expert_ends) defines which rows it "
     "computes: a live slot on a row it leaves to no expert (a -1 row, a psum gap) or gives "

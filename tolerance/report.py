@@ -593,6 +593,7 @@ def _results_from_list(items: list[dict[str, Any]] | None) -> list[StageResult] 
                 item.get("rank"),
                 item.get("engine"),
                 item.get("recipe"),
+                item.get("group"),
             )
         )
     return out

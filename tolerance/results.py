@@ -95,15 +95,20 @@ class StageResult:
     # The legitimate recipe the tested side matched (or declared), for stages with several
     # correct implementations ("quant_input: triton_reciprocal"); None where only one exists.
     recipe: str | None = None
+    # The fused group that computed the stage ('quant_input+permute'), for a backend that runs
+    # several stages in one method (moe_verify/spec/fused.py); None for a stage of its own.
+    group: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Status(self.status))  # also from JSON's strings
 
     @property
     def label(self) -> str:
-        """'gemm1@r1 [deepgemm]': stage, rank when multi-rank, engine when reported."""
+        """'gemm1@r1 [deepgemm]': stage, rank when multi-rank, engine when reported, and the
+        fused group that computed it ('permute in quant_input+permute')."""
         text = self.stage if self.rank is None else f"{self.stage}@r{self.rank}"
-        return text if self.engine is None else f"{text} [{self.engine}]"
+        text = text if self.engine is None else f"{text} [{self.engine}]"
+        return text if self.group is None else f"{text} in {self.group}"
 
     @property
     def failed_checks(self) -> list[CheckResult]:

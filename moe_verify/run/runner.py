@@ -36,6 +36,7 @@ from moe_verify.spec import (
     Backend,
     Buffers,
     Engine,
+    FusedGroup,
     Mode,
     MoEInputs,
     MoEProblem,
@@ -44,13 +45,18 @@ from moe_verify.spec import (
     StageContext,
     StageSkipped,
     StageViolation,
+    Step,
     Trace,
+    call_group,
     check_backend_object,
+    fused_groups,
+    plan,
     stage_method,
 )
 from optimized.topology import ShardCache
 from reference.topology import REDUCE_INPUTS
 from tolerance.contract import contract_violations
+from tolerance.stages import columns
 
 # Stages whose permuted scales have a padding contract (+0.0 fp32, no 0xFF byte): they run with
 # uninitialised allocations poisoned, so a padding row left as torch.empty garbage fails every
@@ -134,6 +140,14 @@ def production_backend(spec: str | Backend, engine: Engine | str = Engine.AUTO) 
         raise ValueError(
             f"backend {name!r} is the golden: production mode compares a backend under test "
             "with it, so it has no production mode of its own"
+        )
+    groups = fused_groups(backend)
+    if groups:
+        raise ValueError(
+            f"backend {name!r} declares the fused group {groups[0].name}: production mode (graph, "
+            "bench --production) runs one method per stage and does not run fused groups yet; "
+            "moe-verify run, sweep and torchrun judge them (docs/stage-contract.md"
+            "#fused-stage-groups)"
         )
     return op.register_backend(backend, name)
 
@@ -239,9 +253,19 @@ class Side:
     def run(self, stage: str, ctx: StageContext) -> Outputs:
         """The stage's outputs; a write outside the workspaces handed out (their guard bands) is
         the stage's StageViolation, also when the stage raised."""
-        method = stage_method(self.backend, stage)
+        return self.run_step(stage, ctx)[str(stage)]
+
+    def steps(self, problem: MoEProblem) -> tuple[Step, ...]:
+        """The steps this side runs `problem`'s stages in (its fused groups, moe_verify.spec)."""
+        return plan(problem.stages, fused_groups(self.backend))
+
+    def run_step(self, step: Step | str, ctx: StageContext) -> dict[str, Outputs]:
+        """Stage name -> outputs of a stage, or of the stages a fused group exposes; a write
+        outside the workspaces handed out (their guard bands) is the step's StageViolation, also
+        when it raised."""
+        stage = step.name if isinstance(step, FusedGroup) else str(step)
         try:
-            outputs = method(ctx)
+            outputs = _call_step(self.backend, step, ctx)
         except StageSkipped:
             self.buffers.guard_hits()  # re-armed; a stage that did not run wrote nothing
             raise
@@ -254,6 +278,12 @@ class Side:
         if hits:
             raise StageViolation(f"{stage} {hits}")
         return outputs
+
+
+def _call_step(backend: Backend, step: Step | str, ctx: StageContext) -> dict[str, Outputs]:
+    if isinstance(step, FusedGroup):
+        return call_group(backend, step, ctx)
+    return {str(step): stage_method(backend, step)(ctx)}
 
 
 def as_side(backend: Backend | Side) -> Side:
@@ -279,27 +309,36 @@ def run_one_stage(
 def run_stage_into(
     trace: Trace,
     backend: Backend | Side,
-    stage: str,
+    stage: Step | str,
     problem: MoEProblem,
     inputs: MoEInputs,
     upstream: Trace,
     mode: Mode,
     golden: bool = False,
 ) -> None:
-    """Run one stage of `backend` on `upstream` and record in `trace` its outputs, or why there
-    are none (see the module docstring). The tested side (`golden` False) is handed protected
-    copies of `upstream` and `inputs`, and a write into them is that stage's failure. The
-    golden's timeout, the user's Ctrl-C and a SIGTERM propagate: none is a verdict on a stage."""
+    """Run one stage (or fused group) of `backend` on `upstream` and record in `trace` its
+    outputs, or why there are none (see the module docstring). The tested side (`golden` False)
+    is handed protected copies of `upstream` and `inputs`, and a write into them is that stage's
+    failure. A fused group's failure is recorded at its last stage, the one the stages after it
+    read. The golden's timeout, the user's Ctrl-C and a SIGTERM propagate: none is a verdict on
+    a stage."""
+    group = stage if isinstance(stage, FusedGroup) else None
+    at = str(group.last) if group is not None else str(stage)  # where a failure is recorded
+    name = group.name if group is not None else at
+    if group is not None:
+        trace.mark_fused([str(s) for s in group.stages], group.name)
     timeout = expired()
     if timeout is not None:
         if golden:  # no golden, no verdict: the case ends with its timeout
             raise CaseTimeout(timeout.seconds, timeout.where)
-        trace.add_skipped(stage, f"the case timeout ran out during {timeout.where}")
+        trace.add_skipped(at, f"the case timeout ran out during {timeout.where}")
         return
     where = GOLDEN_SIDE if golden else str(Mode(mode))
-    progress.stage_started(trace.rank, where, stage)
-    _breadcrumb(problem, trace.rank, stage, where)
-    poison = poisoned_allocations() if stage in POISONED_STAGES else contextlib.nullcontext()
+    progress.stage_started(trace.rank, where, name)
+    _breadcrumb(problem, trace.rank, name, where)
+    members = group.stages if group is not None else (at,)
+    poisoned = any(s in POISONED_STAGES for s in members)
+    poison = poisoned_allocations() if poisoned else contextlib.nullcontext()
     own = Mode(mode) is Mode.CHAINED  # the upstream is the tested side's own trace
     guard = None if golden else Guarded(upstream, inputs, not own or guards_own_upstream())
     handed_upstream = upstream if guard is None else guard.upstream
@@ -307,48 +346,64 @@ def run_stage_into(
     side = as_side(backend)
     try:
         with poison:
-            outputs = side.run(
+            outputs = side.run_step(
                 stage, side.context(problem, handed_inputs, handed_upstream, trace.rank)
             )
         _sync()  # an asynchronous kernel fault surfaces here, attributed to this stage
     except StageSkipped as exc:
-        trace.add_skipped(stage, str(exc))
+        trace.add_skipped(at, str(exc))
         return
     except StageViolation as exc:
-        trace.add_violation(stage, str(exc))
+        trace.add_violation(at, str(exc))
         return
     except CaseTimeout as exc:
         if golden:
             raise
-        trace.add_error(stage, f"timed out after {exc.seconds:g} s{_at(exc)}")
+        trace.add_error(at, f"timed out after {exc.seconds:g} s{_at(exc)}")
         return
     except KeyboardInterrupt as exc:
         if user_interrupted():
             raise
-        trace.add_error(stage, f"raised KeyboardInterrupt{_at(exc)}")
+        trace.add_error(at, f"raised KeyboardInterrupt{_at(exc)}")
         return
     except SystemExit as exc:
         if terminated():
             raise
-        trace.add_error(stage, f"called exit({exc.code!r}){_at(exc)}")
+        trace.add_error(at, f"called exit({exc.code!r}){_at(exc)}")
         return
     except BaseException as exc:  # noqa: BLE001 - reported per stage, never fatal to the run
         if _device_lost():
             raise DeviceLost(
-                f"{problem.id} rank {trace.rank} {where} {stage} left the GPU unusable, so the "
+                f"{problem.id} rank {trace.rank} {where} {name} left the GPU unusable, so the "
                 f"case ends here: {type(exc).__name__}: {_first_line(exc)}{_at(exc)}"
             ) from exc
-        trace.add_error(stage, f"{type(exc).__name__}: {exc}{_at(exc)}")
+        trace.add_error(at, f"{type(exc).__name__}: {exc}{_at(exc)}")
         return
     writes = [] if guard is None else guard.writes()
     if writes:
-        trace.add_violation(stage, "wrote in place into " + "; ".join(writes))
+        trace.add_violation(at, "wrote in place into " + "; ".join(writes))
         return
-    violations = contract_violations(stage, problem, upstream, outputs, trace.rank)
-    if violations:
-        trace.add_violation(stage, "; ".join(violations))
-        return
-    trace.add(stage, outputs)
+    _add_checked(trace, outputs, problem, upstream, name)
+
+
+def _add_checked(
+    trace: Trace, outputs: dict[str, Outputs], problem: MoEProblem, upstream: Trace, name: str
+) -> None:
+    """Each stage's outputs into `trace` after the stage contract: a stage that breaks it is
+    recorded as a violation, and the stages of the same fused group after it as skipped."""
+    seen = upstream.only(upstream.stages)
+    broken: str | None = None
+    for stage, outs in outputs.items():
+        if broken is not None:
+            trace.add_skipped(stage, f"the fused group {name} broke the {broken} contract")
+            continue
+        violations = contract_violations(stage, problem, seen, outs, trace.rank)
+        if violations:
+            trace.add_violation(stage, "; ".join(violations))
+            broken = stage
+            continue
+        trace.add(stage, outs)
+        seen.add(stage, outs)
 
 
 def _short(text: str) -> str:
@@ -362,14 +417,15 @@ def run_chained(
     raised, broke the contract), the rest skip."""
     trace = Trace(backend.name, rank)
     blocked: str | None = None
-    for stage in problem.stages:
+    for step in as_side(backend).steps(problem):
+        last = str(step.last if isinstance(step, FusedGroup) else step)
         if blocked is not None:
             why = _short(str(trace.failure(blocked)))
-            trace.add_skipped(stage, f"upstream stage {blocked} did not run: {why}")
+            trace.add_skipped(last, f"upstream stage {blocked} did not run: {why}")
             continue
-        run_stage_into(trace, backend, stage, problem, inputs, trace, Mode.CHAINED, golden)
-        if trace.failure(stage):
-            blocked = stage
+        run_stage_into(trace, backend, step, problem, inputs, trace, Mode.CHAINED, golden)
+        if trace.failure(last):
+            blocked = last
     return trace
 
 
@@ -379,24 +435,34 @@ def run_isolated(
     """Each stage fed the golden's upstream (`fed_upstream`): a divergence belongs to exactly
     that stage."""
     trace = Trace(backend.name, rank)
-    for stage in problem.stages:
-        if golden.failure(stage):
-            trace.add_skipped(stage, f"the golden has no {stage} output to compare")
+    for step in as_side(backend).steps(problem):
+        members = step.stages if isinstance(step, FusedGroup) else (step,)
+        lacking = next((s for s in members if golden.failure(s)), None)
+        if lacking is not None:
+            trace.add_skipped(members[-1], f"the golden has no {lacking} output to compare")
             continue
-        upstream = fed_upstream(golden, trace, stage)
-        run_stage_into(trace, backend, stage, problem, inputs, upstream, Mode.ISOLATED)
+        upstream = fed_upstream(golden, trace, step)
+        run_stage_into(trace, backend, step, problem, inputs, upstream, Mode.ISOLATED)
     return trace
 
 
-def fed_upstream(golden: Trace, tested: Trace, stage: str) -> Trace:
+def fed_upstream(golden: Trace, tested: Trace, stage: Step | str) -> Trace:
     """The golden's upstream of `stage` as an isolated tested stage is handed it: the golden's
     route in the routed-scaling reading the tested route declared (its "recipe", one of the
     golden route's "recipe_outputs": scale_on_output gets the unscaled weights, and the route
     declares it, so the tested gather applies the factor once), else the golden's upstream as it
     is. The readings are one routing, two conventions for where the factor goes; a gather fed
     the other convention's weights would scale twice or not at all (docs/stage-contract.md
-    #routed-scaling)."""
-    upstream = golden.upto(stage)
+    #routed-scaling), and its mm1 in the column order the tested gemm1 declared. A fused group
+    is handed the golden's stages before its last one that are not its own: what its stages
+    read from outside it."""
+    if isinstance(stage, FusedGroup):
+        before = golden.stages[: golden.stages.index(stage.last)]
+        upstream = golden.only([s for s in before if s not in stage.stages])
+    else:
+        upstream = golden.upto(stage)
+    # the golden's mm1 in the column order the tested gemm1 declared (tolerance/stages/columns.py)
+    upstream = columns.in_order(upstream, columns.declared(tested))
     if Stage.ROUTE not in upstream or Stage.ROUTE not in tested or tested.failure(Stage.ROUTE):
         return upstream
     route = upstream[Stage.ROUTE]

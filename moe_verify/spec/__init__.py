@@ -7,7 +7,8 @@ project: reference/, optimized/ and tolerance/ all stand on it (tests/spec/test_
 
 One idea per module: checks (argument checks, bounds), arith (ceil division, rounding up), stages,
 recipes, activation, routing, topology, problem, inputs, trace, context (what the harness hands a
-stage), protocol (the stage methods every backend has), arch. Every name is re-exported here, so
+stage), protocol (the stage methods every backend has), fused (one method for several stages),
+arch. Every name is re-exported here, so
 `from moe_verify.spec import X` is the way to import any of them.
 """
 
@@ -43,12 +44,14 @@ from moe_verify.spec.checks import (
     exact_keys,
 )
 from moe_verify.spec.context import NO_BUFFERS, Buffers, NoBuffers, Outputs, RankShard, StageContext
+from moe_verify.spec.fused import FusedGroup, Step, fused_groups, group_of, plan
 from moe_verify.spec.inputs import MoEInputs, QuantizedWeight
 from moe_verify.spec.problem import MoEProblem
 from moe_verify.spec.protocol import (
     RANK_STAGES,
     Backend,
     StageDelegate,
+    call_group,
     call_stage,
     check_backend_object,
     missing_stages,
@@ -72,6 +75,7 @@ from moe_verify.spec.recipes import (
 )
 from moe_verify.spec.routing import Routing, check_routing, routed_scale_on_output
 from moe_verify.spec.stages import (
+    COLUMN_ORDER,
     GEMM_OUTPUT,
     GEMM_WEIGHT,
     LL_STAGES,
@@ -80,6 +84,7 @@ from moe_verify.spec.stages import (
     REPORT_STAGES,
     STAGES,
     SUITE_CODE,
+    Gemm1Columns,
     Mode,
     Stage,
     Status,
@@ -88,6 +93,8 @@ from moe_verify.spec.topology import Placement, Topology, TopologyKind, explicit
 from moe_verify.spec.trace import StageFailure, StageSkipped, StageViolation, Trace
 
 __all__ = [
+    "COLUMN_ORDER",
+    "Gemm1Columns",
     "ALIGNMENT_STEP",
     "E2M1_MAX",
     "FP8_MAX",
@@ -142,7 +149,10 @@ __all__ = [
     "Status",
     "Topology",
     "TopologyKind",
+    "Step",
     "Trace",
+    "FusedGroup",
+    "call_group",
     "call_stage",
     "cc_major",
     "ceil_div",
@@ -159,11 +169,14 @@ __all__ = [
     "compute_capability",
     "exact_keys",
     "explicit_lists",
+    "fused_groups",
+    "group_of",
     "is_sm100",
     "is_sm100_major",
     "is_sm90",
     "is_sm90_major",
     "missing_stages",
+    "plan",
     "round_up",
     "routed_scale_on_output",
     "run_stages",

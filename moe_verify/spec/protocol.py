@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from moe_verify.spec.checks import check_int, check_type
 from moe_verify.spec.context import NO_BUFFERS, Buffers, Outputs, RankShard, ShardOf, StageContext
+from moe_verify.spec.fused import FusedGroup, fused_groups, plan
 from moe_verify.spec.inputs import MoEInputs
 from moe_verify.spec.problem import MoEProblem
 from moe_verify.spec.recipes import Engine
@@ -72,15 +73,43 @@ def call_stage(backend: object, stage: str | Stage, ctx: StageContext) -> Output
     return outputs
 
 
+def call_group(backend: object, group: FusedGroup, ctx: StageContext) -> dict[str, Outputs]:
+    """`backend`'s outputs of the fused `group` for `ctx`: stage name -> outputs, for the stages
+    it exposes (its last always); a TypeError or ValueError naming the group otherwise."""
+    where = f"{getattr(backend, 'name', type(backend).__name__)}.{group.method}"
+    returned = getattr(backend, group.method)(ctx)
+    if not isinstance(returned, dict):
+        raise TypeError(
+            f"{where} returned {type(returned).__name__}; a fused group returns a dict of stage "
+            "name -> named outputs"
+        )
+    names = [s.value for s in group.stages]
+    unknown = [k for k in returned if k not in names]
+    if unknown:
+        raise ValueError(f"{where} returned {unknown}, not stages of its group {group.name}")
+    if group.last.value not in returned:
+        raise ValueError(
+            f"{where} returned no {group.last.value} outputs: the group's last stage is what the "
+            "stages after it read"
+        )
+    for stage, outputs in returned.items():
+        if not isinstance(outputs, dict):
+            raise TypeError(f"{where}: {stage} is {type(outputs).__name__}, not a dict of outputs")
+    return {s: returned[s] for s in names if s in returned}
+
+
 def missing_stages(backend: object, stages: tuple[Stage, ...] = RANK_STAGES) -> list[str]:
-    """The stages of `stages` that `backend` has no method for."""
-    return [s.value for s in stages if not callable(getattr(backend, s.value, None))]
+    """The stages of `stages` that `backend` has no method for and no fused group computes."""
+    fused = {s for g in fused_groups(backend) for s in g.stages}
+    return [
+        s.value for s in stages if s not in fused and not callable(getattr(backend, s.value, None))
+    ]
 
 
 def check_backend_object(backend: object, what: str = "backend") -> None:
     """A TypeError naming what is missing when `backend` is not a Backend: a name and the eight
-    stages of the contiguous layout (dispatch and shared are asked for where a problem runs
-    them)."""
+    stages of the contiguous layout, each a method or inside a declared fused group (dispatch
+    and shared are asked for where a problem runs them)."""
     if isinstance(backend, type):
         raise TypeError(f"{what}: expected a backend instance, got the class {backend.__name__}")
     missing = [] if isinstance(getattr(backend, "name", None), str) else ["name (a str)"]
@@ -109,11 +138,15 @@ def run_stages(
     check_type("inputs", inputs, MoEInputs)
     check_int(f"rank (topology {problem.topology})", rank, 0, problem.topology.size - 1)
     trace = Trace(getattr(backend, "name", type(backend).__name__), rank)
-    for stage in problem.stages:
+    for step in plan(problem.stages, fused_groups(backend)):
         ctx = StageContext(
             problem, inputs, trace, rank, buffers=buffers, engine=engine, shard_of=shard_of
         )
-        trace.add(stage, call_stage(backend, stage, ctx))
+        if isinstance(step, FusedGroup):
+            for stage, outputs in call_group(backend, step, ctx).items():
+                trace.add(stage, outputs)
+        else:
+            trace.add(step, call_stage(backend, step, ctx))
     return trace
 
 
@@ -163,6 +196,7 @@ __all__ = [
     "RankShard",
     "StageContext",
     "StageDelegate",
+    "call_group",
     "call_stage",
     "check_backend_object",
     "missing_stages",

@@ -64,6 +64,21 @@ REPORT_STAGES: tuple[Stage, ...] = (
 # The two GEMM stages: the output each writes and the weight it multiplies by.
 GEMM_OUTPUT: dict[Stage, str] = {Stage.GEMM1: "mm1", Stage.GEMM2: "mm2"}
 GEMM_WEIGHT: dict[Stage, str] = {Stage.GEMM1: "w13", Stage.GEMM2: "w2"}
+
+
+class Gemm1Columns(enum.StrEnum):
+    """Which half of gemm1's `mm1` row holds the gate projection (DeepGEMM does not care; the
+    activation that reads it does). A gemm1 that writes up-first, as a kernel whose w13 is
+    `cat([w3, w1])` does, says so in its `column_order` entry, and its act_quant is then fed
+    up-first rows (docs/stage-contract.md#gemm1-column-order)."""
+
+    GATE_FIRST = "gate_first"  # [gate | up]: the suite's w13 and the default
+    UP_FIRST = "up_first"  # [up | gate]
+
+
+# gemm1's optional host entry naming its Gemm1Columns.
+COLUMN_ORDER = "column_order"
+
 # The `engine` entry a stage reports where an adapter ran the suite's own code in the engine's
 # place (its router, DeepEP's count): the report's stage column then reads "align [suite]", so a
 # pass there is not mistaken for the engine's.

@@ -46,6 +46,19 @@ class Trace:
         self.backend = backend
         self.rank = rank
         self._stages: dict[str, dict[str, object]] = {}
+        # stage -> the fused group that computed it ('quant_input+permute'), for every stage of
+        # a group (moe_verify/spec/fused.py); a stage the group did not expose has no outputs
+        self.fused: dict[str, str] = {}
+
+    def _like(self) -> Trace:
+        """An empty trace of the same backend, rank and fused groups."""
+        out = Trace(self.backend, self.rank)
+        out.fused = dict(self.fused)
+        return out
+
+    def mark_fused(self, stages: Sequence[str], group: str) -> None:
+        """`stages` were computed by the fused group named `group` (one call of one method)."""
+        self.fused.update(dict.fromkeys(stages, group))
 
     def add(self, stage: str, outputs: Mapping[str, object]) -> None:
         if stage in self._stages:
@@ -58,7 +71,7 @@ class Trace:
         upstream, `ctx.replace(upstream=ctx.upstream.replaced("align", counts=c))`."""
         if stage not in self._stages:
             raise KeyError(f"trace of {self.backend!r} has no stage {stage!r} to replace")
-        out = Trace(self.backend, self.rank)
+        out = self._like()
         for name, outputs in self._stages.items():
             out._stages[name] = {**outputs, **entries} if name == stage else dict(outputs)
         return out
@@ -80,6 +93,10 @@ class Trace:
     def failure(self, stage: str) -> StageFailure | None:
         """Why `stage` has no outputs (absent, skipped or raised), or None when it ran."""
         outs = self._stages.get(stage)
+        if outs is None and stage in self.fused:
+            return StageFailure(
+                Status.SKIP, f"computed inside the fused group {self.fused[stage]}, not exposed"
+            )
         if outs is None:
             return StageFailure(Status.SKIP, f"{self.backend} has no {stage} stage (not run)")
         if _ERROR in outs:
@@ -117,7 +134,7 @@ class Trace:
 
     def upto(self, stage: str) -> Trace:
         """A copy holding only the stages before `stage` (the `upstream` of that stage)."""
-        out = Trace(self.backend, self.rank)
+        out = self._like()
         for name, outs in self._stages.items():
             if name == stage:
                 break
@@ -126,7 +143,7 @@ class Trace:
 
     def only(self, stages: Sequence[str]) -> Trace:
         """A copy holding only `stages` (those it has), in trace order."""
-        out = Trace(self.backend, self.rank)
+        out = self._like()
         for name, outs in self._stages.items():
             if name in stages:
                 out.add(name, outs)
@@ -137,7 +154,7 @@ class Trace:
         `name@recipe`) are read in `order`: out[t, i] = x[t, order[t, i]] (int64 [T, k]); a
         token's k slots re-listed, nothing else touched. Outputs of another shape are left as
         they are (the comparison names them)."""
-        out = Trace(self.backend, self.rank)
+        out = self._like()
         for name, outs in self._stages.items():
             outs = dict(outs)
             per_slot = PER_SLOT_OUTPUTS.get(name, ())

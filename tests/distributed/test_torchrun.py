@@ -243,6 +243,19 @@ def test_a_bug_on_the_last_of_four_ranks_is_named(tmp_path: Path) -> None:
     assert "gather@r3" in proc.stdout
 
 
+def test_a_fused_group_is_judged_and_named_on_every_rank(tmp_path: Path) -> None:
+    """quant_input fused into permute (moe_verify/examples/fused.py), one scale halved: each
+    rank's permute row carries the group, and the first failure names it."""
+    backend = "moe_verify.examples.fused:QuantizingScatterHalvesAScale"
+    proc, report = _launch(tmp_path, "ep:2", backend)  # chained: the report's rows
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None and report["first_failure"] == "permute"
+    permute = _results(report, "permute")
+    assert {r["group"] for r in permute} == {"quant_input+permute"}, permute
+    assert not _results(report, "quant_input")
+    assert "permute@r0 in quant_input+permute" in proc.stdout
+
+
 def test_a_rank_that_raises_is_named_and_nothing_hangs(tmp_path: Path) -> None:
     proc, report = _launch(tmp_path, "ep:2", f"{__name__}:RaisesOnRank1")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]  # an error, not a fail
