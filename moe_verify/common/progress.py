@@ -127,7 +127,8 @@ def steps(
 
 
 class SweepBar:
-    """A bar over a sweep's cases; each finished case also leaves its summary line."""
+    """A bar over a sweep's cases (stderr); each finished case leaves its summary line on stdout,
+    where a CI job that keeps only stdout finds the results."""
 
     def __init__(self, total: int, name: str) -> None:
         self._bar = tqdm(
@@ -143,9 +144,10 @@ class SweepBar:
 
     def advance(self, line: str) -> None:
         if self._enabled:
-            self._bar.write(line, file=sys.stderr)
+            self._bar.write(line, file=sys.stdout)  # clears and redraws the bar around it
+            sys.stdout.flush()
         else:
-            print(line, file=sys.stderr, flush=True)
+            print(line, flush=True)
         self._bar.update(1)
 
     def close(self) -> None:

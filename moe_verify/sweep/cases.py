@@ -10,109 +10,151 @@ P = MoEProblem
 SWIGLU = Activation("swigluoai", 1.702, 1.0, 7.0)
 
 # Small shapes that run in seconds on a CPU under the Triton interpreter.
-SMOKE: list[MoEProblem] = [
-    P(tokens=16, hidden=256, intermediate=256, num_experts=4, topk=2),  # plain fp8_block, fp32
-    P(tokens=1, hidden=128, intermediate=128, num_experts=4, topk=2),  # T = 1
-    P(tokens=9, hidden=256, intermediate=128, num_experts=8, topk=8, routing=Routing.UNIFORM),
-    # ^ topk == E
-    P(
-        tokens=24,
-        hidden=128,
-        intermediate=128,
-        num_experts=6,
-        topk=2,
-        routing=Routing.EMPTY_MIDDLE,
-        scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
-    ),  # empty expert, ceil
-    P(
-        tokens=20,
-        hidden=128,
-        intermediate=256,
-        num_experts=4,
-        topk=3,
-        routing=Routing.INVALID_SLOTS,
-        scale_fmt=ScaleFmt.UE8M0_PACKED,
-    ),  # -1 slots, packed scales
-    P(
-        tokens=12,
-        hidden=128,
-        intermediate=128,
-        num_experts=4,
-        topk=2,
-        routing=Routing.DUPLICATES,
-        alignment=32,
-    ),  # duplicate ids, A < 128
-    P(
-        tokens=16,
-        hidden=128,
-        intermediate=128,
-        num_experts=4,
-        topk=2,
-        recipe=Recipe.MXFP8,
-        scale_fmt=ScaleFmt.UE8M0_PACKED,
-    ),  # MXFP8 1x32
-    P(
-        tokens=16,
-        hidden=128,
-        intermediate=128,
-        num_experts=4,
-        topk=2,
-        recipe=Recipe.MXFP4_W4A8,
-        scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
-    ),  # FP4 weights
-    P(tokens=16, hidden=128, intermediate=128, num_experts=4, topk=2, activation=SWIGLU),
-    # ^ swigluoai with alpha, beta, clamp
-    P(
-        tokens=16,
-        hidden=128,
-        intermediate=256,
-        num_experts=5,
-        topk=2,
-        topology=Topology.parse("ep:2"),
-    ),  # EP, E not divisible by ranks
-    P(
-        tokens=16,
-        hidden=128,
-        intermediate=256,
-        num_experts=4,
-        topk=2,
-        topology=Topology.parse("tp:2"),
-    ),  # TP split of I
+SMOKE_ROWS: list[tuple[MoEProblem, str]] = [
+    (P(tokens=16, hidden=256, intermediate=256, num_experts=4, topk=2), "plain fp8_block, fp32"),
+    (P(tokens=1, hidden=128, intermediate=128, num_experts=4, topk=2), "T = 1"),
+    (
+        P(tokens=9, hidden=256, intermediate=128, num_experts=8, topk=8, routing=Routing.UNIFORM),
+        "topk == E",
+    ),
+    (
+        P(
+            tokens=24,
+            hidden=128,
+            intermediate=128,
+            num_experts=6,
+            topk=2,
+            routing=Routing.EMPTY_MIDDLE,
+            scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
+        ),
+        "empty expert, ceil",
+    ),
+    (
+        P(
+            tokens=20,
+            hidden=128,
+            intermediate=256,
+            num_experts=4,
+            topk=3,
+            routing=Routing.INVALID_SLOTS,
+            scale_fmt=ScaleFmt.UE8M0_PACKED,
+        ),
+        "-1 slots, packed scales",
+    ),
+    (
+        P(
+            tokens=12,
+            hidden=128,
+            intermediate=128,
+            num_experts=4,
+            topk=2,
+            routing=Routing.DUPLICATES,
+            alignment=32,
+        ),
+        "duplicate ids, A < 128",
+    ),
+    (
+        P(
+            tokens=16,
+            hidden=128,
+            intermediate=128,
+            num_experts=4,
+            topk=2,
+            recipe=Recipe.MXFP8,
+            scale_fmt=ScaleFmt.UE8M0_PACKED,
+        ),
+        "MXFP8 1x32",
+    ),
+    (
+        P(
+            tokens=16,
+            hidden=128,
+            intermediate=128,
+            num_experts=4,
+            topk=2,
+            recipe=Recipe.MXFP4_W4A8,
+            scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
+        ),
+        "FP4 weights",
+    ),
+    (
+        P(tokens=16, hidden=128, intermediate=128, num_experts=4, topk=2, activation=SWIGLU),
+        "swigluoai with alpha, beta, clamp",
+    ),
+    (
+        P(
+            tokens=16,
+            hidden=128,
+            intermediate=256,
+            num_experts=5,
+            topk=2,
+            topology=Topology.parse("ep:2"),
+        ),
+        "EP, E not divisible by ranks",
+    ),
+    (
+        P(
+            tokens=16,
+            hidden=128,
+            intermediate=256,
+            num_experts=4,
+            topk=2,
+            topology=Topology.parse("tp:2"),
+        ),
+        "TP split of I",
+    ),
 ]
+SMOKE: list[MoEProblem] = [p for p, _ in SMOKE_ROWS]
 
 # Every topology vLLM runs, on small shapes (CPU-friendly; A=32 as DeepGEMM 2.6.1 picks on SM100
 # for small M); each row names its edge.
 _T = dict(tokens=16, hidden=128, intermediate=256, num_experts=6, topk=2, alignment=32)
-TOPOLOGY: list[MoEProblem] = [
-    P(**_T, topology=Topology.parse("tp:2")),  # I split; bf16 partials summed
-    P(
-        **{**_T, "intermediate": 512},
-        topology=Topology.parse("tp:4"),
-        scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
-    ),  # 4-way split of I
-    P(**{**_T, "intermediate": 1024}, topology=Topology.parse("tp:8")),  # 8 bf16 partials
-    P(**_T, topology=Topology.parse("ep:4")),  # E % ranks != 0: remainder to the first ranks
-    P(**_T, topology=Topology.parse("ep:4:round_robin")),  # expert e on rank e % 4
-    P(**_T, topology=Topology.explicit_ep([[0, 1, 2, 3], [3, 4, 5, 0]])),  # EPLB replicas
-    P(**_T, topology=Topology.parse("ep:2+ht")),  # dispatched tokens, exact M_sum, int64 ids
-    P(**_T, topology=Topology.parse("ep:2+ll")),  # batched [E_l, T, H] + masked GEMMs
-    P(**_T, topology=Topology.parse("ep:8")),  # more ranks than experts: two own none
-    P(**_T, topology=Topology.parse("ep:8+ht")),  # ranks that receive zero tokens
-    P(**_T, topology=Topology.parse("ep:8+ll")),  # empty batches
-    P(**_T, topology=Topology.parse("ep:2+ht"), routing=Routing.ONE_EXPERT),  # all on one rank
-    P(**{**_T, "num_experts": 4}, topology=Topology.parse("ep:4")),  # one expert per rank
-    P(
-        **_T, topology=Topology.parse("ep:2"), recipe=Recipe.MXFP8, scale_fmt=ScaleFmt.UE8M0_PACKED
-    ),  # MX scales x EP (vLLM issue #42118)
-    P(
-        **_T,
-        topology=Topology.parse("tp:2"),
-        recipe=Recipe.MXFP4_W4A8,
-        scale_fmt=ScaleFmt.UE8M0_PACKED,
-    ),  # FP4 weights split along I
-    P(**_T, topology=Topology.parse("ep:2"), shared_experts=1),  # shared + routed, then reduce
-    P(**_T, topology=Topology.parse("ep:2+ht"), shared_experts=1),  # combine reduced: shared apart
+TOPOLOGY_ROWS: list[tuple[MoEProblem, str]] = [
+    (P(**_T, topology=Topology.parse("tp:2")), "I split; bf16 partials summed"),
+    (
+        P(
+            **{**_T, "intermediate": 512},
+            topology=Topology.parse("tp:4"),
+            scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
+        ),
+        "4-way split of I",
+    ),
+    (P(**{**_T, "intermediate": 1024}, topology=Topology.parse("tp:8")), "8 bf16 partials"),
+    (P(**_T, topology=Topology.parse("ep:4")), "E % ranks != 0: remainder to the first ranks"),
+    (P(**_T, topology=Topology.parse("ep:4:round_robin")), "expert e on rank e % 4"),
+    (P(**_T, topology=Topology.explicit_ep([[0, 1, 2, 3], [3, 4, 5, 0]])), "EPLB replicas"),
+    (P(**_T, topology=Topology.parse("ep:2+ht")), "dispatched tokens, exact M_sum, int64 ids"),
+    (P(**_T, topology=Topology.parse("ep:2+ll")), "batched [E_l, T, H] + masked GEMMs"),
+    (P(**_T, topology=Topology.parse("ep:8")), "more ranks than experts: two own none"),
+    (P(**_T, topology=Topology.parse("ep:8+ht")), "ranks that receive zero tokens"),
+    (P(**_T, topology=Topology.parse("ep:8+ll")), "empty batches"),
+    (P(**_T, topology=Topology.parse("ep:2+ht"), routing=Routing.ONE_EXPERT), "all on one rank"),
+    (P(**{**_T, "num_experts": 4}, topology=Topology.parse("ep:4")), "one expert per rank"),
+    (
+        P(
+            **_T,
+            topology=Topology.parse("ep:2"),
+            recipe=Recipe.MXFP8,
+            scale_fmt=ScaleFmt.UE8M0_PACKED,
+        ),
+        "MX scales x EP (vLLM issue #42118)",
+    ),
+    (
+        P(
+            **_T,
+            topology=Topology.parse("tp:2"),
+            recipe=Recipe.MXFP4_W4A8,
+            scale_fmt=ScaleFmt.UE8M0_PACKED,
+        ),
+        "FP4 weights split along I",
+    ),
+    (P(**_T, topology=Topology.parse("ep:2"), shared_experts=1), "shared + routed, then reduce"),
+    (
+        P(**_T, topology=Topology.parse("ep:2+ht"), shared_experts=1),
+        "combine reduced: shared apart",
+    ),
 ]
+TOPOLOGY: list[MoEProblem] = [p for p, _ in TOPOLOGY_ROWS]
 
 # The GPU pipeline list: the shapes vLLM runs (issue 3), FP8 block through DeepGEMM, both SM90
 # formats (tests/gpu/test_sm90_pipeline.py; the nightly preset is moe_verify/sweep/nightly.py).
@@ -225,9 +267,13 @@ def preset(name: str) -> list[MoEProblem]:
 
 
 def preset_edges(name: str) -> dict[str, str]:
-    """Case id -> the edge it exercises, for presets that carry it as data (the nightly design,
-    the engine checks; the other lists say it in their source comments)."""
+    """Case id -> the edge it exercises, for presets that carry it as data (smoke, topology, the
+    nightly design, the engine checks); {} for the model-shape lists (pipeline, dsv3-ep8), whose
+    ids say their shape."""
     preset(name)  # the same error for an unknown name
+    rows = {"smoke": SMOKE_ROWS, "topology": TOPOLOGY_ROWS}.get(name)
+    if rows is not None:
+        return {p.id: edge for p, edge in rows}
     if name.startswith("engine-"):
         from moe_verify.engines import checks
 

@@ -353,7 +353,7 @@ def sweep(
     finally:
         write_summaries(summary, name, out_dir)  # also when SIGINT or SIGTERM ends the sweep
         bar.close()
-    print(f"{summary.tally()}; summaries in {out_dir}", file=sys.stderr, flush=True)
+    print(f"{summary.tally()}; summaries in {out_dir}", flush=True)  # the verdict: stdout
     return summary
 
 

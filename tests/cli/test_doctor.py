@@ -104,3 +104,9 @@ def test_doctor_runs_from_the_command_line_as_before(capsys: pytest.CaptureFixtu
     report = _printed(capsys)
     assert {"torch", "cuda", "gpu", "triton", "deep_gemm", "adapters"} <= set(report)
     assert {"usable", "reason", "version"} <= set(report["deep_gemm"])
+
+
+def test_doctors_json_ends_with_a_newline(capsys: pytest.CaptureFixture[str]) -> None:
+    """`moe-verify doctor > f.json; cat f.json` leaves the prompt on its own line."""
+    assert main(["doctor"]) == 0
+    assert capsys.readouterr().out.endswith("}\n")
