@@ -275,7 +275,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         backend=production_backend(args.backend, args.engine),
         capture=False if args.no_capture else None,
     )
-    print(report.to_summary())
+    print(report.to_summary(verbose=args.verbose))
     if args.json:
         Path(args.json).write_text(report.to_json())
     return report.exit_code
@@ -512,6 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gr.add_argument("--json", help="write the per-replay report as JSON here")
     gr.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="each failing replay's every check with the limits' reasons (as run -v)",
+    )
+    gr.add_argument(
         "--in-process",
         action="store_true",
         help="run in this process: faster to start, but a segfault or an illegal memory access "
@@ -567,7 +573,22 @@ def build_parser() -> argparse.ArgumentParser:
     from moe_verify.findings.commands import add_parsers
 
     add_parsers(sub)  # findings, repro
+    for command in sub.choices.values():
+        show_defaults(command)
     return parser
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Each flag's default in its help ("default: both"), where it has one worth showing and
+    its help does not already say it."""
+    for action in parser._actions:
+        default = action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS, [], ()):
+            continue
+        if action.help is argparse.SUPPRESS or "default" in (action.help or ""):
+            continue
+        shown = "default: %(default)s"
+        action.help = f"{action.help} ({shown})" if action.help else shown
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -396,6 +396,10 @@ def dequantize_fp8_groups(q: Tensor, scale: Tensor, group: int = 128) -> Tensor:
     return (_group_view(q.float(), group) * scale.unsqueeze(-1)).reshape(q.shape)
 
 
+# DeepGEMM's weight block edge: a smaller tensor is padded to one such block.
+DEEPGEMM_BLOCK = 128
+
+
 def _require_block(block: object) -> tuple[int, int]:
     if not (isinstance(block, (tuple, list)) and len(block) == 2):
         raise ValueError(f"block must be a (rows, cols) pair, got {block!r}")
@@ -422,6 +426,12 @@ def quantize_fp8_blocks(
     require_bool("use_ue8m0", use_ue8m0)
     require_finite("w", w)
     *lead, n, k = w.shape
+    for name, size, dim, axis in (("block[0]", bm, n, "N"), ("block[1]", bk, k, "K")):
+        if size > max(dim, DEEPGEMM_BLOCK):  # only padding beyond the tensor: refused, not 17 GB
+            raise ValueError(
+                f"{name}={size} is larger than {axis}={dim} (w {tuple(w.shape)}); a block may "
+                f"exceed the tensor only up to {DEEPGEMM_BLOCK}, DeepGEMM's"
+            )
     nb, kb = ceil_div(n, bm), ceil_div(k, bk)
     padded = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bm - n))
     blocks = padded.reshape(*lead, nb, bm, kb, bk)
@@ -477,6 +487,20 @@ def requantize_blocks_ue8m0(
 # ---------------------------------------------------------------------------------------------
 
 
+# The OCP MX formats scale one E8M0 byte per 32 elements: the group is the format's, not a knob.
+MX_GROUP = 32
+
+
+def _require_mx_group(group: object) -> int:
+    group = require_positive_int("group", group)
+    if group != MX_GROUP:
+        raise ValueError(
+            f"group: the MX formats scale one E8M0 byte per {MX_GROUP} elements (OCP MX), got "
+            f"{group}"
+        )
+    return group
+
+
 def quantize_mxfp8(x: Tensor, group: int = 32) -> tuple[Tensor, Tensor]:
     """MXFP8 quantization, the FlashInfer / TRT-LLM `cvt_warp_fp16_to_mxfp8` recipe.
 
@@ -490,7 +514,7 @@ def quantize_mxfp8(x: Tensor, group: int = 32) -> tuple[Tensor, Tensor]:
     Returns (q fp8 [..., M, K], E8M0 bytes uint8 [..., M, K/group]).
     """
     require_tensor("x", x, _FLOATS, 1)
-    group = require_positive_int("group", group)
+    group = _require_mx_group(group)
     require_multiple("x", x, group)
     require_finite("x", x)
     xg = _group_view(x.float(), group)
@@ -512,7 +536,7 @@ def dequantize_mxfp8(q: Tensor, scale_bytes: Tensor, group: int = 32) -> Tensor:
     """
     require_tensor("q", q, (FP8,), 1)
     require_tensor("scale_bytes", scale_bytes, (torch.uint8,), 1)
-    group = require_positive_int("group", group)
+    group = _require_mx_group(group)
     require_multiple("q", q, group)
     require_shape(
         "scale_bytes", scale_bytes, (*q.shape[:-1], q.shape[-1] // group), "one per group of q"
@@ -539,7 +563,7 @@ def quantize_mxfp4(w: Tensor, group: int = 32) -> tuple[Tensor, Tensor]:
     Returns (packed uint8 [..., N, K/2], E8M0 bytes uint8 [..., N, K/group]).
     """
     require_tensor("w", w, _FLOATS, 1)
-    group = require_positive_int("group", group)
+    group = _require_mx_group(group)
     if group % 2:
         raise ValueError(f"group must be even (two E2M1 codes per byte), got {group}")
     require_multiple("w", w, group)
@@ -575,7 +599,7 @@ def dequantize_mxfp4(packed: Tensor, scale_bytes: Tensor, group: int = 32) -> Te
     """
     require_tensor("packed", packed, (torch.uint8,), 1)
     require_tensor("scale_bytes", scale_bytes, (torch.uint8,), 1)
-    group = require_positive_int("group", group)
+    group = _require_mx_group(group)
     codes = unpack_e2m1_codes(packed)
     require_multiple("packed (unpacked to K codes)", codes, group)
     require_shape(

@@ -110,6 +110,20 @@ def _require_sizes(
     require_int("alignment", alignment, 1)
 
 
+# DeepGEMM's layout tensors (m_indices, psum ends) and vLLM's row indices are int32.
+INT32_MAX = 2**31 - 1
+
+
+def _int32_rows(fn: str, rows: int, num_tokens: int, topk: int) -> int:
+    """`rows`, or a ValueError naming the sizes when it does not fit int32."""
+    if rows > INT32_MAX:
+        raise ValueError(
+            f"{fn}: {rows} rows do not fit int32 (DeepGEMM's m_indices and psum ends): "
+            f"num_tokens={num_tokens} x topk={topk} is too large"
+        )
+    return rows
+
+
 def aligned_m_sum_exact(counts: torch.Tensor, alignment: int) -> int:
     """Σ_e round_up(count_e, A): the exact-count path (DeepEP HT, CPU counts known)."""
     require_int("alignment", alignment, 1)
@@ -127,7 +141,8 @@ def aligned_m_sum_upper_bound(
     """
     _require_sizes(num_tokens, topk, num_local_experts, alignment)
     slots = num_tokens * topk
-    return round_up(slots + min(slots, num_local_experts) * (alignment - 1), alignment)
+    rows = round_up(slots + min(slots, num_local_experts) * (alignment - 1), alignment)
+    return _int32_rows("aligned_m_sum_upper_bound", rows, num_tokens, topk)
 
 
 def aligned_m_sum_all_experts_bound(
@@ -138,7 +153,8 @@ def aligned_m_sum_all_experts_bound(
     Never below `aligned_m_sum_upper_bound` (equal once M·k >= E_l): as safe, looser at decode.
     """
     _require_sizes(num_tokens, topk, num_local_experts, alignment)
-    return round_up(num_tokens * topk + num_local_experts * (alignment - 1), alignment)
+    rows = round_up(num_tokens * topk + num_local_experts * (alignment - 1), alignment)
+    return _int32_rows("aligned_m_sum_all_experts_bound", rows, num_tokens, topk)
 
 
 def aligned_m_sum_tight_bound(
@@ -153,7 +169,8 @@ def aligned_m_sum_tight_bound(
     _require_sizes(num_tokens, topk, num_local_experts, alignment)
     slots = num_tokens * topk
     active = min(slots, num_local_experts)
-    return alignment * (active + (slots - active) // alignment)
+    rows = alignment * (active + (slots - active) // alignment)
+    return _int32_rows("aligned_m_sum_tight_bound", rows, num_tokens, topk)
 
 
 def aligned_m_sum_recipes(

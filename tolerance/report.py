@@ -429,20 +429,24 @@ class Report:
 
 
 def _tightest(result: StageResult) -> CheckResult | None:
-    """A failed check if any, else the one with the largest value / limit (bounded checks)."""
+    """A failed check if any, else the bounded check (limit > 0) with the largest value / limit;
+    a must-be-zero check (nan_inf: 0 / 0) only where the stage has no bounded one."""
     if not result.checks:
         return None
     failed = result.failed_checks
     if failed:
         return failed[0]
 
-    def ratio(c: CheckResult) -> float:
+    def limit(c: CheckResult) -> float:
         try:
-            return float(c.value) / float(c.limit) if float(c.limit) > 0 else 0.0
+            return float(c.limit)
         except (TypeError, ValueError):
             return 0.0
 
-    return max(result.checks, key=ratio)
+    bounded = [c for c in result.checks if limit(c) > 0]
+    if not bounded:
+        return result.checks[0]
+    return max(bounded, key=lambda c: float(c.value) / limit(c))
 
 
 def failure_message(

@@ -28,7 +28,15 @@ def load_class(spec: str, what: str) -> type:
     try:
         found: object = importlib.import_module(module_name)
     except ImportError as exc:  # also an import that fails inside the user's module
-        raise ValueError(f"{what} {spec!r}: cannot load it (import {module_name}: {exc})") from exc
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
+            hint = (
+                f"; modules are looked up in the current directory ({os.getcwd()}) and on "
+                "PYTHONPATH: run from the directory that holds it, or add that to PYTHONPATH"
+            )
+        raise ValueError(
+            f"{what} {spec!r}: cannot load it (import {module_name}: {exc}){hint}"
+        ) from exc
     for i, name in enumerate(names):
         if not hasattr(found, name):
             owner = ".".join([module_name, *names[:i]])

@@ -206,7 +206,9 @@ class GraphReport:
     def exit_code(self) -> int:
         return 0 if self.passed else 1
 
-    def to_summary(self) -> str:
+    def to_summary(self, verbose: bool = False) -> str:
+        """A line per replay; a failing one's report under it (its every check with the limits'
+        reasons when `verbose`, as `run -v` prints)."""
         mode = "CUDA-graph replays" if self.captured else "eager replays"
         lines = [
             f"graph {self.problem.id}: backend {self.backend}, {self.engine} GEMMs, captured at "
@@ -225,7 +227,8 @@ class GraphReport:
                     if not g.passed:
                         lines.append(f"      guard {g.name}: {g.detail}")
                 if r.report.first_failure is not None:
-                    lines.extend("      " + line for line in r.report.to_summary().splitlines())
+                    text = r.report.to_table() if verbose else r.report.to_summary()
+                    lines.extend("      " + line for line in text.splitlines())
         failed = sum(not r.passed for r in self.replays)
         unsafe = f"; {len(self.host_reads)} stage(s) not graph-safe" if self.host_reads else ""
         lines.append(

@@ -33,6 +33,7 @@ from moe_verify.spec import (
     check_bool,
     check_device,
     check_enum,
+    check_output_dir,
     missing_stages,
 )
 from tolerance.invariance import INVARIANCES
@@ -313,11 +314,14 @@ def check_timeout(seconds: object) -> float | None:
 
 
 def check_dir(name: str, path: object) -> Path:
-    """A path (str or os.PathLike), as a Path; whether it can be written is the writer's check."""
+    """A path (str or os.PathLike) of a directory that can be made and written, as a Path:
+    checked before the run, so a report is never lost to a dump or plot directory that cannot
+    be written."""
     if isinstance(path, str) and not path:
         raise ValueError(f"{name}: expected a directory path, got ''")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{name}: expected a directory path, got {path!r}")
+    check_output_dir(name, path)
     return Path(path)
 
 

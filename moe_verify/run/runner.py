@@ -103,20 +103,31 @@ def resolve_backend(spec: str | type | Backend, engine: Engine | str = Engine.AU
         except getattr(module, unavailable) as exc:
             raise ValueError(f"backend {spec!r}: {exc}") from exc
     cls = load_class(check_backend(spec), "backend") if isinstance(spec, str) else spec
+    name = spec if isinstance(spec, str) else class_spec(cls)
     options: dict[str, object] = {}
     if _takes_engine(cls):
         options["engine"] = engine  # --engine holds for every class whose constructor takes it
-    elif Engine(engine) is not Engine.AUTO:
+    try:
+        backend = cls(**options)
+    except Exception as exc:  # noqa: BLE001 - the user's constructor: named, its error kept
         raise ValueError(
-            f"backend {spec!r}: --engine {engine} applies to backends whose constructor takes "
-            "`engine` (optimized.OptimizedBackend, its subclasses, your own)"
-        )
-    backend = cls(**options)
+            f"backend {name!r}: its constructor {cls.__qualname__}({_args(options)}) raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     try:
         check_backend_object(backend)
     except TypeError as exc:
-        raise ValueError(f"backend {spec!r}: {exc}") from None
+        raise ValueError(f"backend {name!r}: {exc}") from None
+    if not options and Engine(engine) is not Engine.AUTO:
+        raise ValueError(
+            f"backend {name!r}: --engine {engine} applies to backends whose constructor takes "
+            "`engine` (optimized.OptimizedBackend, its subclasses, your own)"
+        )
     return backend
+
+
+def _args(options: dict[str, object]) -> str:
+    return ", ".join(f"{k}={str(v)!r}" for k, v in options.items())
 
 
 def _takes_engine(cls: type) -> bool:

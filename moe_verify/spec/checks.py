@@ -13,6 +13,7 @@ import enum
 import math
 import numbers
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -145,7 +146,7 @@ def check_output_file(arg: str, value: str | os.PathLike[str] | None) -> None:
     parent = path.parent
     if not parent.is_dir():
         raise ValueError(f"{arg} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if not _can_create_in(parent) or (path.exists() and not os.access(path, os.W_OK)):
         raise ValueError(f"{arg} {path}: not writable")
 
 
@@ -161,5 +162,17 @@ def check_output_dir(arg: str, value: str | os.PathLike[str] | None) -> None:
     if not existing.is_dir():
         what = "is a file" if existing == path else f"{existing} is a file"
         raise ValueError(f"{arg} {path}: {what}; expected a directory")
-    if not os.access(existing, os.W_OK):
+    if not _can_create_in(existing):
         raise ValueError(f"{arg} {path}: {existing} is not writable")
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be created in `directory`, found by creating (and removing) one:
+    os.access says yes to root for /proc and /sys, where nothing can be created."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".moe-verify-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True

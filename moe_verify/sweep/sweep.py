@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
+from moe_verify.args import EXIT_ERROR, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_PASS
 from moe_verify.common import timing
 from moe_verify.common.jit_cache import shared_jit_caches
 from moe_verify.common.progress import SweepBar
@@ -73,6 +73,8 @@ class SweepSummary:
     in_flight: dict[int, str] = field(default_factory=dict)
     # The index in the sweep of each outcome (parallel to outcomes; empty when built directly).
     indices: list[int] = field(default_factory=list)
+    # The exit code of the signal that stopped the sweep (130 Ctrl-C, 143 SIGTERM), else None.
+    stopped_by: int | None = None
 
     @property
     def running(self) -> str | None:
@@ -100,7 +102,10 @@ class SweepSummary:
 
     @property
     def exit_code(self) -> int:
-        """0 every case passed, 2 any case errored (or the sweep did not finish), else 1."""
+        """0 every case passed, 2 any case errored (or the sweep did not finish), else 1; 130 or
+        143 when Ctrl-C or SIGTERM stopped it (as the process exits)."""
+        if self.stopped_by is not None:
+            return self.stopped_by
         if self.count(Status.ERROR) or not self.complete:
             return EXIT_ERROR
         return EXIT_FAIL if self.count(Status.FAIL) else EXIT_PASS
@@ -350,9 +355,24 @@ def sweep(
                 for index, problem in enumerate(chosen):
                     started(index)
                     finished(index, run_in_process(problem, options))
+    except KeyboardInterrupt:
+        summary.stopped_by = EXIT_INTERRUPTED
+        raise
+    except SystemExit as exc:
+        if terminated():
+            summary.stopped_by = exc.code if isinstance(exc.code, int) else None
+        raise
     finally:
         write_summaries(summary, name, out_dir)  # also when SIGINT or SIGTERM ends the sweep
         bar.close()
+        if summary.stopped_by is not None:
+            print(
+                f"sweep {name} stopped (exit {summary.stopped_by}) after "
+                f"{len(summary.outcomes)} of {summary.total} cases ({summary.tally()}); the "
+                f"partial summary is {out_dir / 'summary.json'} (and summary.md, junit.xml)",
+                file=sys.stderr,
+                flush=True,
+            )
     print(f"{summary.tally()}; summaries in {out_dir}", flush=True)  # the verdict: stdout
     return summary
 

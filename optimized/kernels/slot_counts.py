@@ -41,6 +41,10 @@ def _check_count(fn: str, name: str, value: object, low: int) -> None:
         fail(fn, f"{name} must be an int >= {low}, got {value}")
 
 
+# int32: the layout tensors DeepGEMM and vLLM index rows with.
+INT32_MAX = 2**31 - 1
+
+
 def aligned_m_sum_upper_bound(
     num_tokens: int, topk: int, num_local_experts: int, alignment: int
 ) -> int:
@@ -59,7 +63,12 @@ def aligned_m_sum_upper_bound(
     ):
         _check_count(fn, name, value, low)
     slots = num_tokens * topk
-    return round_up(slots + min(slots, num_local_experts) * (alignment - 1), alignment)
+    rows = round_up(slots + min(slots, num_local_experts) * (alignment - 1), alignment)
+    if rows > INT32_MAX:  # the layout's m_indices, psum ends and inv_perm are int32
+        fail(
+            fn, f"{rows} rows do not fit int32: num_tokens={num_tokens} x topk={topk} is too large"
+        )
+    return rows
 
 
 def aligned_m_sum_exact(counts: torch.Tensor | Sequence[int], alignment: int) -> int:

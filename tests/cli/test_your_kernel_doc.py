@@ -36,7 +36,9 @@ TIMEOUT_S = 300
 
 # What a command must print (each needle in its stdout), by a piece of the command that names it.
 EXPECT = {
-    "run --backend my_kernels:MyGather ": ["PASS", "reduce"],
+    "run --backend my_kernels:MyGather -T 8 ": ["PASS", "reduce"],
+    "run --backend my_kernels:MyGather -T 1 ": ["PASS"],  # odd token counts
+    "run --backend my_kernels:MyGather -T 9 ": ["PASS"],
     "run --backend my_kernels:MyGatherBug ": [
         "first failure: gather",
         "ulp",

@@ -349,6 +349,18 @@ def test_cli_graph_fails_a_stale_counts_backend_and_writes_json(
     assert skew["stages"]["first_failure"] == "permute"
 
 
+def test_cli_graph_v_prints_every_check_of_a_failing_replay(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    backend = "tests.tester.production_wrong:StaleCounts"
+    assert main([*CLI, "--replays", "skew", "--backend", backend, "-v"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL at permute" in out
+    assert "docs/tolerance.md#" in out  # the limits' reasons, which only -v prints
+    assert main([*CLI, "--replays", "skew", "--backend", backend]) == 1
+    assert "docs/tolerance.md#" not in capsys.readouterr().out.split("FAIL at permute")[0]
+
+
 def test_cli_graph_refuses_unknown_replay_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*CLI, "--replays", "skew,nope"]) == 2
     err = capsys.readouterr().err

@@ -367,3 +367,33 @@ def test_failing_ranks_fold_into_one_line(problem: MoEProblem) -> None:
     assert line.endswith("(docs/tolerance.md#align)")
     full = report.failure_messages()
     assert len(full) == 2 and "exact (docs" in full[0] and "(reason above)" in full[1]
+
+
+def test_the_tightest_check_is_a_bounded_one_where_the_stage_has_one() -> None:
+    """A must-be-zero check (nan_inf: 0 / 0) is not the stage's tightest margin when a bounded
+    check (limit > 0) ran beside it."""
+    from moe_verify.run.verify import verify
+    from optimized import OptimizedBackend
+    from tolerance.report import _tightest
+
+    problem = MoEProblem(tokens=12, hidden=128, intermediate=128, num_experts=4, topk=2)
+    report = verify(problem, backend=OptimizedBackend(engine="triton"), mode="isolated")
+    for r in report.isolated:
+        tightest = _tightest(r)
+        assert tightest is not None
+        if any(float(c.limit) > 0 for c in r.checks):
+            assert float(tightest.limit) > 0, (r.stage, tightest.name)
+    table = report.to_summary()
+    assert "nan_inf: 0 / 0" not in table, table
+
+
+def test_a_gather_far_from_every_recipe_counts_output_elements_not_codes() -> None:
+    from moe_verify.examples.wrapped import HalvesOneToken
+    from moe_verify.run.verify import verify
+
+    problem = MoEProblem(tokens=8, hidden=128, intermediate=128, num_experts=4, topk=2)
+    report = verify(problem, backend=HalvesOneToken(engine="triton"), mode="isolated")
+    (gather,) = [r for r in report.isolated if r.stage == "gather"]
+    details = " ".join(c.detail for c in gather.failed_checks)
+    assert "bf16 output elements differ bit for bit" in details, details
+    assert "codes and scale groups" not in details, details

@@ -28,8 +28,17 @@ RECIPE_REASON = (
 )
 
 # One recipe's comparison: the stage's checks and how far the tested side is from that recipe
-# (codes and scale groups that differ bit for bit; 0 when it matches).
+# (what differs bit for bit, counted in DISTANCE_UNITS; 0 when it matches).
 Comparer = Callable[[Ctx], tuple[list[CheckResult], float]]
+# What a stage's Comparer counts as its distance from a recipe.
+DISTANCE_UNITS: dict[Stage, str] = {
+    Stage.ROUTE: "failed checks",
+    Stage.QUANT_INPUT: "codes and scale groups",
+    Stage.ACT_QUANT: "codes and scale groups",
+    Stage.GATHER: "bf16 output elements",
+    Stage.SHARED: "bf16 output elements",
+    Stage.REDUCE: "bf16 output elements",
+}
 
 
 # The act_quant recipes computed as an H200 computes them, from recorded tables
@@ -202,7 +211,8 @@ def match_recipe(ctx: Ctx, stage: str, compare: Comparer) -> list[CheckResult]:
     else:
         note = (
             f"no legitimate recipe matches; against the closest, {recipe} "
-            f"({_fmt(distance)} codes and scale groups differ bit for bit; tried "
+            f"({_fmt(distance)} {DISTANCE_UNITS.get(Stage(stage), 'outputs')} differ bit for bit; "
+            "tried "
             f"{', '.join(tried)})"
         )
     return _annotated(checks, recipe, declared is not None or not failed, note)
