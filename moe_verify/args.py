@@ -12,8 +12,9 @@ from pathlib import Path
 
 from moe_verify.common.loader import class_spec
 from moe_verify.run.contain import DEFAULT_CASE_TIMEOUT_S
-from moe_verify.run.options import RunOptions, is_instance
+from moe_verify.run.options import RunOptions, check_invariance, is_instance
 from moe_verify.spec import (
+    EXIT_CODES,
     MODE_CHOICES,
     Engine,
     GemmRecipe,
@@ -26,8 +27,6 @@ from moe_verify.spec import (
 )
 from moe_verify.spec import check_output_dir as check_output_dir  # the CLI's, one implementation
 from moe_verify.spec import check_output_file as check_output_file
-from tolerance.invariance import INVARIANCES
-from tolerance.report import EXIT_CODES
 
 # 0 every check passed, 1 a check failed, 2 an error (bad arguments, crash, missing dependency, a
 # timeout, or nothing verified); 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM), as shells
@@ -60,6 +59,15 @@ def byte(text: str) -> int:
     if not 0 <= value <= 0xFF:
         raise argparse.ArgumentTypeError(f"expected a byte 0..255 or 0x00..0xFF, got {text!r}")
     return value
+
+
+def invariance(text: str) -> str:
+    """--invariance: a setting `run` can pair (run/options.py check_invariance, which imports
+    tolerance/ and so torch: only when the flag is given, not for every usage error)."""
+    try:
+        return check_invariance(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("invariance: ")) from None
 
 
 def add_problem_args(p: argparse.ArgumentParser) -> None:
@@ -185,10 +193,12 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--invariance",
         default=None,
-        choices=[kind for kind in INVARIANCES if kind != "poison"],
-        help="run the tested side a second time with only this setting changed (alignment 64 "
-        "vs 128; upper-bound vs exact M_sum; the ep:N+ll batch capacity doubled; DeepGEMM's "
-        "expected_m or SM count): every stage must also agree bit for bit between the two runs",
+        type=invariance,
+        metavar="KIND",
+        help="alignment | m_sum | ll_capacity | expected_m | num_sms: run the tested side a "
+        "second time with only this setting changed (alignment 64 vs 128; upper-bound vs exact "
+        "M_sum; the ep:N+ll batch capacity doubled; DeepGEMM's expected_m or SM count): every "
+        "stage must also agree bit for bit between the two runs",
     )
     run.add_argument(
         "--strict", action="store_true", help="a skipped stage fails the run too (exit 1)"

@@ -16,6 +16,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moe_verify.args import (
     EXIT_ERROR,
@@ -35,7 +36,9 @@ from moe_verify.args import (
 )
 from moe_verify.run.contain import terminate_as_exit, terminated, user_interrupted, watch_interrupts
 from moe_verify.spec import MODE_CHOICES, Engine, MoEProblem
-from tolerance.report import Report
+
+if TYPE_CHECKING:  # the commands import what they run: a usage error never waits for torch
+    from tolerance.report import Report
 
 
 def require_engine(engine: str | None) -> None:

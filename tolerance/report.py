@@ -19,15 +19,13 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from moe_verify.spec import EXIT_CODES as EXIT_CODES  # the verdict's exit code, beside Status
 from moe_verify.spec import Mode, MoEProblem, Status
 from tolerance.compare import CheckResult, StageResult, Worst
 from tolerance.policy import comparison_mode
 
 _COLUMNS = ("stage", "status", "check", "value", "limit", "worst coordinates", "reason")
 
-# The exit code of each verdict: 0 passed, 1 a check failed, 2 nothing trustworthy to say (an
-# error, or every stage skipped).
-EXIT_CODES = {Status.PASS: 0, Status.FAIL: 1, Status.ERROR: 2, Status.SKIP: 2}
 # Longest failure line of the default view; the full text is under -v (to_table).
 LINE_WIDTH = 200
 _DOC_REF = re.compile(r"docs/[\w./-]+\.md(?:#[\w-]+)?")

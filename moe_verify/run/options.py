@@ -21,12 +21,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_verify.common.loader import class_spec
 from moe_verify.spec import (
     STAGES,
-    Backend,
     Engine,
     GemmRecipe,
     Mode,
@@ -34,9 +33,10 @@ from moe_verify.spec import (
     check_device,
     check_enum,
     check_output_dir,
-    missing_stages,
 )
-from tolerance.invariance import INVARIANCES
+
+if TYPE_CHECKING:  # the protocol imports torch, and the CLI checks its flags without it
+    from moe_verify.spec import Backend
 
 # The backends `--backend` names; anything else is 'module:Class' (moe_verify/run/runner.py).
 BACKEND_NAMES = ("optimized", "golden", "vllm", "sglang", "lmdeploy")
@@ -257,6 +257,8 @@ def is_instance(backend: object) -> bool:
 def check_backend(backend: object) -> str | type | Backend:
     """A name of BACKEND_NAMES or 'module:Class', a class, or an object of the stage protocol
     (a `name` and one method per stage, moe_verify/spec/protocol.py)."""
+    from moe_verify.spec import missing_stages
+
     if isinstance(backend, str):
         if backend not in BACKEND_NAMES and ":" not in backend:
             raise ValueError(
@@ -328,6 +330,8 @@ def check_dir(name: str, path: object) -> Path:
 def check_invariance(kind: object) -> str:
     """A setting of tolerance/invariance.py INVARIANCES whose second value `invariance_pair`
     builds (two poisons are `poison`'s)."""
+    from tolerance.invariance import INVARIANCES  # here: the CLI checks its flags without torch
+
     known = [k for k in INVARIANCES if k != "poison"]
     if kind not in known:
         raise ValueError(

@@ -6,11 +6,13 @@ share across the independence line: a layout bug lives in where the rounding is 
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_N = TypeVar("_N", int, torch.Tensor)
+# "torch.Tensor" by name: the CLI sizes nothing, and checks its flags without importing torch.
+_N = TypeVar("_N", int, "torch.Tensor")
 
 
 def ceil_div(n: _N, d: int) -> _N:

@@ -16,9 +16,10 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Bounds of a problem (documented maxima, deliberately above every model vLLM serves: DeepSeek-V3
 # has H=7168, E=256; Llama-405B H=16384; Kimi-K2 E=384). They keep a typo (an extra zero, a size in
@@ -114,6 +115,8 @@ def check_device(arg: str, value: object, *, present: bool = False) -> torch.dev
     """A device torch parses ('cpu', 'cuda:1', a torch.device) as a torch.device; with `present`,
     also one this machine has (a tensor can be made there), so a case is not run to the end only
     for every comparison on 'cuda:7' to fail."""
+    import torch  # here, not above: the CLI checks its flags without importing torch
+
     if not isinstance(value, (str, torch.device)):
         raise TypeError(
             f"{arg}: expected a device (a torch.device, or a string such as 'cpu' or 'cuda:0'), "

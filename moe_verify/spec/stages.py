@@ -129,3 +129,8 @@ class Status(enum.StrEnum):
     @property
     def failing(self) -> bool:
         return self in (Status.FAIL, Status.ERROR)
+
+
+# The exit code of each verdict: 0 passed, 1 a check failed, 2 nothing trustworthy to say (an
+# error, or every stage skipped).
+EXIT_CODES = {Status.PASS: 0, Status.FAIL: 1, Status.ERROR: 2, Status.SKIP: 2}
