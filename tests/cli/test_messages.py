@@ -1,10 +1,12 @@
-"""What a new user meets first: `--help` shows defaults, and a `--backend` that cannot be built
-is named with what went wrong (its constructor, a class that is not a backend, a module that is
-not where the suite looks)."""
+"""What a new user meets first: a usage error at once (before torch is imported), `--help` with
+defaults, a `--backend` that cannot be built named with what went wrong (its constructor, a class
+that is not a backend, a module that is not where the suite looks), and output paths refused
+before the run."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 from moe_verify.cli import main
 
 pytestmark = pytest.mark.cpu
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["-T", "4", "-H", "128", "-I", "128", "-E", "4", "-k", "2", "--alignment", "32"]
 
@@ -122,3 +125,37 @@ def test_verify_refuses_a_dump_dir_it_cannot_write_by_name() -> None:
     problem = MoEProblem(tokens=4, hidden=128, intermediate=128, num_experts=4, topk=2)
     with pytest.raises(ValueError, match="dump_dir /proc/moe-verify-x: /proc is not writable"):
         verify(problem, dump_dir="/proc/moe-verify-x")
+
+
+# main() in a fresh interpreter: its exit code, then whether torch was ever imported.
+_USAGE_CHILD = """
+import sys
+from moe_verify.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    print("exit", exc.code)
+print("torch imported", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["run", "-T", "abc"], "--tokens/-T"),  # a type check
+        (["run", "--recipe", "nope"], "--recipe"),  # a choice
+        (["sweep", "--mode", "nope"], "--mode"),  # another command's flag
+        (["run", "--case-timeout", "-1"], "--case-timeout"),  # a checked value
+    ],
+    ids=["tokens", "recipe", "sweep-mode", "case-timeout"],
+)
+def test_a_usage_error_exits_2_before_torch_is_imported(argv: list[str], flag: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", _USAGE_CHILD, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.stdout.split("\n")[:2] == ["exit 2", "torch imported False"], run.stdout + run.stderr
+    assert f"argument {flag}" in run.stderr
