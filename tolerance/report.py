@@ -464,6 +464,8 @@ def failure_message(
         w = check.worst
         row = f", row {w.row}" if w.row is not None else ""
         parts.append(f"worst at {w.coords()}{row}: golden {_fmt(w.golden)}, other {_fmt(w.other)}")
+    if check.rows:
+        parts.append(check.rows_text())
     if check.detail:
         parts.append(check.detail)
     nan_inf = next((c for c in stage.checks if c.name == "nan_inf"), None)
@@ -504,6 +506,10 @@ def concise_failure(mode: str, failing: list[StageResult]) -> str:
     if len(detail) <= room - len(also):
         text += detail
         room -= len(detail)
+    rows = f"; {check.rows_text()}" if len(check.rows) > 1 else ""
+    if rows and len(rows) <= room - len(also):
+        text += rows
+        room -= len(rows)
     named = f"; also {', '.join(others)}" if others else ""
     text += named if len(named) <= room else also if len(also) <= room else ""
     return _clip(text, LINE_WIDTH - len(where)) + where
@@ -584,6 +590,10 @@ def _results_from_list(items: list[dict[str, Any]] | None) -> list[StageResult] 
                     detail=c["detail"],
                     recipe=c.get("recipe"),
                     beyond=dict(c.get("beyond") or {}),
+                    rows=tuple(
+                        Worst(**{k: _from_json_number(v) for k, v in w.items()})
+                        for w in c.get("rows") or ()
+                    ),
                 )
             )
         out.append(

@@ -47,6 +47,15 @@ class Worst:
         parts = [f"{n} {'-' if getattr(self, n) is None else getattr(self, n)}" for n in names]
         return "(" + ", ".join(parts) + ")"
 
+    def row_label(self) -> str:
+        """'token 3 k 1 expert 2': the row, by what is known of it."""
+        names = ("token", "k", "expert", "rank", "row")
+        return " ".join(f"{n} {getattr(self, n)}" for n in names if getattr(self, n) is not None)
+
+
+# How many of a failed check's rows a report names (CheckResult.rows).
+FIRST_ROWS = 4
+
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -66,6 +75,18 @@ class CheckResult:
     # "slots": 3} (for an exact check: how many differ). Empty where the check measures one
     # number for the whole stage (calc_diff, M_sum, a shape).
     beyond: dict[str, int] = field(default_factory=dict)
+    # The first rows beyond the bound, in row order (FIRST_ROWS of them at most): where a
+    # failure spreads over several tokens, the report names more than the worst one.
+    rows: tuple[Worst, ...] = ()
+
+    def rows_text(self) -> str:
+        """'rows beyond: token 0 k 1, token 3 k 0 (+5 more)'; '' where none are named."""
+        if not self.rows:
+            return ""
+        held = [n for unit, n in self.beyond.items() if unit in ("slots", "tokens", "rows")]
+        more = (held[0] if held else len(self.rows)) - len(self.rows)
+        named = ", ".join(w.row_label() for w in self.rows)
+        return f"rows beyond: {named}" + (f" (+{more} more)" if more > 0 else "")
 
     def beyond_text(self) -> str:
         """'17 elements in 3 slots beyond', '2 slots beyond' (an exact check: 2 differ); ''

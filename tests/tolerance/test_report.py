@@ -397,3 +397,23 @@ def test_a_gather_far_from_every_recipe_counts_output_elements_not_codes() -> No
     details = " ".join(c.detail for c in gather.failed_checks)
     assert "bf16 output elements differ bit for bit" in details, details
     assert "codes and scale groups" not in details, details
+
+
+def test_a_failure_over_many_rows_names_the_first_few() -> None:
+    """Every token wrong: the check names its first rows, not only the worst, and the JSON
+    report keeps them."""
+    from moe_verify.run.verify import verify
+    from tests.tester.wrong_backends import TopkWeightsIgnored
+
+    problem = MoEProblem(tokens=16, hidden=128, intermediate=128, num_experts=4, topk=2)
+    report = verify(problem, backend=TopkWeightsIgnored(engine="triton"), mode="isolated")
+    (gather,) = [r for r in report.isolated if r.stage == "gather"]
+    ulp = next(c for c in gather.failed_checks if c.name == "ulp")
+    assert [w.token for w in ulp.rows] == [0, 1, 2, 3]
+    assert ulp.rows_text() == (
+        "rows beyond: token 0 rank 0, token 1 rank 0, token 2 rank 0, token 3 rank 0 (+12 more)"
+    )
+    assert any("rows beyond: token 0 rank 0" in line for line in report.failure_messages())
+    again = Report.from_dict(json.loads(report.to_json()))
+    (gather_again,) = [r for r in again.isolated if r.stage == "gather"]
+    assert next(c for c in gather_again.checks if c.name == "ulp").rows == ulp.rows

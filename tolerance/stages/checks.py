@@ -26,7 +26,7 @@ from tolerance.metrics import (
     row_rel_error,
 )
 from tolerance.policy import CONTRACT_REASON, NONFINITE_REASON, Limit
-from tolerance.results import CheckResult, Worst
+from tolerance.results import FIRST_ROWS, CheckResult, Worst
 from tolerance.stages.context import Ctx
 
 # Values and rows --------------------------------------------------------------------------------
@@ -66,6 +66,12 @@ def counted(mask: torch.Tensor, rows: str, unit: str = "elements") -> dict[str, 
         return {unit: int(mask.sum())}
     elements, held = host_ints(mask.sum(), mask.flatten(1).any(dim=1).sum())
     return {unit: elements, row_unit(rows): held}
+
+
+def first_rows(beyond: torch.Tensor, locate: Callable[[int], Worst]) -> tuple[Worst, ...]:
+    """Where the first FIRST_ROWS rows of a bool [rows, N] (or [rows]) mask hold a True."""
+    held = beyond.flatten(1).any(dim=1) if beyond.dim() >= 2 else beyond
+    return tuple(locate(int(r)) for r in torch.nonzero(held)[:FIRST_ROWS, 0].tolist())
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -183,12 +189,16 @@ def per_row_check(
     worst = dataclasses.replace(
         locate(r), column=c, golden=py_scalar(b[r, c]), other=py_scalar(a[r, c])
     )
-    over = int((~(values <= limit.value)).sum())
+    over_mask = ~(values <= limit.value)
+    over = int(over_mask.sum())
     detail = (
         f"{over} of {a.shape[0]} {rows} beyond max|a-b| <= {limit.value:g} x rowmax|golden|; "
         f"worst row error {float(values[r]):.4g}"
     )
-    return bound_check("per-token", float(values[r]), limit, worst, detail, {row_unit(rows): over})
+    result = bound_check(
+        "per-token", float(values[r]), limit, worst, detail, {row_unit(rows): over}
+    )
+    return dataclasses.replace(result, rows=first_rows(over_mask, locate)) if over else result
 
 
 def bounded_checks(
@@ -222,6 +232,7 @@ def bounded_checks(
             worst,
             f"{n_beyond} of {total} elements beyond the bound{note}",
             beyond=counted(beyond, rows),
+            rows=first_rows(beyond, locate) if frac > outliers.value else (),
         )
     )
     out.append(per_row_check(ctx, a, b, locate, rows))
@@ -253,7 +264,10 @@ def ulp_checks(
     detail = (
         f"{over} of {ulp.numel()} elements beyond {limit.value:g} bf16 ulp; max {value} ulp{note}"
     )
-    out.append(bound_check("ulp", value, limit, worst, detail, counted(over_mask, rows)))
+    ulp_check = bound_check("ulp", value, limit, worst, detail, counted(over_mask, rows))
+    if over:
+        ulp_check = dataclasses.replace(ulp_check, rows=first_rows(over_mask, locate))
+    out.append(ulp_check)
     out.append(per_row_check(ctx, a, b, locate, rows))
     return out
 
