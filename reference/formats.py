@@ -563,9 +563,7 @@ def quantize_mxfp4(w: Tensor, group: int = 32) -> tuple[Tensor, Tensor]:
     Returns (packed uint8 [..., N, K/2], E8M0 bytes uint8 [..., N, K/group]).
     """
     require_tensor("w", w, _FLOATS, 1)
-    group = _require_mx_group(group)
-    if group % 2:
-        raise ValueError(f"group must be even (two E2M1 codes per byte), got {group}")
+    group = _require_mx_group(group)  # 32: even, two E2M1 codes per byte
     require_multiple("w", w, group)
     require_finite("w", w)
     wg = _group_view(w.float(), group)
