@@ -6,6 +6,7 @@ runs pip itself on a local wheel."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -259,10 +260,26 @@ def _wheel(where: Path, name: str, version: str) -> Path:
     return path
 
 
+def _need_pip() -> None:
+    """Skip unless pip is installed, without importing it: on Python < 3.12 an import of pip (or
+    a find_spec of it) switches setuptools' distutils shim off for the process, and the next
+    torch.compile on the CPU then fails in `import setuptools` (AssertionError naming the stdlib
+    distutils/core.py) in whichever test of this xdist worker compiles first."""
+    try:
+        importlib.metadata.version("pip")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("pip is not installed: the install runs pip in a child")
+
+
+def test_the_pip_check_leaves_pip_unimported() -> None:
+    _need_pip()
+    assert "pip" not in sys.modules
+
+
 def test_install_puts_the_release_in_the_cache_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("pip")
+    _need_pip()
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _wheel(wheels, "fakeengine", "0.1.0")
@@ -283,7 +300,7 @@ def test_install_puts_the_release_in_the_cache_once(
 def test_a_failed_install_says_so_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("pip")
+    _need_pip()
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"pip install --no-deps fakeengine==0.2.0 failed: "):
