@@ -630,7 +630,9 @@ def _error(exc: BaseException, debug: bool) -> int:
         text = f"sys.exit({exc.code!r}) during the run (a backend must not exit the process)"
     elif isinstance(exc, KeyboardInterrupt):
         text = "KeyboardInterrupt raised during the run, not by Ctrl-C (a backend raised it)"
-    elif type(exc) is ValueError:  # bad input: its message names the argument and the value
+    elif type(exc) is ValueError and not getattr(exc, "__notes__", None):
+        # bad input: its message names the argument and the value (a backend's own ValueError,
+        # noted with where it was raised, keeps its type as any other exception does)
         text = str(exc)
     else:  # 'KeyError: 3' means nothing without its type
         text = f"{type(exc).__name__}: {exc}"

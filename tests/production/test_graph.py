@@ -407,3 +407,52 @@ def test_a_backend_error_says_the_replay_rank_and_stage(
     err = capsys.readouterr().err
     assert "RuntimeError: my gemm2: workspace too small; raised in graph" in err, err
     assert "replay warm-up, rank 0, stage gemm2" in err, err
+
+
+class RaisesOnHalfLive(OptimizedBackend):
+    """A backend's own ordinary error in one stage of one replay: gemm1 of rank 1 raises on its
+    third call (the warm-up, capture-softmax, then half-live under `--replays half-live`)."""
+
+    error: type[Exception] = ValueError
+
+    def __init__(self, engine: Engine | str = Engine.AUTO) -> None:
+        super().__init__(engine=engine)
+        self.calls = {0: 0, 1: 0}
+
+    def gemm1(self, ctx: StageContext) -> dict:
+        self.calls[ctx.rank] += 1
+        if ctx.rank == 1 and self.calls[1] == 3:
+            raise self.error("my gemm1: no tile config for this M")
+        return super().gemm1(ctx)
+
+
+class KeyErrorOnHalfLive(RaisesOnHalfLive):
+    error = KeyError
+
+
+@pytest.mark.parametrize(
+    ("backend", "where"),
+    [
+        (RaisesOnHalfLive, "--in-process"),
+        (RaisesOnHalfLive, "contained"),  # the default: the child's error line, passed on
+        (KeyErrorOnHalfLive, "--in-process"),
+    ],
+    ids=["ValueError-in-process", "ValueError-contained", "KeyError-in-process"],
+)
+def test_a_backend_error_in_a_replay_names_it_with_rank_stage_and_type(
+    backend: type[RaisesOnHalfLive],
+    where: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ValueError raised by a backend is not bad input: its type is printed as any other's."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the child imports this module
+    spec = f"{__name__}:{backend.__name__}"
+    flags = ["--topology", "ep:2", "--replays", "half-live", "--backend", spec]
+    assert main([*CLI, *flags, *([where] if where != "contained" else [])]) == 2
+    err = capsys.readouterr().err
+    raised = backend.error("my gemm1: no tile config for this M")
+    case = BASE.replace(topology="ep:2").id
+    said = f"moe-verify: error: {type(raised).__name__}: {raised}; raised in graph {case}"
+    assert said in err, err
+    assert f"raised in graph {case}: replay half-live, rank 1, stage gemm1" in err, err
