@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--verbose",
         "-v",
         action="store_true",
-        help="each failing replay's every check with the limits' reasons (as run -v)",
+        help="every check of every rank of every replay, with the limits' reasons (as run -v)",
     )
     gr.add_argument(
         "--in-process",
