@@ -142,8 +142,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def list_cases(args: argparse.Namespace) -> int:
     """`sweep --list`: the cases a sweep with these flags would run, one line each (id, and the
-    edge it exercises where the preset names one), then their count and the distinct DeepGEMM
-    GEMM shapes among them; nothing runs."""
+    edge it exercises: every preset names one), then their count and the distinct DeepGEMM GEMM
+    shapes among them; nothing runs."""
     from moe_verify.sweep.cases import preset_edges
     from moe_verify.sweep.nightly import gemm_shapes
     from moe_verify.sweep.sweep import select_cases
@@ -152,11 +152,10 @@ def list_cases(args: argparse.Namespace) -> int:
     edges = preset_edges(args.preset)
     width = max(len(p.id) for p in chosen)
     for p in chosen:
-        print(f"{p.id:<{width}}  {edges.get(p.id, '')}".rstrip())
+        print(f"{p.id:<{width}}  {edges[p.id]}")
     shard = f" (shard {args.shard})" if args.shard else ""
-    named = "" if edges else " (its ids name the shapes: no edge column)"
     print(
-        f"{len(chosen)} cases of {args.preset}{shard}{named}; "
+        f"{len(chosen)} cases of {args.preset}{shard}; "
         f"{len(gemm_shapes(chosen))} distinct fp8_block GEMM shapes (N, K, local experts)"
     )
     return EXIT_PASS
@@ -518,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--verbose",
         "-v",
         action="store_true",
-        help="each failing replay's every check with the limits' reasons (as run -v)",
+        help="every check of every rank of every replay, with the limits' reasons (as run -v)",
     )
     gr.add_argument(
         "--in-process",

@@ -207,8 +207,9 @@ class GraphReport:
         return 0 if self.passed else 1
 
     def to_summary(self, verbose: bool = False) -> str:
-        """A line per replay; a failing one's report under it (its every check with the limits'
-        reasons when `verbose`, as `run -v` prints)."""
+        """A line per replay and a failing one's report under it; `verbose` (`graph -v`): every
+        replay's table, passing or not, every check of every rank with the limits' reasons
+        (`Report.to_table`, what `run -v` prints)."""
         mode = "CUDA-graph replays" if self.captured else "eager replays"
         lines = [
             f"graph {self.problem.id}: backend {self.backend}, {self.engine} GEMMs, captured at "
@@ -226,9 +227,10 @@ class GraphReport:
                 for g in r.guards:
                     if not g.passed:
                         lines.append(f"      guard {g.name}: {g.detail}")
-                if r.report.first_failure is not None:
-                    text = r.report.to_table() if verbose else r.report.to_summary()
-                    lines.extend("      " + line for line in text.splitlines())
+                if r.report.first_failure is not None and not verbose:
+                    lines.extend("      " + line for line in r.report.to_summary().splitlines())
+            if verbose:
+                lines.extend("      " + line for line in r.report.to_table().splitlines())
         failed = sum(not r.passed for r in self.replays)
         unsafe = f"; {len(self.host_reads)} stage(s) not graph-safe" if self.host_reads else ""
         lines.append(

@@ -168,51 +168,81 @@ QWEN3: dict[str, Any] = dict(hidden=4096, intermediate=1536, num_experts=128, to
 GPU_SHAPE: dict[str, Any] = dict(hidden=512, intermediate=512, num_experts=8)
 
 
-def pipeline() -> list[MoEProblem]:
-    cases: list[MoEProblem] = []
+def pipeline_rows() -> list[tuple[MoEProblem, str]]:
+    """Model shapes end to end on one GPU rank, each with the edge it exercises."""
+    rows: list[tuple[MoEProblem, str]] = []
     for fmt in (ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0):
-        for tokens in (1, 7, 128, 1000, 4096):  # decode .. prefill, DeepSeek-V3 EP8-local
-            cases.append(P(tokens=tokens, scale_fmt=fmt, **DSV3_LOCAL))
-        cases.append(P(tokens=512, scale_fmt=fmt, **QWEN3))
-        cases.append(
-            P(tokens=256, topk=4, scale_fmt=fmt, **GPU_SHAPE)
-        )  # small I (I_p <= 512): Triton by _valid_deep_gemm unless E8M0
-        cases.append(
-            P(tokens=300, hidden=3584, intermediate=1024, num_experts=32, topk=4, scale_fmt=fmt)
-        )  # H = 3584: K not a power-of-two number of 128-blocks through DeepGEMM (28), and a
-        # masked column tail in gather (3.5 tiles of 1024)
+        for tokens in (1, 7, 128, 1000, 4096):  # decode .. prefill
+            rows.append(
+                (
+                    P(tokens=tokens, scale_fmt=fmt, **DSV3_LOCAL),
+                    f"DeepSeek-V3 EP8-local at T={tokens}, {fmt}",
+                )
+            )
+        rows.append((P(tokens=512, scale_fmt=fmt, **QWEN3), f"Qwen3 shape, {fmt}"))
+        rows.append(
+            (
+                P(tokens=256, topk=4, scale_fmt=fmt, **GPU_SHAPE),
+                f"small I (I_p <= 512): Triton by vLLM's _valid_deep_gemm unless E8M0, {fmt}",
+            )
+        )
+        rows.append(
+            (
+                P(
+                    tokens=300,
+                    hidden=3584,
+                    intermediate=1024,
+                    num_experts=32,
+                    topk=4,
+                    scale_fmt=fmt,
+                ),
+                "H = 3584: K not a power-of-two number of 128-blocks through DeepGEMM (28), and "
+                f"a masked column tail in gather (3.5 tiles of 1024), {fmt}",
+            )
+        )
     for recipe, fmt in (
         (Recipe.MXFP8, ScaleFmt.UE8M0_PACKED),
         (Recipe.MXFP4_W4A8, ScaleFmt.FLOAT32_CEIL_UE8M0),
     ):
-        cases.append(
-            P(
-                tokens=512,
-                hidden=4096,
-                intermediate=1536,
-                num_experts=32,
-                topk=8,
-                recipe=recipe,
-                scale_fmt=fmt,
+        rows.append(
+            (
+                P(
+                    tokens=512,
+                    hidden=4096,
+                    intermediate=1536,
+                    num_experts=32,
+                    topk=8,
+                    recipe=recipe,
+                    scale_fmt=fmt,
+                ),
+                f"{recipe}/{fmt}: Triton GEMMs on SM90",
             )
-        )  # MX recipes: Triton GEMMs on SM90
-    # H = 2880 (GPT-OSS) is not a multiple of 128, so only the 1x32 recipe takes it unpadded.
-    cases.append(
-        P(
-            tokens=300,
-            hidden=2880,
-            intermediate=2880,
-            num_experts=32,
-            topk=4,
-            recipe=Recipe.MXFP8,
-            scale_fmt=ScaleFmt.UE8M0_PACKED,
         )
-    )  # gather BLOCK_D = 64
-    return cases
+    rows.append(
+        (
+            P(
+                tokens=300,
+                hidden=2880,
+                intermediate=2880,
+                num_experts=32,
+                topk=4,
+                recipe=Recipe.MXFP8,
+                scale_fmt=ScaleFmt.UE8M0_PACKED,
+            ),
+            "H = 2880 (GPT-OSS), not a multiple of 128: only the 1x32 recipe takes it unpadded; "
+            "gather BLOCK_D = 64",
+        )
+    )
+    return rows
 
 
-def dsv3_ep8() -> list[MoEProblem]:
-    """DeepSeek-V3 at full scale, EP8 emulated on one GPU (E=256 global, k=8, T=4096 global)."""
+def pipeline() -> list[MoEProblem]:
+    return [p for p, _ in pipeline_rows()]
+
+
+def dsv3_ep8_rows() -> list[tuple[MoEProblem, str]]:
+    """DeepSeek-V3 at full scale, EP8 emulated on one GPU (E=256 global, k=8, T=4096 global),
+    each with the edge it exercises."""
     full = dict(
         tokens=4096,
         hidden=7168,
@@ -226,11 +256,17 @@ def dsv3_ep8() -> list[MoEProblem]:
         scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0,
     )
     return [
-        P(**full, topology=Topology.parse("ep:8")),  # every rank sees every token
-        P(**full, topology=Topology.parse("ep:8+ht")),  # dispatched tokens, exact M_sum
-        P(**{**full, "scale_fmt": ScaleFmt.FLOAT32}, topology=Topology.parse("ep:8+ll")),
-        # ^ batched masked layout (BatchedDeepGemmExperts: fp32 scales)
+        (P(**full, topology=Topology.parse("ep:8")), "ep:8: every rank sees every token"),
+        (P(**full, topology=Topology.parse("ep:8+ht")), "ep:8+ht: dispatched tokens, exact M_sum"),
+        (
+            P(**{**full, "scale_fmt": ScaleFmt.FLOAT32}, topology=Topology.parse("ep:8+ll")),
+            "ep:8+ll: the batched masked layout (BatchedDeepGemmExperts: fp32 scales)",
+        ),
     ]
+
+
+def dsv3_ep8() -> list[MoEProblem]:
+    return [p for p, _ in dsv3_ep8_rows()]
 
 
 def nightly() -> list[MoEProblem]:
@@ -267,19 +303,21 @@ def preset(name: str) -> list[MoEProblem]:
 
 
 def preset_edges(name: str) -> dict[str, str]:
-    """Case id -> the edge it exercises, for presets that carry it as data (smoke, topology, the
-    nightly design, the engine checks); {} for the model-shape lists (pipeline, dsv3-ep8), whose
-    ids say their shape."""
+    """Case id -> the edge it exercises: every preset carries one per case (`sweep --list`
+    prints them)."""
     preset(name)  # the same error for an unknown name
-    rows = {"smoke": SMOKE_ROWS, "topology": TOPOLOGY_ROWS}.get(name)
+    rows = {
+        "smoke": lambda: SMOKE_ROWS,
+        "topology": lambda: TOPOLOGY_ROWS,
+        "pipeline": pipeline_rows,
+        "dsv3-ep8": dsv3_ep8_rows,
+    }.get(name)
     if rows is not None:
-        return {p.id: edge for p, edge in rows}
+        return {p.id: edge for p, edge in rows()}
     if name.startswith("engine-"):
         from moe_verify.engines import checks
 
         return checks.edges(name.removeprefix("engine-"))
-    if name != "nightly":
-        return {}
     from moe_verify.sweep.nightly import nightly_cases
 
     return {c.problem.id: c.edge for c in nightly_cases()}

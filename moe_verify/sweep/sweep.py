@@ -24,7 +24,13 @@ the
 in-process cases and the next sweep share them.
 
 A case is PASS, FAIL (a check failed) or ERROR (it crashed, timed out, a backend raised, or the
-harness failed); the exit code is 0 when every case passed, 2 when any errored, else 1.
+harness failed); the exit code is 0 when every case passed, 2 when any errored, else 1; 130 when
+Ctrl-C stopped the sweep, 143 when SIGTERM did (progress.json's `exit_code` says the same).
+
+Each finished case's line and, at the end, the verdict line (the tally, where the summaries are)
+go to stdout, what a CI job keeps; the progress bar goes to stderr. A sweep stopped by Ctrl-C or
+SIGTERM prints, in the verdict's place, which signal, how many cases ran, the cases cut off and the
+path of the partial summary (`stopped_line`).
 """
 
 from __future__ import annotations
@@ -365,16 +371,25 @@ def sweep(
     finally:
         write_summaries(summary, name, out_dir)  # also when SIGINT or SIGTERM ends the sweep
         bar.close()
-        if summary.stopped_by is not None:
-            print(
-                f"sweep {name} stopped (exit {summary.stopped_by}) after "
-                f"{len(summary.outcomes)} of {summary.total} cases ({summary.tally()}); the "
-                f"partial summary is {out_dir / 'summary.json'} (and summary.md, junit.xml)",
-                file=sys.stderr,
-                flush=True,
-            )
+        if summary.stopped_by is not None:  # in the verdict's place, on stdout
+            print(stopped_line(summary, name, out_dir), flush=True)
     print(f"{summary.tally()}; summaries in {out_dir}", flush=True)  # the verdict: stdout
     return summary
+
+
+def stopped_line(summary: SweepSummary, name: str, out_dir: Path) -> str:
+    """What a sweep ended by Ctrl-C or SIGTERM says: which signal, how many cases ran, the cases
+    cut off in flight, and where the partial summary is."""
+    how = (
+        "interrupted (Ctrl-C)" if summary.stopped_by == EXIT_INTERRUPTED else "terminated (SIGTERM)"
+    )
+    cut = [summary.in_flight[i] for i in sorted(summary.in_flight)]
+    cut_off = f"; cut off in flight: {', '.join(cut)}" if cut else ""
+    return (
+        f"sweep {name} {how}, exit {summary.stopped_by}: {len(summary.outcomes)} of "
+        f"{summary.total} cases ran ({summary.tally()}){cut_off}; partial summary in "
+        f"{out_dir / 'summary.json'} (summary.md, junit.xml beside it)"
+    )
 
 
 def progress_dict(summary: SweepSummary) -> dict:

@@ -361,6 +361,21 @@ def test_cli_graph_v_prints_every_check_of_a_failing_replay(
     assert "docs/tolerance.md#" not in capsys.readouterr().out.split("FAIL at permute")[0]
 
 
+def test_cli_graph_v_prints_every_check_of_every_replay(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`graph -v` means what `run -v` does: every check of every rank, passing replays too."""
+    assert main([*CLI, "--topology", "ep:2", "--replays", "skew", "-v"]) == 0
+    out = capsys.readouterr().out
+    blocks = out.split("\n      case ")[1:]  # each replay's table, under its replay's line
+    tables = {b.split("(graph replay ")[1].split(")")[0]: b for b in blocks}
+    assert list(tables) == ["capture-softmax", "skew"], out
+    for table in tables.values():
+        for rank in (0, 1):  # each rank's own rows, the limits' reasons beside them
+            assert f"gemm1@r{rank} [triton]" in table and f"gather@r{rank}" in table, out
+        assert "elementwise" in table and "reason" in table, out
+
+
 def test_cli_graph_refuses_unknown_replay_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*CLI, "--replays", "skew,nope"]) == 2
     err = capsys.readouterr().err
