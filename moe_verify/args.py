@@ -62,8 +62,7 @@ def byte(text: str) -> int:
 
 
 def invariance(text: str) -> str:
-    """--invariance: a setting `run` can pair (run/options.py check_invariance, which imports
-    tolerance/ and so torch: only when the flag is given, not for every usage error)."""
+    """--invariance: a setting `run` can pair (run/options.py check_invariance)."""
     try:
         return check_invariance(text)
     except ValueError as exc:
@@ -260,7 +259,12 @@ def problem_from_args(args: argparse.Namespace) -> MoEProblem:
     """The problem the flags describe, or the one --problem-json holds."""
     if getattr(args, "problem_json", None):
         path = Path(args.problem_json)
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"--problem-json {path}: {exc.strerror or exc}") from exc
+        except ValueError as exc:  # not UTF-8, or not JSON
+            raise ValueError(f"--problem-json {path}: not a JSON file ({exc})") from exc
         try:
             return MoEProblem.from_dict(data)
         except (KeyError, TypeError, AttributeError) as exc:
