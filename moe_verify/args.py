@@ -1,6 +1,7 @@
 """Command-line vocabulary shared by `moe-verify` and the torchrun worker: exit codes, the problem
 and backend flags, the flags of `run`, and the problem and run options they describe
-(`problem_from_args`, `run_options`; `run_flags` is the way back, for the torchrun ranks)."""
+(`problem_from_args`, `run_options`; `run_flags` is the way back, for the torchrun ranks), and
+the writing of the files they name (`write_output`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from moe_verify.common.loader import class_spec
@@ -253,6 +255,19 @@ def add_plot_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", metavar="DIR", help="write a heatmap of each failing stage's error here"
     )
+
+
+def write_output(flag: str, path: str | None, text: Callable[[], str]) -> None:
+    """The output file `flag` names (--json, --markdown), written after the report was printed
+    (its path was checked before the run), ending with a newline as a text file does; an
+    OSError there, a full disk say, names the flag and the path."""
+    if path is None:
+        return
+    body = text()
+    try:
+        Path(path).write_text(body if body.endswith("\n") else body + "\n")
+    except OSError as exc:
+        raise OSError(f"{flag} {path}: not written after the run ({exc})") from exc
 
 
 def problem_from_args(args: argparse.Namespace) -> MoEProblem:

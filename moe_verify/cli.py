@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +33,7 @@ from moe_verify.args import (
     check_output_file,
     problem_from_args,
     run_options,
+    write_output,
 )
 from moe_verify.run.contain import terminate_as_exit, terminated, user_interrupted, watch_interrupts
 from moe_verify.spec import MODE_CHOICES, Engine, MoEProblem
@@ -75,17 +75,6 @@ def print_report(report: Report, verbose: bool) -> None:
     """The report as `run` and `replay` print it: every check when `verbose`, else a line per
     failing stage and the verdict."""
     print(report.to_table() if verbose else report.to_summary())
-
-
-def write_output(flag: str, path: str | None, text: Callable[[], str]) -> None:
-    """The output file `flag` names, written after the report was printed (its path was checked
-    before the run); an OSError there, a full disk say, names the flag and the path."""
-    if path is None:
-        return
-    try:
-        Path(path).write_text(text())
-    except OSError as exc:
-        raise OSError(f"{flag} {path}: not written after the run ({exc})") from exc
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ def test_default_run_prints_a_stage_table_and_passes(
     assert "verdict PASS" in stdout and "gemm1 [triton]" in stdout
     report = json.loads(out.read_text())
     assert report["passed"] and report["first_failure"] is None
+    assert out.read_text().endswith("}\n")  # a text file's last line ends, as doctor's output
 
 
 def test_bad_argument_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
