@@ -1,6 +1,7 @@
 """Command-line vocabulary shared by `moe-verify` and the torchrun worker: exit codes, the problem
 and backend flags, the flags of `run`, and the problem and run options they describe
-(`problem_from_args`, `run_options`; `run_flags` is the way back, for the torchrun ranks)."""
+(`problem_from_args`, `run_options`; `run_flags` is the way back, for the torchrun ranks), and
+the writing of the files they name (`write_output`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from moe_verify.common.loader import class_spec
@@ -62,8 +64,7 @@ def byte(text: str) -> int:
 
 
 def invariance(text: str) -> str:
-    """--invariance: a setting `run` can pair (run/options.py check_invariance, which imports
-    tolerance/ and so torch: only when the flag is given, not for every usage error)."""
+    """--invariance: a setting `run` can pair (run/options.py check_invariance)."""
     try:
         return check_invariance(text)
     except ValueError as exc:
@@ -256,11 +257,29 @@ def add_plot_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def write_output(flag: str, path: str | None, text: Callable[[], str]) -> None:
+    """The output file `flag` names (--json, --markdown), written after the report was printed
+    (its path was checked before the run), ending with a newline as a text file does; an
+    OSError there, a full disk say, names the flag and the path."""
+    if path is None:
+        return
+    body = text()
+    try:
+        Path(path).write_text(body if body.endswith("\n") else body + "\n")
+    except OSError as exc:
+        raise OSError(f"{flag} {path}: not written after the run ({exc})") from exc
+
+
 def problem_from_args(args: argparse.Namespace) -> MoEProblem:
     """The problem the flags describe, or the one --problem-json holds."""
     if getattr(args, "problem_json", None):
         path = Path(args.problem_json)
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"--problem-json {path}: {exc.strerror or exc}") from exc
+        except ValueError as exc:  # not UTF-8, or not JSON
+            raise ValueError(f"--problem-json {path}: not a JSON file ({exc})") from exc
         try:
             return MoEProblem.from_dict(data)
         except (KeyError, TypeError, AttributeError) as exc:

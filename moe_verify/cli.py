@@ -33,6 +33,7 @@ from moe_verify.args import (
     check_output_file,
     problem_from_args,
     run_options,
+    write_output,
 )
 from moe_verify.run.contain import terminate_as_exit, terminated, user_interrupted, watch_interrupts
 from moe_verify.spec import MODE_CHOICES, Engine, MoEProblem
@@ -70,6 +71,12 @@ def print_files(report: Report, args: argparse.Namespace) -> None:
         )
 
 
+def print_report(report: Report, verbose: bool) -> None:
+    """The report as `run` and `replay` print it: every check when `verbose`, else a line per
+    failing stage and the verdict."""
+    print(report.to_table() if verbose else report.to_summary())
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     check_output_file("--json", args.json)
     check_output_file("--markdown", args.markdown)
@@ -95,17 +102,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if args.nproc is not None:
         raise ValueError("--nproc needs --launcher torchrun")
-    from moe_verify.run.verify import verify
+    from moe_verify.run.verify import OutputNotWritten, verify
 
-    report = verify(problem, options=options)
-    print(report.to_table() if args.verbose else report.to_summary())
+    try:
+        report = verify(problem, options=options)
+    except OutputNotWritten as exc:  # a full disk after the run: its report first, then why
+        print_report(exc.report, args.verbose)
+        raise
+    print_report(report, args.verbose)
     if options.invariance is not None:
         print(f"invariance {report.files['invariance'][0]}: every stage compared bit for bit")
     print_files(report, args)
-    if args.json:
-        Path(args.json).write_text(report.to_json())
-    if args.markdown:
-        Path(args.markdown).write_text(report.to_markdown())
+    write_output("--json", args.json, report.to_json)
+    write_output("--markdown", args.markdown, report.to_markdown)
     if args.strict and report.exit_code == EXIT_PASS and not report.passed_strict:
         return EXIT_FAIL
     return report.exit_code
@@ -116,21 +125,25 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return list_cases(args)
     check_output_dir("--out", args.out)
     check_output_dir("--plot", args.plot)
+    options = run_options(args)
+    if args.in_process and (args.jobs or 1) > 1:
+        raise ValueError(
+            f"--jobs {args.jobs} needs workers: --in-process runs the cases one at a time in "
+            "this process"
+        )
+    from moe_verify.sweep.cases import select_cases
+
+    select_cases(args.preset, args.filter, args.shard)  # its errors before the heavy imports
     from moe_verify.common.jit_cache import shared_jit_caches
     from moe_verify.sweep.pool import default_jobs
     from moe_verify.sweep.sweep import sweep
 
     jobs = args.jobs or (1 if args.in_process else default_jobs())
-    if args.in_process and jobs > 1:
-        raise ValueError(
-            f"--jobs {jobs} needs workers: --in-process runs the cases one at a time in this "
-            "process"
-        )
     shared_jit_caches()  # before require_engine imports DeepGEMM
     require_engine(args.engine)
     summary = sweep(
         args.preset,
-        options=run_options(args),
+        options=options,
         out_dir=Path(args.out),
         isolate=not args.in_process,
         filter_text=args.filter,
@@ -144,9 +157,8 @@ def list_cases(args: argparse.Namespace) -> int:
     """`sweep --list`: the cases a sweep with these flags would run, one line each (id, and the
     edge it exercises: every preset names one), then their count and the distinct DeepGEMM GEMM
     shapes among them; nothing runs."""
-    from moe_verify.sweep.cases import preset_edges
+    from moe_verify.sweep.cases import preset_edges, select_cases
     from moe_verify.sweep.nightly import gemm_shapes
-    from moe_verify.sweep.sweep import select_cases
 
     chosen = select_cases(args.preset, args.filter, args.shard)
     edges = preset_edges(args.preset)
@@ -166,7 +178,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from moe_verify.run.verify import replay
 
     report = replay(Path(args.dump), backend=args.backend, engine=args.engine, mode=args.mode)
-    print(report.to_table() if args.verbose else report.to_summary())
+    print_report(report, args.verbose)
     return report.exit_code
 
 
@@ -247,17 +259,16 @@ def bench_production_tables(problem: MoEProblem, args: argparse.Namespace) -> st
 
 def cmd_graph(args: argparse.Namespace) -> int:
     check_output_file("--json", args.json)
-    require_engine(args.engine)
-    from moe_verify.production.graph import default_replays, verify_graph
-    from moe_verify.run.runner import production_backend
-
     if args.forward is not None:
         raise ValueError(
             "graph --forward is gone: pass --backend module:Class, the same class `run` takes "
             "(a subclass of optimized.OptimizedBackend, its stage methods written once)"
         )
-
     problem = problem_from_args(args)
+    require_engine(args.engine)
+    from moe_verify.production.graph import default_replays, verify_graph
+    from moe_verify.run.runner import production_backend
+
     if not args.in_process:
         return graph_contained(args, problem)
     bound = args.bound if args.bound is not None else problem.tokens
@@ -278,8 +289,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         capture=False if args.no_capture else None,
     )
     print(report.to_summary(verbose=args.verbose))
-    if args.json:
-        Path(args.json).write_text(report.to_json())
+    write_output("--json", args.json, report.to_json)
     return report.exit_code
 
 
@@ -296,8 +306,7 @@ def graph_contained(args: argparse.Namespace, problem: MoEProblem) -> int:
     if os.environ.get("MOE_VERIFY_DEBUG") == "1":
         sys.stderr.write(child.done.stderr)
     print(child.describe(problem.id))
-    if args.json:
-        Path(args.json).write_text(child.to_json(problem.id))
+    write_output("--json", args.json, lambda: child.to_json(problem.id))
     return EXIT_FAIL
 
 
@@ -314,8 +323,8 @@ def cmd_audit_e8m0(args: argparse.Namespace) -> int:
         max_ratio=DEFAULT_MAX_RATIO if args.max_ratio is None else args.max_ratio,
         activations=args.activations,
     )
+    print(f"verdict {report.verdict}: {report.reason}")  # before the files: a full disk loses none
     files = write_report(report, Path(args.out))
-    print(f"verdict {report.verdict}: {report.reason}")
     print("wrote " + ", ".join(str(f) for f in files))
     return EXIT_FAIL if report.verdict == "at-risk" else EXIT_PASS
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify.spec import Stage, Trace
+from moe_verify.spec import INVARIANCE_KINDS, Stage, Trace
 from tolerance.results import CheckResult, ContractError, Worst
 from tolerance.stages.context import live_slots
 from tolerance.stages.layouts import flatten_batched
@@ -37,39 +37,20 @@ class Invariance:
         return f"invariance {self.kind}: {pair}"
 
 
-INVARIANCES = {
-    inv.kind: inv
-    for inv in (
-        Invariance(
-            "poison",
-            "a run under another workspace poison must agree bit for bit on every promised "
-            "element (docs/tolerance.md, 'Poisoned workspaces')",
-        ),
-        Invariance(
-            "alignment",
-            "the segment alignment only places rows (where both values are legal BLOCK_Ms): "
-            "every live row's value must not move",
-        ),
-        Invariance(
-            "m_sum",
-            "the permuted buffer's capacity (upper-bound vs exact M_sum) only adds padding "
-            "rows: DeepGEMM #331 changed live outputs with capacity alone",
-        ),
-        Invariance(
-            "ll_capacity",
-            "the batch capacity of the ep:N+ll layout (DeepEP's max_tokens) only adds rows past "
-            "masked_m, which the masked GEMM never reads: every live row's value must not move",
-        ),
-        Invariance(
-            "expected_m",
-            "expected_m is a scheduling hint of DeepGEMM's masked GEMM, not part of the math",
-        ),
-        Invariance(
-            "num_sms",
-            "the SMs DeepGEMM may use change its schedule (deep_gemm.set_num_sms), not its math",
-        ),
-    )
+# Why each of spec's INVARIANCE_KINDS must not change a promised output.
+_REASONS = {
+    "poison": "a run under another workspace poison must agree bit for bit on every promised "
+    "element (docs/tolerance.md, 'Poisoned workspaces')",
+    "alignment": "the segment alignment only places rows (where both values are legal "
+    "BLOCK_Ms): every live row's value must not move",
+    "m_sum": "the permuted buffer's capacity (upper-bound vs exact M_sum) only adds padding "
+    "rows: DeepGEMM #331 changed live outputs with capacity alone",
+    "ll_capacity": "the batch capacity of the ep:N+ll layout (DeepEP's max_tokens) only adds rows "
+    "past masked_m, which the masked GEMM never reads: every live row's value must not move",
+    "expected_m": "expected_m is a scheduling hint of DeepGEMM's masked GEMM, not part of the math",
+    "num_sms": "the SMs DeepGEMM may use change its schedule (deep_gemm.set_num_sms), not its math",
 }
+INVARIANCES = {kind: Invariance(kind, _REASONS[kind]) for kind in INVARIANCE_KINDS}
 POISON_REASON = INVARIANCES["poison"].reason
 
 # Permuted outputs: one row per live (token, k) slot, padding rows unpromised. A batched trace's

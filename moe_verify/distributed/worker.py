@@ -52,7 +52,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from moe_verify.args import EXIT_ERROR, EXIT_PASS, add_run_args, problem_from_args, run_options
+from moe_verify.args import (
+    EXIT_ERROR,
+    EXIT_PASS,
+    add_run_args,
+    problem_from_args,
+    run_options,
+    write_output,
+)
 from moe_verify.common import progress
 from moe_verify.distributed import (
     DEFAULT_TIMEOUT_S,
@@ -358,10 +365,8 @@ def verify_on_rank(
             golden="golden",
         )
         print(report.to_table() if verbose else report.to_summary(), flush=True)
-        if json_path:
-            Path(json_path).write_text(report.to_json())
-        if markdown_path:
-            Path(markdown_path).write_text(report.to_markdown())
+        write_output("--json", json_path, report.to_json)
+        write_output("--markdown", markdown_path, report.to_markdown)
         verdict = report.exit_code
         root = os.environ.get(STATUS_DIR_ENV)
         if root:

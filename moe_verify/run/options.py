@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from moe_verify.common.loader import class_spec
 from moe_verify.spec import (
+    INVARIANCE_KINDS,
     STAGES,
     Engine,
     GemmRecipe,
@@ -101,7 +102,7 @@ class RunOptions:
     dump_dir        on failure, the inputs and every trace go here, for `replay`
     plot_dir        a heatmap of each failing stage goes here (moe_verify/report/plot.py)
     invariance      run the tested side a second time with only this setting changed
-                    (tolerance/invariance.py INVARIANCES, moe_verify/run/invariance.py)
+                    (INVARIANCE_KINDS, moe_verify/run/invariance.py)
     """
 
     backend: str | type | Backend = "optimized"
@@ -257,8 +258,6 @@ def is_instance(backend: object) -> bool:
 def check_backend(backend: object) -> str | type | Backend:
     """A name of BACKEND_NAMES or 'module:Class', a class, or an object of the stage protocol
     (a `name` and one method per stage, moe_verify/spec/protocol.py)."""
-    from moe_verify.spec import missing_stages
-
     if isinstance(backend, str):
         if backend not in BACKEND_NAMES and ":" not in backend:
             raise ValueError(
@@ -266,6 +265,8 @@ def check_backend(backend: object) -> str | type | Backend:
                 f"'module:Class', got {backend!r}"
             )
         return backend
+    from moe_verify.spec import missing_stages  # the protocol imports torch: not for a name
+
     if isinstance(backend, type) or (
         hasattr(backend, "name") and not missing_stages(backend, STAGES)
     ):
@@ -328,11 +329,9 @@ def check_dir(name: str, path: object) -> Path:
 
 
 def check_invariance(kind: object) -> str:
-    """A setting of tolerance/invariance.py INVARIANCES whose second value `invariance_pair`
-    builds (two poisons are `poison`'s)."""
-    from tolerance.invariance import INVARIANCES  # here: the CLI checks its flags without torch
-
-    known = [k for k in INVARIANCES if k != "poison"]
+    """A setting of INVARIANCE_KINDS whose second value `invariance_pair` builds (two poisons
+    are `poison`'s)."""
+    known = [k for k in INVARIANCE_KINDS if k != "poison"]
     if kind not in known:
         raise ValueError(
             f"invariance: expected one of {known} (two poisons: --workspace --poison A "

@@ -14,7 +14,9 @@ an invariance) and its agreement check are moe_verify/run/invariance.py's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,12 +244,37 @@ def verify(
     if opts.plot_dir is not None and maps:
         from moe_verify.report.plot import write_plots
 
-        report.files["plots"] = [str(f) for f in write_plots(problem, maps, opts.plot_dir)]
+        with writing("plot_dir", opts.plot_dir, report):
+            report.files["plots"] = [str(f) for f in write_plots(problem, maps, opts.plot_dir)]
     if opts.dump_dir is not None and not report.passed:
         ran = dataclasses.replace(opts, engine=engine_ran(tested, opts.engine))
-        where = dump_case(opts.dump_dir, problem, inputs, runs, report, ran)
+        with writing("dump_dir", opts.dump_dir, report):
+            where = dump_case(opts.dump_dir, problem, inputs, runs, report, ran)
         report.files["dump"] = [str(where)]
     return report
+
+
+class OutputNotWritten(OSError):
+    """A finished run's dump or plots that could not be written (a full disk: the directory was
+    checked before the run); `report` is the run's report, so its verdict is not lost."""
+
+    def __init__(self, message: str, report: Report) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@contextlib.contextmanager
+def writing(name: str, path: Path, report: Report) -> Iterator[None]:
+    """Writing the output `name` (dump_dir, plot_dir) of the run `report` reports: an OSError
+    becomes an OutputNotWritten naming the argument and the path, carrying the report."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputNotWritten(
+            f"{name} {path}: not written after the run, whose verdict was {report.verdict.upper()} "
+            f"({exc})",
+            report,
+        ) from exc
 
 
 def tested_sides(problem: MoEProblem, options: RunOptions) -> tuple[Side, Twin | None]:

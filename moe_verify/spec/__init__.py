@@ -89,6 +89,7 @@ _MODULES = {
         "EXIT_CODES",
         "GEMM_OUTPUT",
         "GEMM_WEIGHT",
+        "INVARIANCE_KINDS",
         "LL_STAGES",
         "MODE_CHOICES",
         "PER_SLOT_OUTPUTS",

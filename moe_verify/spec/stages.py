@@ -117,6 +117,18 @@ class Mode(enum.StrEnum):
 
 MODE_CHOICES: tuple[str, ...] = (*(m.value for m in Mode), "both")
 
+# The settings that must not change any promised output, so two runs that differ only in one
+# agree bit for bit (tolerance/invariance.py INVARIANCES gives each its reason). `run
+# --invariance` pairs each but the poison, which two `--poison` bytes pair.
+INVARIANCE_KINDS: tuple[str, ...] = (
+    "poison",
+    "alignment",
+    "m_sum",
+    "ll_capacity",
+    "expected_m",
+    "num_sms",
+)
+
 
 class Status(enum.StrEnum):
     """Verdict of one compared stage (or one case)."""

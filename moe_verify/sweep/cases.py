@@ -1,4 +1,5 @@
-"""Curated case lists. Each row names the edge it exercises; ids come from MoEProblem.id."""
+"""Curated case lists (each row names the edge it exercises; ids come from MoEProblem.id), and
+the selection of them a sweep runs (`select_cases`: a filter, a shard)."""
 
 from __future__ import annotations
 
@@ -300,6 +301,25 @@ def preset(name: str) -> list[MoEProblem]:
     if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
     return PRESETS[name]()
+
+
+def select_cases(
+    cases: str | list[MoEProblem], filter_text: str | None = None, shard: str | None = None
+) -> list[MoEProblem]:
+    """A preset's cases (by name) or the given ones, those whose id contains `filter_text`, then
+    the shard 'i/n' of them (case j goes to shard j % n + 1: every shard gets a mix)."""
+    name = cases if isinstance(cases, str) else "cases"
+    chosen = preset(cases) if isinstance(cases, str) else list(cases)
+    chosen = [c for c in chosen if not filter_text or filter_text in c.id]
+    if not chosen:
+        raise ValueError(f"sweep: no case of {name!r} matches the filter {filter_text!r}")
+    if shard is not None:
+        from moe_verify.sweep.nightly import shard as take_shard
+
+        chosen = take_shard(chosen, shard)
+        if not chosen:
+            raise ValueError(f"--shard {shard}: this shard of {name!r} holds no case")
+    return chosen
 
 
 def preset_edges(name: str) -> dict[str, str]:

@@ -63,7 +63,7 @@ from moe_verify.run.contain import (
 )
 from moe_verify.run.options import RunOptions, options_of
 from moe_verify.spec import REPORT_STAGES, Mode, MoEProblem, Status
-from moe_verify.sweep.cases import preset
+from moe_verify.sweep.cases import select_cases
 from moe_verify.sweep.pool import CaseOutcome, check_jobs, run_pool
 
 SUMMARY_JSON_EVERY_S = 30.0
@@ -270,25 +270,6 @@ def write_summaries(summary: SweepSummary, name: str, out_dir: Path, full: bool 
     if full:
         write_atomic(out_dir / "summary.json", json.dumps(summary_dict(summary), indent=2) + "\n")
     write_atomic(out_dir / "summary.md", markdown_matrix(summary, name))
-
-
-def select_cases(
-    cases: str | list[MoEProblem], filter_text: str | None = None, shard: str | None = None
-) -> list[MoEProblem]:
-    """A preset's cases (by name) or the given ones, those whose id contains `filter_text`, then
-    the shard 'i/n' of them (case j goes to shard j % n + 1: every shard gets a mix)."""
-    name = cases if isinstance(cases, str) else "cases"
-    chosen = preset(cases) if isinstance(cases, str) else list(cases)
-    chosen = [c for c in chosen if not filter_text or filter_text in c.id]
-    if not chosen:
-        raise ValueError(f"sweep: no case of {name!r} matches the filter {filter_text!r}")
-    if shard is not None:
-        from moe_verify.sweep.nightly import shard as take_shard
-
-        chosen = take_shard(chosen, shard)
-        if not chosen:
-            raise ValueError(f"--shard {shard}: this shard of {name!r} holds no case")
-    return chosen
 
 
 def sweep(

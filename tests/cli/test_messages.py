@@ -5,6 +5,7 @@ before the run."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -127,16 +128,94 @@ def test_verify_refuses_a_dump_dir_it_cannot_write_by_name() -> None:
         verify(problem, dump_dir="/proc/moe-verify-x")
 
 
-# main() in a fresh interpreter: its exit code, then whether torch was ever imported.
+# A failing case (the README's wrong permute), isolated only: a few seconds on a CPU.
+FAILING = [*TINY, "--backend", "moe_verify.examples:SwappedExpertRows", "--mode", "isolated"]
+
+
+def _disk_full(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "writer"),
+    [
+        ("--dump-dir", "dump_dir", "moe_verify.run.verify.dump_case"),
+        ("--plot", "plot_dir", "moe_verify.report.plot.write_plots"),
+    ],
+    ids=["dump-dir", "plot"],
+)
+def test_a_directory_that_fills_up_during_the_run_loses_no_report(
+    flag: str,
+    name: str,
+    writer: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The directory passed the check before the run; the disk filled during it. The report is
+    printed, then the error naming the output (exit 2, as any error)."""
+    monkeypatch.setattr(writer, _disk_full)
+    assert main(["run", *FAILING, flag, str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "FAIL fp8_block-tp1-T4-H128-I128-E4-k2-softmax-A32 [swapped_expert_rows" in out, out
+    says = f"{name} {tmp_path}: not written after the run, whose verdict was FAIL"
+    assert says in " ".join(err.split()) and "No space left on device" in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fill")
+def test_a_json_file_on_a_full_disk_is_named_after_the_report(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """/dev/full passes the check before the run (it exists and is writable) and refuses every
+    write, as a full disk does."""
+    assert main(["run", *FAILING, "--json", "/dev/full"]) == 2
+    out, err = capsys.readouterr()
+    assert "FAIL fp8_block-tp1-T4-H128-I128-E4-k2-softmax-A32" in out, out
+    assert "--json /dev/full: not written after the run" in err, err
+
+
+def test_verify_keeps_the_report_of_a_run_whose_dump_was_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moe_verify import verify
+    from moe_verify.examples import SwappedExpertRows
+    from moe_verify.run.verify import OutputNotWritten
+    from moe_verify.spec import MoEProblem, Status
+
+    monkeypatch.setattr("moe_verify.run.verify.dump_case", _disk_full)
+    problem = MoEProblem(tokens=4, hidden=128, intermediate=128, num_experts=4, topk=2,
+                         alignment=32)  # fmt: skip
+    with pytest.raises(OutputNotWritten) as raised:
+        verify(problem, backend=SwappedExpertRows, mode="isolated", dump_dir=tmp_path)
+    assert isinstance(raised.value, OSError)
+    assert raised.value.report.verdict is Status.FAIL
+
+
+# main() in a fresh interpreter: its exit code (argparse's SystemExit or main's return), then
+# whether torch was ever imported.
 _USAGE_CHILD = """
 import sys
 from moe_verify.cli import main
 try:
-    main(sys.argv[1:])
+    code = main(sys.argv[1:])
 except SystemExit as exc:
-    print("exit", exc.code)
+    code = exc.code
+print("exit", code)
 print("torch imported", "torch" in sys.modules)
 """
+
+
+def _usage_error(argv: list[str]) -> str:
+    """The stderr of `moe-verify argv`, which must exit 2 without importing torch."""
+    run = subprocess.run(
+        [sys.executable, "-c", _USAGE_CHILD, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.stdout.split("\n")[:2] == ["exit 2", "torch imported False"], run.stdout + run.stderr
+    return " ".join(run.stderr.split())
 
 
 @pytest.mark.parametrize(
@@ -146,16 +225,41 @@ print("torch imported", "torch" in sys.modules)
         (["run", "--recipe", "nope"], "--recipe"),  # a choice
         (["sweep", "--mode", "nope"], "--mode"),  # another command's flag
         (["run", "--case-timeout", "-1"], "--case-timeout"),  # a checked value
+        (["run", "--invariance", "nope"], "--invariance"),  # a named setting
     ],
-    ids=["tokens", "recipe", "sweep-mode", "case-timeout"],
+    ids=["tokens", "recipe", "sweep-mode", "case-timeout", "invariance"],
 )
 def test_a_usage_error_exits_2_before_torch_is_imported(argv: list[str], flag: str) -> None:
-    run = subprocess.run(
-        [sys.executable, "-c", _USAGE_CHILD, *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.stdout.split("\n")[:2] == ["exit 2", "torch imported False"], run.stdout + run.stderr
-    assert f"argument {flag}" in run.stderr
+    assert f"argument {flag}" in _usage_error(argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["run", "-T", "0"], "-T/--tokens: expected an int in [1, "),  # the problem's checks
+        (["run", "-E", "4", "-k", "5"], "-k/--topk must be in [1, num_experts=4], got 5"),
+        (["run", "--topology", "xyz"], "topology 'xyz': expected tp:N, ep:N"),
+        (["run", "--backend", "nope"], "backend: expected 'optimized', "),  # the run options'
+        (["run", "--problem-json", "no-such.json"], "--problem-json no-such.json: No such file"),
+        (["graph", "-T", "0"], "-T/--tokens: expected an int in [1, "),
+        (["sweep", "--preset", "nope"], "preset: expected one of ["),  # the case selection's
+        (["sweep", "--shard", "3/2"], "--shard: i must be in 1..n, got '3/2'"),
+        (["sweep", "--filter", "no-such-case"], "sweep: no case of 'smoke' matches the filter"),
+    ],
+    ids=[
+        "tokens",
+        "topk",
+        "topology",
+        "backend",
+        "problem-json",
+        "graph",
+        "preset",
+        "shard",
+        "filter",
+    ],
+)
+def test_a_bad_value_exits_2_before_torch_is_imported(argv: list[str], says: str) -> None:
+    """Checked after parsing, still before the heavy imports: one line at once, not seconds
+    later."""
+    err = _usage_error(argv)
+    assert f"moe-verify: error: {says}" in err, err

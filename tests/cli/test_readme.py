@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_verify.args import add_problem_args
 from moe_verify.cli import build_parser
 from tests.cli import doc_examples
 from tests.cli.doc_examples import Command, user_env
@@ -110,9 +111,16 @@ def test_readme_example_report_is_what_the_command_prints(tmp_path: Path) -> Non
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*")
 
 
+def problem_flags() -> set[str]:
+    """The problem's flags (moe_verify/args.py add_problem_args), which `[problem flags]` names."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_problem_args(parser)
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
 def cli_summary() -> dict[str, set[str]]:
     """command -> the flags "The CLI" block names for it; `[problem flags]` stands for the
-    problem's flags, which `run`'s lines name."""
+    problem's flags, as `run`'s lines name them (only those: run's --backend is not bench's)."""
     (block,) = [b for b in blocks("") if b.startswith("moe-verify run [")]
     named: dict[str, set[str]] = {}
     command = ""
@@ -121,7 +129,7 @@ def cli_summary() -> dict[str, set[str]]:
             command = line.split()[1]
         named.setdefault(command, set()).update(FLAG.findall(line))
         if "[problem flags]" in line:
-            named[command] |= named["run"]
+            named[command] |= named["run"] & problem_flags()
     return named
 
 

@@ -19,6 +19,7 @@ a line there fails `test_the_glossary_names_every_check`).
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,3 +194,30 @@ def test_the_block_conventions_are_read() -> None:
         Command("moe-verify run --bug  # exit 1: why", 1),
         Command("moe-verify run -T 4096  # gpu", None, "needs a GPU"),
     ]
+
+
+_NUMBERS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty"
+).split()
+
+
+def test_what_the_doc_says_of_the_defaults_and_the_smoke_preset_is_true() -> None:
+    """The default --mode as `run --help` has it; the smoke preset's count and topologies as
+    `sweep --preset smoke --list` shows them."""
+    from moe_verify.cli import build_parser
+    from moe_verify.spec import Topology
+    from moe_verify.sweep.cases import preset
+
+    text = " ".join(DOC.read_text().split())
+    run = next(a for a in build_parser()._actions if a.dest == "command").choices["run"]
+    mode = run._option_string_actions["--mode"].default
+    assert set(re.findall(r"`--mode (\w+)` \(the default\)", text)) == {mode}
+    said = re.search(
+        r"--preset smoke` \((\w+) edge cases on ((?:[\w:]+(?:, | and ))*[\w:]+):", text
+    )
+    assert said, "the doc no longer says how many smoke cases there are, on which topologies"
+    smoke = preset("smoke")
+    assert said[1] == _NUMBERS[len(smoke)], (said[1], len(smoke))
+    named = {Topology.parse(t) for t in re.split(r", | and ", said[2])}
+    assert named == {p.topology for p in smoke}, (said[2], sorted(map(str, named)))
