@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 
 from moe_verify.spec import Status, Trace
 
+# How many of a failed check's rows (live slots, tokens) its failure lines name beside the count.
+FIRST_ROWS = 4
+# The units of `CheckResult.beyond` that count rows, and the coordinates naming one.
+_ROW_UNITS = ("slots", "tokens", "rows")
+_ROW_COORDS = ("token", "k", "expert", "rank")
+
 
 def entry(trace: Trace, stage: str, name: str) -> object:
     """trace[stage][name], or a ContractError naming what the stage has instead."""
@@ -66,6 +72,9 @@ class CheckResult:
     # "slots": 3} (for an exact check: how many differ). Empty where the check measures one
     # number for the whole stage (calc_diff, M_sum, a shape).
     beyond: dict[str, int] = field(default_factory=dict)
+    # The first rows beyond the bound (live slots in (token, k) order, or tokens), at most
+    # FIRST_ROWS: where to look beside the worst one. Empty where the check has no such rows.
+    first_rows: tuple[Worst, ...] = ()
 
     def beyond_text(self) -> str:
         """'17 elements in 3 slots beyond', '2 slots beyond' (an exact check: 2 differ); ''
@@ -77,6 +86,24 @@ class CheckResult:
             for unit, n in self.beyond.items()
         )
         return " in ".join(units) + " beyond"
+
+    def rows_text(self, named: int = FIRST_ROWS) -> str:
+        """'slots (token, k, expert, rank): (0, 1, 2, 0), (3, 0, 1, 0) and 5 more': the first
+        `named` rows beyond the bound, the others counted; '' where fewer than two rows are known
+        (the worst coordinates name a lone one)."""
+        if len(self.first_rows) < 2 or named < 1:
+            return ""
+        rows = self.first_rows[:named]
+        coords = [c for c in _ROW_COORDS if any(getattr(w, c) is not None for w in rows)]
+        listed = ", ".join(
+            "("
+            + ", ".join("-" if getattr(w, c) is None else str(getattr(w, c)) for c in coords)
+            + ")"
+            for w in rows
+        )
+        unit = next((u for u in reversed(self.beyond) if u in _ROW_UNITS), "rows")
+        more = max(self.beyond.get(unit, 0), len(self.first_rows)) - len(rows)
+        return f"{unit} ({', '.join(coords)}): {listed}" + (f" and {more} more" if more else "")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from tolerance.metrics import (
     calc_diff,
     e4m3_value,
     excess_ratio,
+    first_rows,
     first_true,
     host_ints,
     int_mismatch,
@@ -26,7 +27,7 @@ from tolerance.metrics import (
     row_rel_error,
 )
 from tolerance.policy import CONTRACT_REASON, NONFINITE_REASON, Limit
-from tolerance.results import CheckResult, Worst
+from tolerance.results import FIRST_ROWS, CheckResult, Worst
 from tolerance.stages.context import Ctx
 
 # Values and rows --------------------------------------------------------------------------------
@@ -73,6 +74,18 @@ def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 0:
         return torch.zeros((rows.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
     return x[rows.clamp(0, x.shape[0] - 1)]
+
+
+def with_rows(
+    check: CheckResult, mask: torch.Tensor, locate: Callable[[int], Worst]
+) -> CheckResult:
+    """A failed `check` naming its first rows beyond the bound (CheckResult.first_rows): the rows
+    of the bool mask [rows, ...] holding a True, located by `locate`; a passing one unchanged."""
+    if check.passed:
+        return check
+    return dataclasses.replace(
+        check, first_rows=tuple(locate(r) for r in first_rows(mask, FIRST_ROWS))
+    )
 
 
 # Check builders ---------------------------------------------------------------------------------
@@ -159,7 +172,7 @@ def nonfinite_check(
         other = fp8_value(a[at]) if a.dtype == torch.uint8 else py_scalar(a[at])
         golden = fp8_value(b[at]) if b.dtype == torch.uint8 else py_scalar(b[at])
         worst = dataclasses.replace(locate(at[0]), column=at[1], golden=golden, other=other)
-    return CheckResult(
+    result = CheckResult(
         "nan_inf",
         at is None,
         na + ia + nb + ib,
@@ -169,6 +182,7 @@ def nonfinite_check(
         f"{ctx.name}: {na} NaN, {ia} Inf; golden: {nb} NaN, {ib} Inf (in {a.shape[0]} {rows})",
         beyond=counted(bad, rows),
     )
+    return with_rows(result, bad, locate)
 
 
 def per_row_check(
@@ -183,12 +197,16 @@ def per_row_check(
     worst = dataclasses.replace(
         locate(r), column=c, golden=py_scalar(b[r, c]), other=py_scalar(a[r, c])
     )
-    over = int((~(values <= limit.value)).sum())
+    over_rows = ~(values <= limit.value)
+    over = int(over_rows.sum())
     detail = (
         f"{over} of {a.shape[0]} {rows} beyond max|a-b| <= {limit.value:g} x rowmax|golden|; "
         f"worst row error {float(values[r]):.4g}"
     )
-    return bound_check("per-token", float(values[r]), limit, worst, detail, {row_unit(rows): over})
+    result = bound_check(
+        "per-token", float(values[r]), limit, worst, detail, {row_unit(rows): over}
+    )
+    return with_rows(result, over_rows, locate)
 
 
 def bounded_checks(
@@ -211,19 +229,18 @@ def bounded_checks(
         )
         err = abs(float(a[at]) - float(b[at]))
         note = f"; worst |a-b| = {err:.4g}, {float(ratio[at]):.3g}x the allowed error"
-    out.append(
-        CheckResult(
-            "elementwise",
-            frac <= outliers.value,
-            frac,
-            outliers.value,
-            f"|a-b| <= {atol.value:g} x rowmax|golden| + {rtol.value:g} x |golden|: rtol: "
-            f"{rtol.reason}; atol: {atol.reason}; outliers: {outliers.reason}",
-            worst,
-            f"{n_beyond} of {total} elements beyond the bound{note}",
-            beyond=counted(beyond, rows),
-        )
+    elementwise = CheckResult(
+        "elementwise",
+        frac <= outliers.value,
+        frac,
+        outliers.value,
+        f"|a-b| <= {atol.value:g} x rowmax|golden| + {rtol.value:g} x |golden|: rtol: "
+        f"{rtol.reason}; atol: {atol.reason}; outliers: {outliers.reason}",
+        worst,
+        f"{n_beyond} of {total} elements beyond the bound{note}",
+        beyond=counted(beyond, rows),
     )
+    out.append(with_rows(elementwise, beyond, locate))
     out.append(per_row_check(ctx, a, b, locate, rows))
     cd = check.limit("calc_diff")
     value = calc_diff(a, b)
@@ -253,7 +270,8 @@ def ulp_checks(
     detail = (
         f"{over} of {ulp.numel()} elements beyond {limit.value:g} bf16 ulp; max {value} ulp{note}"
     )
-    out.append(bound_check("ulp", value, limit, worst, detail, counted(over_mask, rows)))
+    ulp_check = bound_check("ulp", value, limit, worst, detail, counted(over_mask, rows))
+    out.append(with_rows(ulp_check, over_mask, locate))
     out.append(per_row_check(ctx, a, b, locate, rows))
     return out
 
