@@ -185,7 +185,9 @@ def test_mxfp4_weights_round_trip_exact_values() -> None:
     [
         pytest.param(lambda: quantize_mxfp4(torch.ones(2, 48)), r"multiple of group=32", id="K"),
         pytest.param(
-            lambda: quantize_mxfp4(torch.ones(2, 30), 15), r"group must be even", id="odd"
+            lambda: quantize_mxfp4(torch.ones(2, 30), 15),
+            r"one E8M0 byte per 32 elements \(OCP MX\), got 15",
+            id="group-15",
         ),
         pytest.param(
             lambda: dequantize_mxfp4(
