@@ -19,7 +19,15 @@ import math
 import torch
 from torch import Tensor
 
-from moe_verify.spec import E2M1_MAX, FP8_MAX, InputQuantRecipe, ScaleFmt, ceil_div, round_up
+from moe_verify.spec import (
+    E2M1_MAX,
+    FP8_MAX,
+    InputQuantRecipe,
+    ScaleFmt,
+    ceil_div,
+    check_enum,
+    round_up,
+)
 from reference.hardware.quotient_table import FLOORS, table_value
 from reference.validate import (
     first_index,
@@ -221,6 +229,7 @@ def group_scales_by_division(amax: Tensor, scale_fmt: ScaleFmt) -> Tensor:
         ue8m0 formats: s = ceil_ue8m0(max(s, 1e-10)), the floor on the SCALE (so a zero group
         gets 2^-33, byte 94), rounded up on the bits (exponent + (mantissa != 0)).
     """
+    scale_fmt = require_scale_fmt(scale_fmt)
     scale = _divide(amax, FP8_MAX)
     if scale_fmt.is_ue8m0:
         scale = ceil_ue8m0(scale.clamp(min=SCALE_FLOOR))
@@ -260,6 +269,7 @@ def group_scales_by_reciprocal(amax: Tensor, scale_fmt: ScaleFmt) -> Tensor:
         ue8m0 formats: s = ceil_pow2_via_log2(s), with NO floor on the scale (a zero group gets
         2^ceil(log2(1e-10 * (1/448))) = 2^-42, byte 85).
     """
+    scale_fmt = require_scale_fmt(scale_fmt)
     scale = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
     if scale_fmt.is_ue8m0:
         scale = ceil_pow2_via_log2(scale)
@@ -316,7 +326,8 @@ def quantize_groups_by_amax_reciprocal(
             approximate division of a power of two is exact too).
     Returns (q fp8 [..., G, group], s fp32 [..., G]).
     """
-    recipe = InputQuantRecipe(recipe)
+    scale_fmt = require_scale_fmt(scale_fmt)
+    recipe = check_enum("recipe", recipe, InputQuantRecipe)
     if recipe not in _AMAX_RECIPROCALS:
         raise ValueError(f"{recipe.value!r} is not a 448 / amax quantizer")
     if recipe is InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA and scale_fmt.is_ue8m0:
@@ -366,18 +377,15 @@ def quantize_fp8_groups(
     scale_fmt = require_scale_fmt(scale_fmt)
     if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
         raise ValueError(f"eps must be a positive finite float, got {eps!r}")
-    if recipe not in list(InputQuantRecipe):
-        raise ValueError(
-            f"recipe must be one of {[str(r) for r in InputQuantRecipe]}, got {recipe!r}"
-        )
+    recipe = check_enum("recipe", recipe, InputQuantRecipe)
     require_multiple("x", x, group)
     require_finite("x", x)
     xg = _group_view(x.float(), group)
-    if InputQuantRecipe(recipe) in _AMAX_RECIPROCALS:
+    if recipe in _AMAX_RECIPROCALS:
         q, scale = quantize_groups_by_amax_reciprocal(xg, scale_fmt, recipe)
         return q.reshape(x.shape), scale
     amax = xg.abs().amax(dim=-1).clamp(min=eps)
-    scale = _GROUP_SCALES[InputQuantRecipe(recipe)](amax, scale_fmt)
+    scale = _GROUP_SCALES[recipe](amax, scale_fmt)
     q = cast_to_fp8(xg / scale.unsqueeze(-1))
     return q.reshape(x.shape), scale
 
@@ -400,13 +408,24 @@ def dequantize_fp8_groups(q: Tensor, scale: Tensor, group: int = 128) -> Tensor:
 DEEPGEMM_BLOCK = 128
 
 
-def _require_block(block: object) -> tuple[int, int]:
+def _require_block(block: object, name: str, t: Tensor) -> tuple[int, int]:
+    """A (rows, cols) pair of positive ints that fits `t` [..., N, K] (named `name`): a block may
+    exceed the tensor only up to DEEPGEMM_BLOCK, the one edge block it pads to; a larger one
+    would only pad (block=(2**20, 128) asked the allocator for 17 GB)."""
     if not (isinstance(block, (tuple, list)) and len(block) == 2):
         raise ValueError(f"block must be a (rows, cols) pair, got {block!r}")
-    return (
+    sizes = (
         require_positive_int("block[0]", block[0]),
         require_positive_int("block[1]", block[1]),
     )
+    n, k = t.shape[-2:]
+    for i, size, dim, axis in ((0, sizes[0], n, "N"), (1, sizes[1], k, "K")):
+        if size > max(dim, DEEPGEMM_BLOCK):
+            raise ValueError(
+                f"block[{i}]={size} is larger than {axis}={dim} ({name} {tuple(t.shape)}); a "
+                f"block may exceed the tensor only up to {DEEPGEMM_BLOCK}, DeepGEMM's"
+            )
+    return sizes
 
 
 def quantize_fp8_blocks(
@@ -422,16 +441,10 @@ def quantize_fp8_blocks(
     Returns (q fp8 [..., N, K], sf fp32 [..., ceil(N/bm), ceil(K/bk)]).
     """
     require_tensor("w", w, _FLOATS, 2)
-    bm, bk = _require_block(block)
+    bm, bk = _require_block(block, "w", w)
     require_bool("use_ue8m0", use_ue8m0)
     require_finite("w", w)
     *lead, n, k = w.shape
-    for name, size, dim, axis in (("block[0]", bm, n, "N"), ("block[1]", bk, k, "K")):
-        if size > max(dim, DEEPGEMM_BLOCK):  # only padding beyond the tensor: refused, not 17 GB
-            raise ValueError(
-                f"{name}={size} is larger than {axis}={dim} (w {tuple(w.shape)}); a block may "
-                f"exceed the tensor only up to {DEEPGEMM_BLOCK}, DeepGEMM's"
-            )
     nb, kb = ceil_div(n, bm), ceil_div(k, bk)
     padded = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bm - n))
     blocks = padded.reshape(*lead, nb, bm, kb, bk)
@@ -456,7 +469,7 @@ def dequantize_fp8_blocks(q: Tensor, scale: Tensor, block: tuple[int, int] = (12
     """
     require_tensor("q", q, (FP8,), 2)
     require_tensor("scale", scale, (torch.float32,), 2)
-    bm, bk = _require_block(block)
+    bm, bk = _require_block(block, "q", q)
     *lead, n, k = q.shape
     require_shape(
         "scale", scale, (*lead, ceil_div(n, bm), ceil_div(k, bk)), f"one per {bm}x{bk} block"

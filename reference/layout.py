@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_verify.spec import MSumRecipe, round_up
+from moe_verify.spec import MAX_EXPERTS, MSumRecipe, round_up
 from reference.validate import require, require_expert_map, require_int
 
 
@@ -20,7 +20,7 @@ def validate_topk_ids(
     topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None
 ) -> None:
     """Ids must be signed, 2-D, and in range; -1 is the only negative id ever allowed."""
-    require_int("num_local_experts", num_local_experts, 0)
+    require_int("num_local_experts", num_local_experts, 0, MAX_EXPERTS)
     require_expert_map(expert_map, num_local_experts)
     require_ids(topk_ids)
     if topk_ids.numel() == 0:
@@ -73,7 +73,7 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) ->
 
 def expert_counts(local_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     """int32 [E_l]: live (token, k) slots per local expert."""
-    require_int("num_local_experts", num_local_experts, 0)
+    require_int("num_local_experts", num_local_experts, 0, MAX_EXPERTS)
     require(
         isinstance(local_ids, torch.Tensor)
         and not local_ids.dtype.is_floating_point
@@ -114,21 +114,40 @@ def _require_sizes(
 INT32_MAX = 2**31 - 1
 
 
-def _int32_rows(fn: str, rows: int, num_tokens: int, topk: int) -> int:
-    """`rows`, or a ValueError naming the sizes when it does not fit int32."""
+def _int32_rows(fn: str, rows: int, culprit: str) -> int:
+    """`rows`, or a ValueError saying which sizes (`culprit`) are too large when it does not fit
+    int32."""
     if rows > INT32_MAX:
         raise ValueError(
-            f"{fn}: {rows} rows do not fit int32 (DeepGEMM's m_indices and psum ends): "
-            f"num_tokens={num_tokens} x topk={topk} is too large"
+            f"{fn}: {rows} rows do not fit int32 (DeepGEMM's m_indices and psum ends): {culprit}"
         )
     return rows
+
+
+def _too_many_slots(num_tokens: int, topk: int) -> str:
+    return f"num_tokens={num_tokens} x topk={topk} is too large"
+
+
+def _require_rows(name: str, value: object) -> int:
+    """A row count of the permuted buffer: an int >= 0 that int32 row indices can reach."""
+    require_int(name, value, 0)
+    require(
+        value <= INT32_MAX,
+        name,
+        f"at most {INT32_MAX} rows (int32: DeepGEMM's m_indices and psum ends)",
+        str(value),
+    )
+    return value
 
 
 def aligned_m_sum_exact(counts: torch.Tensor, alignment: int) -> int:
     """Σ_e round_up(count_e, A): the exact-count path (DeepEP HT, CPU counts known)."""
     require_int("alignment", alignment, 1)
     c = _require_counts(counts).long()
-    return int(round_up(c, alignment).sum())
+    rows = int(round_up(c, alignment).sum())
+    return _int32_rows(
+        "aligned_m_sum_exact", rows, f"counts summing to {int(c.sum())} are too many"
+    )
 
 
 def aligned_m_sum_upper_bound(
@@ -142,7 +161,7 @@ def aligned_m_sum_upper_bound(
     _require_sizes(num_tokens, topk, num_local_experts, alignment)
     slots = num_tokens * topk
     rows = round_up(slots + min(slots, num_local_experts) * (alignment - 1), alignment)
-    return _int32_rows("aligned_m_sum_upper_bound", rows, num_tokens, topk)
+    return _int32_rows("aligned_m_sum_upper_bound", rows, _too_many_slots(num_tokens, topk))
 
 
 def aligned_m_sum_all_experts_bound(
@@ -154,7 +173,7 @@ def aligned_m_sum_all_experts_bound(
     """
     _require_sizes(num_tokens, topk, num_local_experts, alignment)
     rows = round_up(num_tokens * topk + num_local_experts * (alignment - 1), alignment)
-    return _int32_rows("aligned_m_sum_all_experts_bound", rows, num_tokens, topk)
+    return _int32_rows("aligned_m_sum_all_experts_bound", rows, _too_many_slots(num_tokens, topk))
 
 
 def aligned_m_sum_tight_bound(
@@ -170,7 +189,7 @@ def aligned_m_sum_tight_bound(
     slots = num_tokens * topk
     active = min(slots, num_local_experts)
     rows = alignment * (active + (slots - active) // alignment)
-    return _int32_rows("aligned_m_sum_tight_bound", rows, num_tokens, topk)
+    return _int32_rows("aligned_m_sum_tight_bound", rows, _too_many_slots(num_tokens, topk))
 
 
 def aligned_m_sum_recipes(
@@ -225,7 +244,9 @@ def permute_plan(
     m_sum defaults to the upper bound (the path without host counts); pass the exact sum for the
     HT path. Segment e spans [start_e, start_e + count_e); rows up to the next segment are padding.
     """
-    require(alignment >= 1, "alignment", ">= 1", str(alignment))
+    require_int("alignment", alignment, 1)
+    if m_sum is not None:
+        _require_rows("m_sum", m_sum)
     validate_topk_ids(topk_ids, num_local_experts, expert_map)
     num_tokens, topk = topk_ids.shape
     local = local_expert_ids(topk_ids, expert_map)
@@ -275,7 +296,7 @@ def m_indices_from_expert_ends(
     This is how DeepGEMM's scheduler walks `use_psum_layout=True` (DeepGEMM 2.6.1
     `m_grouped_fp8_gemm_nt_contiguous`, csrc/apis/gemm.hpp; docs/stage-contract.md#grouped-layouts).
     """
-    require_int("m_sum", m_sum, 0)
+    _require_rows("m_sum", m_sum)
     require_int("alignment", alignment, 1)
     _require_counts(expert_ends, "expert_ends")
     m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=expert_ends.device)
@@ -325,6 +346,7 @@ def batched_plan(
     expert_map: torch.Tensor | None = None,
 ) -> BatchedPlan:
     """Slots of each local expert numbered 0.. in (token, k) order; must fit in max_tokens."""
+    require_int("max_tokens", max_tokens, 0)
     validate_topk_ids(topk_ids, num_local_experts, expert_map)
     local = local_expert_ids(topk_ids, expert_map)
     counts = expert_counts(local, num_local_experts)

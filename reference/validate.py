@@ -30,13 +30,14 @@ def require_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], min_nd
         raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
 
 
-def require_int(name: str, value: object, low: int) -> int:
-    """An int >= low: TypeError for anything else (a bool, a float such as 64.5), ValueError
-    below the bound."""
+def require_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """An int in [low, high] (high None: no upper bound): TypeError for anything else (a bool, a
+    float such as 64.5), ValueError out of range."""
+    want = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int >= {low}, got {value!r} ({type(value).__name__})")
-    if value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value}")
+        raise TypeError(f"{name}: expected {want}, got {value!r} ({type(value).__name__})")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name}: expected {want}, got {value}")
     return value
 
 

@@ -85,6 +85,14 @@ def first_true(mask: torch.Tensor) -> tuple[int, ...] | None:
     return unravel(at, mask.shape) if found else None
 
 
+def first_rows(mask: torch.Tensor, n: int) -> list[int]:
+    """The first `n` rows (first index, in order) of a bool tensor holding a True."""
+    if mask.dim() == 0 or mask.numel() == 0:
+        return []
+    held = mask.flatten(1).any(dim=1) if mask.dim() > 1 else mask
+    return torch.nonzero(held)[:n, 0].tolist()
+
+
 def argmax_coords(x: torch.Tensor) -> tuple[int, ...] | None:
     """Coordinates of the largest element (a NaN counts as largest: the first NaN), or None when
     empty."""

@@ -28,6 +28,9 @@ _COLUMNS = ("stage", "status", "check", "value", "limit", "worst coordinates", "
 
 # Longest failure line of the default view; the full text is under -v (to_table).
 LINE_WIDTH = 200
+# What a failure line may add to LINE_WIDTH to name the first rows beyond the bound: each line
+# fits its essentials and the rows, not one at the cost of the other.
+ROWS_WIDTH = 100
 _DOC_REF = re.compile(r"docs/[\w./-]+\.md(?:#[\w-]+)?")
 # A report of both modes (`--mode both`, moe_verify.spec.Mode.select's name for the pair).
 BOTH = "both"
@@ -460,12 +463,12 @@ def failure_message(
     ]
     if check.beyond:
         parts.append(check.beyond_text())
+    if check.rows_text():
+        parts.append(check.rows_text())
     if check.worst is not None:
         w = check.worst
         row = f", row {w.row}" if w.row is not None else ""
         parts.append(f"worst at {w.coords()}{row}: golden {_fmt(w.golden)}, other {_fmt(w.other)}")
-    if check.rows:
-        parts.append(check.rows_text())
     if check.detail:
         parts.append(check.detail)
     nan_inf = next((c for c in stage.checks if c.name == "nan_inf"), None)
@@ -478,8 +481,9 @@ def failure_message(
 
 def concise_failure(mode: str, failing: list[StageResult]) -> str:
     """One failing stage of one mode on one line (the failing ranks folded): '[mode] stage: check
-    value > limit at (coordinates): golden x, other y; first clause of the detail; also <other
-    failed checks> (where docs/ explains the limit)', at most LINE_WIDTH characters."""
+    value > limit, <count> beyond at (coordinates): golden x, other y; <the first rows beyond>;
+    first clause of the detail; also <other failed checks> (where docs/ explains the limit)', at
+    most LINE_WIDTH characters plus the rows' (at most ROWS_WIDTH)."""
     first = failing[0]
     ranks = [r.rank for r in failing if r.rank is not None]
     head = f"[{mode}] {stage_label(first)}"
@@ -493,6 +497,7 @@ def concise_failure(mode: str, failing: list[StageResult]) -> str:
     if check.worst is not None:
         w = check.worst
         text += f" at {w.coords()}: golden {_fmt(w.golden)}, other {_fmt(w.other)}"
+    rows = _fitted_rows(check)
     others = dict.fromkeys(c.name for r in failing for c in r.failed_checks if c is not check)
     others.pop(check.name, None)
     refs = _DOC_REF.findall(check.reason)
@@ -503,16 +508,24 @@ def concise_failure(mode: str, failing: list[StageResult]) -> str:
     n = len(others)
     also = f"; +{n} more failed check{'s' if n > 1 else ''}" if others else ""
     detail = f"; {check.detail.split('; ')[0]}" if check.detail else ""
+    tail = ""
     if len(detail) <= room - len(also):
-        text += detail
+        tail += detail
         room -= len(detail)
-    rows = f"; {check.rows_text()}" if len(check.rows) > 1 else ""
-    if rows and len(rows) <= room - len(also):
-        text += rows
-        room -= len(rows)
     named = f"; also {', '.join(others)}" if others else ""
-    text += named if len(named) <= room else also if len(also) <= room else ""
-    return _clip(text, LINE_WIDTH - len(where)) + where
+    tail += named if len(named) <= room else also if len(also) <= room else ""
+    # The first rows beyond the bound come beside the worst, in room of their own (ROWS_WIDTH).
+    return _clip(text + rows + tail, LINE_WIDTH + len(rows) - len(where)) + where
+
+
+def _fitted_rows(check: CheckResult) -> str:
+    """'; slots (token, k, expert, rank): ...' naming as many of the check's first rows beyond
+    the bound as fit in ROWS_WIDTH; '' where the check knows fewer than two."""
+    for named in range(len(check.first_rows), 0, -1):
+        text = check.rows_text(named)
+        if text and len(text) + 2 <= ROWS_WIDTH:
+            return f"; {text}"
+    return ""
 
 
 def _beyond(check: CheckResult) -> str:
@@ -577,6 +590,10 @@ def _results_from_list(items: list[dict[str, Any]] | None) -> list[StageResult] 
         checks = []
         for c in item["checks"]:
             worst = c.get("worst")
+            first_rows = tuple(
+                Worst(**{k: _from_json_number(v) for k, v in w.items()})
+                for w in c.get("first_rows") or ()
+            )
             checks.append(
                 CheckResult(
                     name=c["name"],
@@ -590,10 +607,7 @@ def _results_from_list(items: list[dict[str, Any]] | None) -> list[StageResult] 
                     detail=c["detail"],
                     recipe=c.get("recipe"),
                     beyond=dict(c.get("beyond") or {}),
-                    rows=tuple(
-                        Worst(**{k: _from_json_number(v) for k, v in w.items()})
-                        for w in c.get("rows") or ()
-                    ),
+                    first_rows=first_rows,
                 )
             )
         out.append(

@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 
 from moe_verify.spec import Status, Trace
 
+# How many of a failed check's rows (live slots, tokens) its failure lines name beside the count.
+FIRST_ROWS = 4
+# The units of `CheckResult.beyond` that count rows, and the coordinates naming one.
+_ROW_UNITS = ("slots", "tokens", "rows")
+_ROW_COORDS = ("token", "k", "expert", "rank")
+
 
 def entry(trace: Trace, stage: str, name: str) -> object:
     """trace[stage][name], or a ContractError naming what the stage has instead."""
@@ -47,15 +53,6 @@ class Worst:
         parts = [f"{n} {'-' if getattr(self, n) is None else getattr(self, n)}" for n in names]
         return "(" + ", ".join(parts) + ")"
 
-    def row_label(self) -> str:
-        """'token 3 k 1 expert 2': the row, by what is known of it."""
-        names = ("token", "k", "expert", "rank", "row")
-        return " ".join(f"{n} {getattr(self, n)}" for n in names if getattr(self, n) is not None)
-
-
-# How many of a failed check's rows a report names (CheckResult.rows).
-FIRST_ROWS = 4
-
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -75,18 +72,9 @@ class CheckResult:
     # "slots": 3} (for an exact check: how many differ). Empty where the check measures one
     # number for the whole stage (calc_diff, M_sum, a shape).
     beyond: dict[str, int] = field(default_factory=dict)
-    # The first rows beyond the bound, in row order (FIRST_ROWS of them at most): where a
-    # failure spreads over several tokens, the report names more than the worst one.
-    rows: tuple[Worst, ...] = ()
-
-    def rows_text(self) -> str:
-        """'rows beyond: token 0 k 1, token 3 k 0 (+5 more)'; '' where none are named."""
-        if not self.rows:
-            return ""
-        held = [n for unit, n in self.beyond.items() if unit in ("slots", "tokens", "rows")]
-        more = (held[0] if held else len(self.rows)) - len(self.rows)
-        named = ", ".join(w.row_label() for w in self.rows)
-        return f"rows beyond: {named}" + (f" (+{more} more)" if more > 0 else "")
+    # The first rows beyond the bound (live slots in (token, k) order, or tokens), at most
+    # FIRST_ROWS: where to look beside the worst one. Empty where the check has no such rows.
+    first_rows: tuple[Worst, ...] = ()
 
     def beyond_text(self) -> str:
         """'17 elements in 3 slots beyond', '2 slots beyond' (an exact check: 2 differ); ''
@@ -98,6 +86,24 @@ class CheckResult:
             for unit, n in self.beyond.items()
         )
         return " in ".join(units) + " beyond"
+
+    def rows_text(self, named: int = FIRST_ROWS) -> str:
+        """'slots (token, k, expert, rank): (0, 1, 2, 0), (3, 0, 1, 0) and 5 more': the first
+        `named` rows beyond the bound, the others counted; '' where fewer than two rows are known
+        (the worst coordinates name a lone one)."""
+        if len(self.first_rows) < 2 or named < 1:
+            return ""
+        rows = self.first_rows[:named]
+        coords = [c for c in _ROW_COORDS if any(getattr(w, c) is not None for w in rows)]
+        listed = ", ".join(
+            "("
+            + ", ".join("-" if getattr(w, c) is None else str(getattr(w, c)) for c in coords)
+            + ")"
+            for w in rows
+        )
+        unit = next((u for u in reversed(self.beyond) if u in _ROW_UNITS), "rows")
+        more = max(self.beyond.get(unit, 0), len(self.first_rows)) - len(rows)
+        return f"{unit} ({', '.join(coords)}): {listed}" + (f" and {more} more" if more else "")
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,10 @@ def aligned_m_sum_exact(counts: torch.Tensor | Sequence[int], alignment: int) ->
     values = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
     for e, c in enumerate(values):
         _check_count(fn, f"counts[{e}]", c, 0)
-    return sum(round_up(int(c), alignment) for c in values)
+    rows = sum(round_up(int(c), alignment) for c in values)
+    if rows > INT32_MAX:  # as in aligned_m_sum_upper_bound
+        fail(fn, f"{rows} rows do not fit int32: counts sum to {sum(values)}, too many")
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------

@@ -106,3 +106,68 @@ def test_the_counts_are_in_the_json_and_come_back(problem: MoEProblem, golden: T
     back = Report.from_dict(data)
     assert _failed(back, "gather", "nan_inf").beyond == {"elements": 3, "tokens": 1}
     assert back.to_dict() == report.to_dict()
+
+
+def _slot(golden: Trace, t: int, k: int) -> str:
+    return f"({t}, {k}, {int(golden['route']['topk_ids'][t, k])}, 0)"
+
+
+def test_a_failure_names_the_first_failing_slots_and_how_many_more(
+    problem: MoEProblem, golden: Trace
+) -> None:
+    """Beside the count, the first rows beyond the bound by (token, k, expert, rank), in row
+    order; the rest counted."""
+    other = clone_trace(golden)
+    planted = [(0, 1), (1, 0), (2, 0), (2, 1), (3, 0)]  # 5 slots: the first 4 named, 1 more
+    for t, k in planted:
+        other["gemm2"]["mm2"][slot_row(golden, t, k), 7] += 100.0
+    report = _report(problem, golden, other)
+    check = _failed(report, "gemm2", "elementwise")
+    assert [(w.token, w.k) for w in check.first_rows] == planted[:4]
+    named = ", ".join(_slot(golden, t, k) for t, k in planted[:4])
+    want = f"slots (token, k, expert, rank): {named} and 1 more"
+    assert check.rows_text() == want
+    _in_every_rendering(report, want)
+
+
+def test_failing_tokens_are_named_by_token_and_rank(problem: MoEProblem, golden: Trace) -> None:
+    other = clone_trace(golden)
+    other["gather"]["out"][[1, 3], 5] = float("nan")
+    report = _report(problem, golden, other)
+    check = _failed(report, "gather", "nan_inf")
+    assert check.rows_text() == "tokens (token, rank): (1, 0), (3, 0)"
+    _in_every_rendering(report, "tokens (token, rank): (1, 0), (3, 0)")
+
+
+def test_an_exact_check_names_its_first_failing_slots(problem: MoEProblem, golden: Trace) -> None:
+    other = clone_trace(golden)
+    a = other["permute"]["a_perm"].view(torch.uint8)
+    for t, k in [(1, 1), (3, 0)]:
+        a[slot_row(golden, t, k), 4] ^= 1
+    report = _report(problem, golden, other)
+    named = f"slots (token, k, expert, rank): {_slot(golden, 1, 1)}, {_slot(golden, 3, 0)}"
+    assert _failed(report, "permute", "a_perm rows").rows_text() == named
+    _in_every_rendering(report, named)
+
+
+def test_one_failing_row_is_named_by_the_worst_alone(problem: MoEProblem, golden: Trace) -> None:
+    other = clone_trace(golden)
+    other["gemm2"]["mm2"][slot_row(golden, 1, 1), 2] += 100.0
+    check = _failed(_report(problem, golden, other), "gemm2", "elementwise")
+    assert len(check.first_rows) == 1 and check.rows_text() == ""
+
+
+def test_the_named_rows_are_in_the_json_and_come_back(problem: MoEProblem, golden: Trace) -> None:
+    other = clone_trace(golden)
+    other["gather"]["out"][[0, 2], 1] = float("nan")
+    report = _report(problem, golden, other)
+    data = json.loads(report.to_json())
+    gather = next(r for r in data["isolated"] if r["stage"] == "gather")
+    nan_inf = next(c for c in gather["checks"] if c["name"] == "nan_inf")
+    assert [w["token"] for w in nan_inf["first_rows"]] == [0, 2]
+    back = Report.from_dict(data)
+    assert (
+        _failed(back, "gather", "nan_inf").first_rows
+        == _failed(report, "gather", "nan_inf").first_rows
+    )
+    assert back.to_dict() == report.to_dict()

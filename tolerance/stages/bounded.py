@@ -37,6 +37,7 @@ from tolerance.stages.checks import (
     nonfinite_check,
     shape_fail,
     ulp_checks,
+    with_rows,
 )
 from tolerance.stages.context import (
     Ctx,
@@ -112,7 +113,7 @@ def rows_in_layout(ctx: Ctx, stage: str, s: Slots, n_rows: int) -> tuple[Slots, 
         f"local expert {int(got[i])} there (-1: none), golden local expert {int(want[i])}",
         beyond={"slots": count},
     )
-    return s.select(~bad), result
+    return s.select(~bad), with_rows(result, bad, partial(slot_worst, ctx, s))
 
 
 def gemm_rows(ctx: Ctx, stage: str, name: str) -> Keyed | CheckResult:
@@ -335,7 +336,7 @@ def tensor_core_checks(
         recipe=GemmRecipe.TENSOR_CORE.value,
         beyond=counted(differ, keyed.rows),
     )
-    return [bounded[0], verdict]
+    return [bounded[0], with_rows(verdict, differ, keyed.locate)]
 
 
 # act_quant ---------------------------------------------------------------------------------------
@@ -369,7 +370,7 @@ def scale_flips(ctx: Ctx, rows: QuantRows) -> CheckResult:
         worst = dataclasses.replace(
             rows.locate(at[0]), column=at[1] * rows.group, golden=float(sb[at]), other=float(sa[at])
         )
-    return bound_check(
+    result = bound_check(
         "scale flips",
         flips / n_groups if n_groups else 0.0,
         ctx.check.limit("scale_flip_frac"),
@@ -377,6 +378,7 @@ def scale_flips(ctx: Ctx, rows: QuantRows) -> CheckResult:
         f"{flips} of {n_groups} live scale groups differ",
         counted(differ, _LIVE_ROWS, "scale groups"),
     )
+    return with_rows(result, differ, rows.locate)
 
 
 def scale_step(ctx: Ctx, rows: QuantRows) -> CheckResult:
@@ -393,14 +395,16 @@ def scale_step(ctx: Ctx, rows: QuantRows) -> CheckResult:
             rows.locate(at[0]), column=at[1] * rows.group, golden=float(sb[at]), other=float(sa[at])
         )
     limit = ctx.check.limit("scale_step")
-    return bound_check(
+    over = ~(step <= limit.value)
+    result = bound_check(
         "scale step",
         value,
         limit,
         worst,
         f"largest |s_a - s_b| / min(s_a, s_b) over differing groups: {value:.4g}",
-        counted(~(step <= limit.value), _LIVE_ROWS, "scale groups"),
+        counted(over, _LIVE_ROWS, "scale groups"),
     )
+    return with_rows(result, over, rows.locate)
 
 
 def code_distance(ctx: Ctx, rows: QuantRows) -> CheckResult:
@@ -423,14 +427,16 @@ def code_distance(ctx: Ctx, rows: QuantRows) -> CheckResult:
             "(dequantized values shown)"
         )
     limit = ctx.check.limit("code_dist")
-    return bound_check(
+    over = ~(dist <= limit.value)
+    result = bound_check(
         "code distance",
         value,
         limit,
         worst,
         f"max {value:.3g} e4m3 steps (ulps at the coarser scale where a scale flipped){note}",
-        counted(~(dist <= limit.value), _LIVE_ROWS, "codes"),
+        counted(over, _LIVE_ROWS, "codes"),
     )
+    return with_rows(result, over, rows.locate)
 
 
 def code_fraction(ctx: Ctx, rows: QuantRows) -> CheckResult:
@@ -439,7 +445,7 @@ def code_fraction(ctx: Ctx, rows: QuantRows) -> CheckResult:
     differ = ~(dist == 0)
     moved = int(differ.sum())
     total = dist.numel()
-    return bound_check(
+    result = bound_check(
         "code fraction",
         moved / total if total else 0.0,
         ctx.check.limit("code_frac"),
@@ -447,6 +453,7 @@ def code_fraction(ctx: Ctx, rows: QuantRows) -> CheckResult:
         f"{moved} of {total} live codes differ",
         counted(differ, _LIVE_ROWS, "codes"),
     )
+    return with_rows(result, differ, rows.locate)
 
 
 def dequantized_value_checks(ctx: Ctx, rows: QuantRows) -> list[CheckResult]:

@@ -17,6 +17,7 @@ from tolerance.metrics import (
     calc_diff,
     e4m3_value,
     excess_ratio,
+    first_rows,
     first_true,
     host_ints,
     int_mismatch,
@@ -68,17 +69,23 @@ def counted(mask: torch.Tensor, rows: str, unit: str = "elements") -> dict[str, 
     return {unit: elements, row_unit(rows): held}
 
 
-def first_rows(beyond: torch.Tensor, locate: Callable[[int], Worst]) -> tuple[Worst, ...]:
-    """Where the first FIRST_ROWS rows of a bool [rows, N] (or [rows]) mask hold a True."""
-    held = beyond.flatten(1).any(dim=1) if beyond.dim() >= 2 else beyond
-    return tuple(locate(int(r)) for r in torch.nonzero(held)[:FIRST_ROWS, 0].tolist())
-
-
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x[rows] with out-of-range rows clamped (callers mask them): [len(rows), *x.shape[1:]]."""
     if x.shape[0] == 0:
         return torch.zeros((rows.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
     return x[rows.clamp(0, x.shape[0] - 1)]
+
+
+def with_rows(
+    check: CheckResult, mask: torch.Tensor, locate: Callable[[int], Worst]
+) -> CheckResult:
+    """A failed `check` naming its first rows beyond the bound (CheckResult.first_rows): the rows
+    of the bool mask [rows, ...] holding a True, located by `locate`; a passing one unchanged."""
+    if check.passed:
+        return check
+    return dataclasses.replace(
+        check, first_rows=tuple(locate(r) for r in first_rows(mask, FIRST_ROWS))
+    )
 
 
 # Check builders ---------------------------------------------------------------------------------
@@ -165,7 +172,7 @@ def nonfinite_check(
         other = fp8_value(a[at]) if a.dtype == torch.uint8 else py_scalar(a[at])
         golden = fp8_value(b[at]) if b.dtype == torch.uint8 else py_scalar(b[at])
         worst = dataclasses.replace(locate(at[0]), column=at[1], golden=golden, other=other)
-    return CheckResult(
+    result = CheckResult(
         "nan_inf",
         at is None,
         na + ia + nb + ib,
@@ -175,6 +182,7 @@ def nonfinite_check(
         f"{ctx.name}: {na} NaN, {ia} Inf; golden: {nb} NaN, {ib} Inf (in {a.shape[0]} {rows})",
         beyond=counted(bad, rows),
     )
+    return with_rows(result, bad, locate)
 
 
 def per_row_check(
@@ -189,8 +197,8 @@ def per_row_check(
     worst = dataclasses.replace(
         locate(r), column=c, golden=py_scalar(b[r, c]), other=py_scalar(a[r, c])
     )
-    over_mask = ~(values <= limit.value)
-    over = int(over_mask.sum())
+    over_rows = ~(values <= limit.value)
+    over = int(over_rows.sum())
     detail = (
         f"{over} of {a.shape[0]} {rows} beyond max|a-b| <= {limit.value:g} x rowmax|golden|; "
         f"worst row error {float(values[r]):.4g}"
@@ -198,7 +206,7 @@ def per_row_check(
     result = bound_check(
         "per-token", float(values[r]), limit, worst, detail, {row_unit(rows): over}
     )
-    return dataclasses.replace(result, rows=first_rows(over_mask, locate)) if over else result
+    return with_rows(result, over_rows, locate)
 
 
 def bounded_checks(
@@ -221,20 +229,18 @@ def bounded_checks(
         )
         err = abs(float(a[at]) - float(b[at]))
         note = f"; worst |a-b| = {err:.4g}, {float(ratio[at]):.3g}x the allowed error"
-    out.append(
-        CheckResult(
-            "elementwise",
-            frac <= outliers.value,
-            frac,
-            outliers.value,
-            f"|a-b| <= {atol.value:g} x rowmax|golden| + {rtol.value:g} x |golden|: rtol: "
-            f"{rtol.reason}; atol: {atol.reason}; outliers: {outliers.reason}",
-            worst,
-            f"{n_beyond} of {total} elements beyond the bound{note}",
-            beyond=counted(beyond, rows),
-            rows=first_rows(beyond, locate) if frac > outliers.value else (),
-        )
+    elementwise = CheckResult(
+        "elementwise",
+        frac <= outliers.value,
+        frac,
+        outliers.value,
+        f"|a-b| <= {atol.value:g} x rowmax|golden| + {rtol.value:g} x |golden|: rtol: "
+        f"{rtol.reason}; atol: {atol.reason}; outliers: {outliers.reason}",
+        worst,
+        f"{n_beyond} of {total} elements beyond the bound{note}",
+        beyond=counted(beyond, rows),
     )
+    out.append(with_rows(elementwise, beyond, locate))
     out.append(per_row_check(ctx, a, b, locate, rows))
     cd = check.limit("calc_diff")
     value = calc_diff(a, b)
@@ -265,9 +271,7 @@ def ulp_checks(
         f"{over} of {ulp.numel()} elements beyond {limit.value:g} bf16 ulp; max {value} ulp{note}"
     )
     ulp_check = bound_check("ulp", value, limit, worst, detail, counted(over_mask, rows))
-    if over:
-        ulp_check = dataclasses.replace(ulp_check, rows=first_rows(over_mask, locate))
-    out.append(ulp_check)
+    out.append(with_rows(ulp_check, over_mask, locate))
     out.append(per_row_check(ctx, a, b, locate, rows))
     return out
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_verify.spec import Mode, MoEProblem, Stage, Trace
+from tolerance.metrics import first_rows
 from tolerance.policy import CONTRACT_REASON, Check
-from tolerance.results import CheckResult, ContractError, Worst, entry
+from tolerance.results import FIRST_ROWS, CheckResult, ContractError, Worst, entry
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,11 @@ def slot_worst(ctx: Ctx, s: Slots, i: int, **values: object) -> Worst:
     )
 
 
+def token_worst(ctx: Ctx, t: int) -> Worst:
+    """Coordinates of local row t of a per-token tensor: its global token and the rank."""
+    return Worst(token=ctx.token(t), rank=ctx.rank)
+
+
 def slot_name(ctx: Ctx, s: Slots, i: int) -> str:
     return f"slot (token {ctx.token(int(s.tk[i, 0]))}, k {int(s.tk[i, 1])})"
 
@@ -176,5 +182,6 @@ def rows_in_range(ctx: Ctx, s: Slots, n_rows: int, what: str) -> tuple[Slots, Ch
         f"{bad} of {len(s)} live slots map outside {ctx.name} {what} ({n_rows} rows); first: "
         f"{slot_name(ctx, s, i)} -> row {int(s.other_rows[i])}",
         beyond={"slots": bad},
+        first_rows=tuple(slot_worst(ctx, s, r) for r in first_rows(~ok, FIRST_ROWS)),
     )
     return s.select(ok), result

@@ -4,6 +4,8 @@ Each takes a comparison context and returns its checks."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from moe_verify.spec import Stage, round_up
@@ -23,11 +25,13 @@ from tolerance.stages.checks import (
     exact_int_vector,
     fp8_value,
     shape_fail,
+    with_rows,
 )
 from tolerance.stages.context import (
     Ctx,
     int_of,
     tensor_of,
+    token_worst,
 )
 from tolerance.stages.layouts import (
     comparable_scale_codes,
@@ -92,18 +96,17 @@ def route_against(ctx: Ctx) -> list[CheckResult]:
             other=int(oi[t, j]),
         )
         note = f"; token {ctx.token(t)}: golden {gi[t].tolist()} vs {ctx.name} {oi[t].tolist()}"
-    out.append(
-        CheckResult(
-            "topk_ids",
-            first is None,
-            bad_tokens,
-            0,
-            ctx.check.reason,
-            worst,
-            f"{bad_tokens} of {gi.shape[0]} tokens route to a different expert set{note}",
-            beyond={"tokens": bad_tokens},
-        )
+    ids = CheckResult(
+        "topk_ids",
+        first is None,
+        bad_tokens,
+        0,
+        ctx.check.reason,
+        worst,
+        f"{bad_tokens} of {gi.shape[0]} tokens route to a different expert set{note}",
+        beyond={"tokens": bad_tokens},
     )
+    out.append(with_rows(ids, differ, partial(token_worst, ctx)))
 
     comparable = (gi >= 0) & (gi == oi)
     ulp = fp32_ulp_distance(ow, gw).masked_fill(~comparable, 0)
@@ -161,7 +164,8 @@ def _quant_input_bits(ctx: Ctx) -> list[CheckResult]:
         out.append(shape_fail(ctx, "a1q", o_q, g_q))
     else:
         gc, oc = fp8_codes(g_q), fp8_codes(o_q)
-        mm = mismatch_of(oc != gc)
+        differ = oc != gc
+        mm = mismatch_of(differ)
         worst, note = None, ""
         if mm.first is not None:
             t, c = mm.first
@@ -175,7 +179,8 @@ def _quant_input_bits(ctx: Ctx) -> list[CheckResult]:
             note = f"; first: code 0x{int(oc[t, c]):02x} vs golden 0x{int(gc[t, c]):02x}"
         nan = nan_inf_counts(oc)[0]
         what = f"fp8 codes differ ({nan} NaN codes on {ctx.name})"
-        out.append(exact_check("a1q codes", mm, what, reason, worst, note, "codes", "tokens"))
+        codes = exact_check("a1q codes", mm, what, reason, worst, note, "codes", "tokens")
+        out.append(with_rows(codes, differ, partial(token_worst, ctx)))
 
     hidden = g_q.shape[1]
     group = ctx.problem.recipe.act_group
@@ -184,7 +189,8 @@ def _quant_input_bits(ctx: Ctx) -> list[CheckResult]:
         out.append(shape_fail(ctx, "a1q_scale", o_s, g_s))
         return out
     co, cg, kind = comparable_scale_codes(o_s, g_s, hidden // group)
-    mm = mismatch_of(co != cg)
+    differ = co != cg
+    mm = mismatch_of(differ)
     worst, note = None, ""
     if mm.first is not None:
         t, gi = mm.first
@@ -196,7 +202,8 @@ def _quant_input_bits(ctx: Ctx) -> list[CheckResult]:
         apart = f", {abs(int(co[t, gi]) - int(cg[t, gi]))} fp32 ulp apart" if kind == "fp32" else ""
         note = f"; first: {other!r} vs golden {golden!r}{apart}"
     what = f"scale groups differ ({group} columns each; compared as {kind} bits)"
-    out.append(exact_check("a1q_scale", mm, what, reason, worst, note, "scale groups", "tokens"))
+    scales = exact_check("a1q_scale", mm, what, reason, worst, note, "scale groups", "tokens")
+    out.append(with_rows(scales, differ, partial(token_worst, ctx)))
     return out
 
 

@@ -24,6 +24,7 @@ from tolerance.stages.checks import (
     fp8_value,
     shape_fail,
     take_rows,
+    with_rows,
 )
 from tolerance.stages.context import (
     Ctx,
@@ -269,7 +270,8 @@ def inv_perm_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
         )
         note = f"; first: {slot_name(ctx, s, i)} -> row {int(rows[i])}, which {why}"
     what = "live slots map to an invalid row"
-    return exact_check("inv_perm", mismatch_of(bad), what, ctx.check.reason, worst, note, "slots")
+    result = exact_check("inv_perm", mismatch_of(bad), what, ctx.check.reason, worst, note, "slots")
+    return with_rows(result, bad, partial(slot_worst, ctx, s))
 
 
 def a_perm_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
@@ -320,9 +322,10 @@ def expert_rows_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
             f"{int(got[i])}'s segment, golden local expert {int(expected[i])}"
         )
     what = "live slots sit in another expert's segment"
-    return exact_check(
+    result = exact_check(
         "expert rows", mismatch_of(wrong), what, ctx.check.reason, worst, note, "slots"
     )
+    return with_rows(result, wrong, partial(slot_worst, ctx, s))
 
 
 def padding_m_indices_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
@@ -441,4 +444,5 @@ def _slot_rows_check(
             f"row {int(s.gold_rows[i])}: {int(diff[i].sum())} of {diff.shape[1]} {unit} differ"
         )
     result = exact_check(name, mism, "live slots' rows differ", reason, worst, note, "slots")
-    return replace(result, beyond={unit: int(diff.sum()), "slots": mism.count})
+    result = replace(result, beyond={unit: int(diff.sum()), "slots": mism.count})
+    return with_rows(result, bad_slots, partial(slot_worst, ctx, s))
