@@ -14,7 +14,7 @@ from typing import Any
 _EXPORTS = {
     **dict.fromkeys(
         (
-            "LL_STAGES",
+            "BATCHED_STAGES",
             "STAGES",
             "Activation",
             "Backend",

@@ -110,14 +110,17 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
         "--grouped-layout",
         choices=[g.value for g in GroupedLayout],
         default=d.grouped_layout.value,
-        help="the grouped GEMMs' layout: per-row m_indices, per-expert psum ends, or as vLLM picks",
+        help="the grouped GEMMs' layout: per-row m_indices, per-expert psum ends, per-expert "
+        "batches (masked: dispatch instead of align and permute, in any topology), or as vLLM "
+        "picks (ep:N+ll: masked)",
     )
     p.add_argument(
         "--ll-capacity",
         type=int,
         default=d.ll_capacity,
         metavar="ROWS",
-        help="ep:N+ll: rows of each expert's batch (DeepEP's max_tokens), a multiple of 128 "
+        help="the masked layout (ep:N+ll, --grouped-layout masked): rows of each expert's batch "
+        "(ep:N+ll: DeepEP's max_tokens), a multiple of 128 "
         "(default 0: the tokens rounded up to 128-row blocks)",
     )
     p.add_argument(

@@ -94,7 +94,7 @@ class ForwardConfig:
     @property
     def layout(self) -> str:
         """ "m_indices" or "psum" (contiguous grouped GEMMs) or "batched" (masked GEMMs)."""
-        if self.problem.topology.kind is TopologyKind.EP_LL:
+        if self.problem.batched:
             return BATCHED
         return choose_grouped_layout(self.problem).layout.value
 

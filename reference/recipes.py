@@ -22,7 +22,6 @@ from moe_verify.spec import (
     Recipe,
     RoutedScalingRecipe,
     ScaleFmt,
-    TopologyKind,
 )
 from reference.activation import (
     fused_act_quant_recipe,
@@ -91,7 +90,7 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     if sglang is not None:
         recipes.append(sglang)
     if (
-        problem.topology.kind is TopologyKind.EP_LL
+        problem.batched
         and _plain_silu(problem.activation)
         and problem.recipe.act_group == _BF16_STEPS_GROUP
     ):

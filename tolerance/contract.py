@@ -202,7 +202,7 @@ class _View:
         self.problem = problem
         self.upstream = upstream
         self.local_experts: Dim = ("E_l", local_expert_count(problem, rank))
-        self.batched = problem.topology.kind is TopologyKind.EP_LL
+        self.batched = problem.batched
         self.k: Dim = ("k", problem.topk)
         self.hidden: Dim = ("H", problem.hidden)
         self.tokens: Dim = ("M", self._route_rows())

@@ -256,8 +256,10 @@ class LmdeployBackend(AdaptedBackend):
                 "nothing); the ue8m0_packed format is not on this path"
             )
         topo = problem.topology
-        if topo.kind is TopologyKind.EP_LL:
-            raise StageSkipped("ep:N+ll runs LMDeploy's FusedMoELowLatency; not adapted")
+        if problem.batched:
+            raise StageSkipped(
+                "the masked layout (ep:N+ll's) runs LMDeploy's FusedMoELowLatency; not adapted"
+            )
         if topo.kind in (TopologyKind.EP, TopologyKind.EP_HT):
             per = problem.num_experts // topo.size
             if topo.placement is Placement.EXPLICIT or problem.num_experts % topo.size:

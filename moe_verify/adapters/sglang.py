@@ -415,6 +415,11 @@ class SglangBackend(AdaptedBackend):
                 f"{problem.topology} runs SGLang's DeepEP pre-permutes (deepep_normal / "
                 "deepep_ll); the adapter covers the standard dispatch"
             )
+        if problem.batched:
+            raise StageSkipped(
+                "the masked layout runs SGLang's DeepEP low-latency path (deepep_ll); the adapter "
+                "covers the standard dispatch's contiguous layout"
+            )
         if problem.grouped_layout is GroupedLayout.PSUM:
             raise StageSkipped(
                 "SGLang's contiguous DeepGEMM runner builds the per-row m_indices layout only "
@@ -489,7 +494,9 @@ class SglangBackend(AdaptedBackend):
     # -- stages ----------------------------------------------------------------------------------
 
     def dispatch(self, ctx: StageContext) -> Outputs:
-        raise StageSkipped("ep:N+ll runs SGLang's DeepEP low-latency path: not adapted")
+        raise StageSkipped(
+            "the masked layout runs SGLang's DeepEP low-latency path (deepep_ll): not adapted"
+        )
 
     def quant_input(self, ctx: StageContext) -> Outputs:
         """sglang_per_token_group_quant_fp8(x, 128), as pre_permute_standard_to_deep_gemm calls

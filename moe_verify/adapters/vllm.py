@@ -311,8 +311,8 @@ class VllmBackend(AdaptedBackend):
 
     def dispatch(self, ctx: StageContext) -> Outputs:
         raise StageSkipped(
-            "ep:N+ll runs vLLM's BatchedDeepGemmExperts (DeepEP low-latency); the adapter covers "
-            "DeepGemmExperts' contiguous layout"
+            "the masked layout runs vLLM's BatchedDeepGemmExperts (behind DeepEP low-latency); "
+            "the adapter covers DeepGemmExperts' contiguous layout"
         )
 
     def quant_input(self, ctx: StageContext) -> Outputs:

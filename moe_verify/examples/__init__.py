@@ -14,6 +14,10 @@ kernel to use.
 - `StaleCounts` (permute, production mode): the segments laid out with the previous call's
   counts, caught by `moe-verify graph` when a replay's routing changes.
 
+Beside them, one module per contract form a kernel may take, each with a correct backend and a
+wrong twin that fails where its docstring says: `columns` (gemm1 declared up-first), `fused`
+(stages fused into one method), `masked` (the masked layout outside ep:N+ll).
+
 The suite's own test-the-tester folder (tests/tester in the repository) holds many more, and
 checks that every one of these fails where its docstring says.
 """

@@ -87,25 +87,28 @@ def invariance_pair(
         second = dataclasses.replace(problem, alignment=other)
         return first, first, second, f"{problem.alignment} vs {other}"
     if kind == "m_sum":
-        if problem.topology.kind in (TopologyKind.EP_HT, TopologyKind.EP_LL):
+        if problem.topology.kind is TopologyKind.EP_HT or problem.batched:
             raise ValueError(
-                f"invariance m_sum: {problem.topology} has no upper-bound M_sum to compare "
-                "(ep:N+ht is exact, ep:N+ll batched)"
+                f"invariance m_sum: {problem.layout_name} has no upper-bound M_sum to compare "
+                "(ep:N+ht is exact, the masked layout batched)"
             )
         return first, cls(engine=engine, exact_m_sum=True), problem, "upper bound vs exact"
     if kind == "ll_capacity":
-        if problem.topology.kind is not TopologyKind.EP_LL:
+        if not problem.batched:
             raise ValueError(
-                f"invariance ll_capacity: the batch capacity (DeepEP's max_tokens) of the "
-                f"ep:N+ll layout; topology {problem.topology} has no batches"
+                f"invariance ll_capacity: the batch capacity of the masked layout (ep:N+ll's "
+                f"DeepEP max_tokens); {problem.layout_name} has no batches"
             )
         rows = problem.ll_max_tokens
         doubled = 2 * max(rows, LL_BLOCK_ROWS)
         second = dataclasses.replace(problem, ll_capacity=doubled)
         return first, first, second, f"{rows} vs {doubled} rows"
     if kind == "expected_m":
-        if problem.topology.kind is not TopologyKind.EP_LL:
-            raise ValueError("invariance expected_m: the masked GEMM's hint needs ep:N+ll")
+        if not problem.batched:
+            raise ValueError(
+                "invariance expected_m: the masked GEMM's hint needs the masked layout "
+                f"(ep:N+ll, or grouped_layout masked); {problem.layout_name} has none"
+            )
         hint = max(1, problem.tokens)
         return first, cls(engine=engine, expected_m=hint), problem, f"mean batch vs {hint}"
     return first, cls(engine=engine, num_sms=100), problem, "all SMs vs 100"

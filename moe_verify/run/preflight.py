@@ -104,7 +104,7 @@ def _local_experts(p: MoEProblem) -> int:
 def _max_m_sum(p: MoEProblem, e_l: int) -> int:
     """Rows of one rank's expert-contiguous buffer at their largest: the loosest legitimate M_sum
     (every local expert charged A-1 rows), or the ep+ll batches."""
-    if p.topology.kind is TopologyKind.EP_LL:
+    if p.batched:
         return e_l * p.ll_max_tokens
     rows = p.tokens * p.topk + e_l * (p.alignment - 1)
     return round_up(rows, p.alignment)

@@ -239,7 +239,7 @@ def verify(
     if opts.poison:
         report.files["poison"] = [f"0x{b:02x}" for b in opts.poison]
     if opts.padding_poison:
-        padded = Stage.DISPATCH if problem.topology.kind is TopologyKind.EP_LL else Stage.PERMUTE
+        padded = Stage.DISPATCH if problem.batched else Stage.PERMUTE
         report.files["padding_poison"] = [str(padded)]
     if opts.plot_dir is not None and maps:
         from moe_verify.report.plot import write_plots

@@ -90,7 +90,7 @@ _MODULES = {
         "GEMM_OUTPUT",
         "GEMM_WEIGHT",
         "INVARIANCE_KINDS",
-        "LL_STAGES",
+        "BATCHED_STAGES",
         "MODE_CHOICES",
         "PER_SLOT_OUTPUTS",
         "REPORT_STAGES",

@@ -28,7 +28,7 @@ from moe_verify.spec.checks import (
 )
 from moe_verify.spec.recipes import LL_BLOCK_ROWS, GroupedLayout, Recipe, ScaleFmt
 from moe_verify.spec.routing import Routing, check_routing
-from moe_verify.spec.stages import Stage
+from moe_verify.spec.stages import BATCHED_STAGES, STAGES, Stage
 from moe_verify.spec.topology import Placement, Topology, TopologyKind, explicit_lists
 
 
@@ -48,8 +48,9 @@ class MoEProblem:
 
     `alignment` is the per-expert row padding A of the contiguous layout (DeepGEMM's BLOCK_M);
     `provenance` replaces random values with tagged ones that survive quantization, so a wrong
-    row names the token and expert it came from. `ll_capacity` sizes the batches of the ep:N+ll
-    layout (`ll_max_tokens`); `tiny_tokens` makes the first tokens tiny enough that every MXFP8
+    row names the token and expert it came from. `grouped_layout` "masked" runs the batched
+    layout (`dispatch`) in any topology, as ep:N+ll always does; `ll_capacity` sizes its batches
+    (`ll_max_tokens`); `tiny_tokens` makes the first tokens tiny enough that every MXFP8
     group of them gets E8M0 byte 0 (moe_verify/run/inputs.py).
     """
 
@@ -224,14 +225,20 @@ class MoEProblem:
                 f"{shared}) must split into {self.topology.size} shards that are multiples of "
                 f"{step}, got shared_experts={self.shared_experts}",
             )
-        if self.topology.kind is TopologyKind.EP_LL:
-            # vLLM's BatchedDeepGemmExperts: FP8 block, SILU, fp32 (or ceil) scales per 128
-            # (packed UE8M0 there is an SM100 DeepEP mode with a batched layout not modelled yet).
+        ll = self.topology.kind is TopologyKind.EP_LL
+        need(
+            not ll or self.grouped_layout in (GroupedLayout.AUTO, GroupedLayout.MASKED),
+            f"grouped_layout: ep+ll dispatches each expert's rows into a batch of its own (the "
+            f"masked layout), got grouped_layout={self.grouped_layout}",
+        )
+        if self.batched:
+            # DeepGEMM's masked FP8 GEMM (fp8_block, fp32 or ceil-rounded fp32 scales per 128).
             need(
                 self.recipe is Recipe.FP8_BLOCK and self.scale_fmt is not ScaleFmt.UE8M0_PACKED,
-                f"topology {self.topology}: ep+ll supports fp8_block with scale_fmt float32 or "
-                f"float32_ceil_ue8m0, got recipe {self.recipe} with {self.scale_fmt}",
+                f"the masked layout ({self.layout_name}) supports fp8_block with scale_fmt "
+                f"float32 or float32_ceil_ue8m0, got recipe {self.recipe} with {self.scale_fmt}",
             )
+        if ll:
             need(
                 self.activation.kind == "silu",
                 f"topology {self.topology}: ep+ll (BatchedDeepGemmExperts) supports activation "
@@ -256,12 +263,13 @@ class MoEProblem:
             )
 
     def _validate_ll_capacity(self) -> None:
-        """A given batch capacity: ep:N+ll only, whole 128-row blocks, room for every token."""
+        """A given batch capacity: the masked layout only, whole 128-row blocks, room for every
+        token."""
         cap, least = self.ll_capacity, round_up(self.tokens, LL_BLOCK_ROWS)
-        if self.topology.kind is not TopologyKind.EP_LL:
+        if not self.batched:
             raise ValueError(
-                f"MoEProblem.ll_capacity: the batch capacity of the ep:N+ll layout (DeepEP's "
-                f"max_tokens); topology {self.topology} has no batches, got ll_capacity={cap} "
+                f"MoEProblem.ll_capacity: the batch capacity of the masked layout (ep:N+ll's "
+                f"DeepEP max_tokens); {self.layout_name} has no batches, got ll_capacity={cap} "
                 "(leave it 0)"
             )
         if cap % LL_BLOCK_ROWS:
@@ -276,13 +284,32 @@ class MoEProblem:
             )
 
     @property
+    def batched(self) -> bool:
+        """The masked layout: `dispatch` into per-expert batches instead of align and permute
+        (grouped_layout "masked", or ep:N+ll, which always runs it)."""
+        return (
+            self.grouped_layout is GroupedLayout.MASKED or self.topology.kind is TopologyKind.EP_LL
+        )
+
+    @property
+    def layout_name(self) -> str:
+        """'topology tp2 with grouped_layout masked', 'ep+ll (topology ep2-ll)': what chose the
+        layout, for messages."""
+        if self.topology.kind is TopologyKind.EP_LL:
+            return f"ep+ll (topology {self.topology})"
+        if self.grouped_layout is GroupedLayout.AUTO:
+            return f"topology {self.topology}"
+        return f"topology {self.topology} with grouped_layout {self.grouped_layout}"
+
+    @property
     def stages(self) -> tuple[Stage, ...]:
-        """This rank's stages: the topology's, then `shared` when there are shared experts."""
-        return self.topology.stages + ((Stage.SHARED,) if self.shared_experts else ())
+        """This rank's stages: the layout's, then `shared` when there are shared experts."""
+        own = BATCHED_STAGES if self.batched else STAGES
+        return own + ((Stage.SHARED,) if self.shared_experts else ())
 
     @property
     def ll_max_tokens(self) -> int:
-        """Rows of each local expert's batch in the ep:N+ll layout (M_max of the masked GEMM).
+        """Rows of each local expert's batch in the masked layout (M_max of the masked GEMM).
 
         DeepEP sizes its low-latency receive buffers from a configured capacity (vLLM: its DP
         chunk, 256 tokens by default, times the ranks), not from the batch at hand; here the

@@ -11,11 +11,12 @@ import enum
 
 
 class GroupedLayout(enum.StrEnum):
-    """How the contiguous grouped GEMMs learn each row's expert
-    (docs/stage-contract.md#grouped-layouts).
+    """How the grouped GEMMs learn each row's expert (docs/stage-contract.md#grouped-layouts).
 
-    Both come from one permute plan; `permute` outputs both, and the problem says which one the
-    GEMMs and act_quant consume.
+    The contiguous layouts (m_indices, psum) come from one permute plan; `permute` outputs both,
+    and the problem says which one the GEMMs and act_quant consume. The masked layout replaces
+    align and permute by `dispatch`: each local expert's rows in a batch of its own, read by
+    DeepGEMM's masked grouped GEMM. ep:N+ll always runs it; any other topology may.
     """
 
     AUTO = "auto"  # as vLLM chooses for the recipe, scale format, activation and GPU arch
@@ -23,6 +24,8 @@ class GroupedLayout(enum.StrEnum):
     PSUM = (
         "psum"  # per-expert cumulative row ends (DeepGEMM use_psum_layout=True); gap rows skipped
     )
+    # [E_l, M_max, H] batches + masked_m (DeepGEMM m_grouped_fp8_gemm_nt_masked)
+    MASKED = "masked"
 
 
 class MSumRecipe(enum.StrEnum):
@@ -129,7 +132,8 @@ class Engine(enum.StrEnum):
     TRITON = "triton"
 
 
-# ep:N+ll batches hold whole blocks of this many rows (the masked GEMM's largest BLOCK_M).
+# The masked layout's batches (ep:N+ll's among them) hold whole blocks of this many rows (the
+# masked GEMM's largest BLOCK_M).
 LL_BLOCK_ROWS = 128
 
 # The largest finite e4m3 and e2m1 magnitudes (every quantizer clamps to them).

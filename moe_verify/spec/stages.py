@@ -27,7 +27,8 @@ class Stage(enum.StrEnum):
     REDUCE = "reduce"
 
 
-# One rank's stages in order: the contiguous layout, and the batched low-latency one (ep:N+ll).
+# One rank's stages in order: the contiguous layouts (m_indices, psum), and the masked one
+# (GroupedLayout.MASKED: dispatch into per-expert batches; always under ep:N+ll).
 STAGES: tuple[Stage, ...] = (
     Stage.ROUTE,
     Stage.QUANT_INPUT,
@@ -38,7 +39,7 @@ STAGES: tuple[Stage, ...] = (
     Stage.GEMM2,
     Stage.GATHER,
 )
-LL_STAGES: tuple[Stage, ...] = (
+BATCHED_STAGES: tuple[Stage, ...] = (
     Stage.ROUTE,
     Stage.QUANT_INPUT,
     Stage.DISPATCH,

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moe_verify.spec.checks import MAX_EXPERTS, MAX_RANKS, _got, check_enum, check_int
-from moe_verify.spec.stages import LL_STAGES, STAGES, Stage
 
 
 class TopologyKind(enum.StrEnum):
@@ -126,10 +125,6 @@ class Topology:
                 f"Topology.explicit: expected 1 to {MAX_RANKS} rank lists, got {len(lists)}"
             )
         return Topology(TopologyKind.EP, len(lists), Placement.EXPLICIT, lists)
-
-    @property
-    def stages(self) -> tuple[Stage, ...]:
-        return LL_STAGES if self.kind is TopologyKind.EP_LL else STAGES
 
     def __str__(self) -> str:
         if self.kind is TopologyKind.TP:

@@ -11,8 +11,8 @@ from moe_verify.cli import main
 from moe_verify.run.inputs import make_inputs
 from moe_verify.run.verify import verify_invariance
 from moe_verify.spec import (
+    BATCHED_STAGES,
     LL_BLOCK_ROWS,
-    LL_STAGES,
     Mode,
     MoEProblem,
     Stage,
@@ -150,7 +150,7 @@ def _golden_ll(problem: MoEProblem, rank: int = 0) -> Trace:
     return ReferenceBackend().run(problem, make_inputs(problem, "cpu"), rank)
 
 
-@pytest.mark.parametrize("stage", LL_STAGES, ids=str)
+@pytest.mark.parametrize("stage", BATCHED_STAGES, ids=str)
 def test_batched_traces_of_two_capacities_agree_row_for_row(stage: str) -> None:
     """The golden at 128 and at 256 rows per batch: the same live rows in batches of two sizes,
     each keyed through its own dispatch."""

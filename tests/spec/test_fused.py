@@ -7,7 +7,7 @@ import pytest
 
 from moe_verify.examples.fused import FusedForward, QuantizingScatter
 from moe_verify.spec import (
-    LL_STAGES,
+    BATCHED_STAGES,
     STAGES,
     FusedGroup,
     MoEInputs,
@@ -50,7 +50,7 @@ def test_the_whole_forward_is_one_step() -> None:
         # permute reads quant_input, so quant_input+gemm1 would have to hand it out mid-call
         (STAGES, [(Q, Stage.GEMM1)], "permute runs between its stages and reads quant_input"),
         # the batched layout has no permute
-        (LL_STAGES, [(Q, P)], "this problem does not run permute"),
+        (BATCHED_STAGES, [(Q, P)], "this problem does not run permute"),
         # declared out of the forward's order
         (STAGES, [(P, Q)], "the forward runs them as quant_input, permute"),
         # one stage claimed twice

@@ -317,11 +317,18 @@ def expert_rows_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
     if bool(wrong.any()):
         i = int(torch.nonzero(wrong)[0, 0])
         worst = slot_worst(ctx, s, i, golden=int(expected[i]), other=int(got[i]))
-        note = (
-            f"; first: {slot_name(ctx, s, i)} sits in row {int(rows[i])} of local expert "
-            f"{int(got[i])}'s segment, golden local expert {int(expected[i])}"
+        # -1: a row no expert claims (padding; in a batch, at or past its masked_m), so the
+        # GEMM never reads the slot
+        place = (
+            "which no expert reads"
+            if int(got[i]) < 0
+            else f"of local expert {int(got[i])}'s segment"
         )
-    what = "live slots sit in another expert's segment"
+        note = (
+            f"; first: {slot_name(ctx, s, i)} sits in row {int(rows[i])} {place}, golden local "
+            f"expert {int(expected[i])}"
+        )
+    what = "live slots sit in another expert's segment or in one no expert reads"
     result = exact_check(
         "expert rows", mismatch_of(wrong), what, ctx.check.reason, worst, note, "slots"
     )
