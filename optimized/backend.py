@@ -35,6 +35,7 @@ from moe_verify.spec import (
     ceil_div,
     check_bool,
     is_sm90,
+    round_up,
     run_stages,
 )
 from optimized import deepgemm
@@ -221,7 +222,7 @@ class OptimizedBackend:
             )  # fmt: skip
             return {
                 "a2q": ctx.buffers.own(q).view(*batch, q.shape[-1]),
-                "a2q_scale": s.reshape(*batch, s.shape[-1]),
+                "a2q_scale": per_batch_scales(s, batch),
                 **act_quant.gate_source(mm1.device),
             }
         layout, grouped = self.grouped_layout(problem, up)
@@ -458,6 +459,22 @@ def permute_outputs(ctx: StageContext, out: scatter.Scattered) -> Outputs:
         "expert_start": out.expert_start,
         "layout": choose_grouped_layout(ctx.problem).layout.value,
     }
+
+
+def per_batch_scales(scales: torch.Tensor, batch: torch.Size) -> torch.Tensor:
+    """act_quant's scales of the flattened batches [E_l * T, G] as [E_l, T, G]: fp32 row-major,
+    or packed UE8M0 words MN-major per batch (each batch's word columns TMA-aligned, as DeepGEMM's
+    masked GEMM reads them; the kernel packed the flattened rows as one)."""
+    if scales.dtype != torch.int32:
+        return scales.reshape(*batch, scales.shape[-1])
+    e_l, t = batch
+    words = scales.shape[-1]
+    tma = round_up(t, 4)
+    out = torch.empty_strided(
+        (e_l, t, words), (words * tma, 1, tma), dtype=torch.int32, device=scales.device
+    )
+    out.copy_(scales.reshape(e_l, t, words))
+    return out
 
 
 def gemm_operands(upstream: Trace, stage: Stage) -> tuple[torch.Tensor, torch.Tensor]:

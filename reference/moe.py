@@ -265,14 +265,8 @@ class ReferenceBackend:
             raise ValueError("mxfp4_w4a8: the FP4 experts support silu (with optional clamp) only")
         by_recipe = {}
         for r in recipes:
-            # the batched layout: quantize the flattened rows, keep the batch shape
-            q, s = act_quant(
-                mm1.reshape(-1, mm1.shape[-1]), activation, p.recipe.act_group, p.scale_fmt, r
-            )
-            by_recipe[r] = (
-                q.view(*mm1.shape[:-1], q.shape[-1]),
-                s.reshape(*mm1.shape[:-1], s.shape[-1]),
-            )
+            # the masked layout's [E_l, M_max, 2I] too: packed scales then per batch, MN-major
+            by_recipe[r] = act_quant(mm1, activation, p.recipe.act_group, p.scale_fmt, r)
         return recipe_outputs(by_recipe, ("a2q", "a2q_scale"))
 
     def gemm2(self, ctx: StageContext) -> Outputs:

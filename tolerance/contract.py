@@ -342,7 +342,18 @@ def _dispatch(v: _View, out: _Outputs) -> None:
     e, t = v.local_experts, ("max_tokens", p.ll_max_tokens)
     # DeepGEMM's masked GEMM views the batches as one K-major [E_l * max_tokens, H] matrix.
     out.tensor("a_batched", FP8, (e, t, v.hidden), strides=_Strides.CONTIGUOUS)
-    out.tensor("a_scale_batched", torch.float32, (e, t, (f"H/{g}", p.hidden // g)))
+    scales = out.get("a_scale_batched")
+    if p.scale_fmt is ScaleFmt.UE8M0_PACKED and getattr(scales, "dtype", None) == torch.int32:
+        # Handed to DeepGEMM already packed (its packer off): per batch MN-major, TMA-aligned.
+        words = ceil_div(p.hidden // g, 4)
+        out.tensor(
+            "a_scale_batched",
+            torch.int32,
+            (e, t, (f"ceil(H/{g}/4)", words)),
+            strides=_Strides.PACKED,
+        )
+    else:
+        out.tensor("a_scale_batched", torch.float32, (e, t, (f"H/{g}", p.hidden // g)))
     out.tensor("masked_m", torch.int32, (e,), strides=_Strides.CONTIGUOUS)
     out.tensor("slot", torch.int32, (v.tokens, v.k))
     out.tensor("slot_expert", torch.int32, (v.tokens, v.k))
@@ -363,7 +374,7 @@ def _act_quant(v: _View, out: _Outputs) -> None:
     lead = v.lead(Stage.GEMM1, "mm1")
     ip, g = p.intermediate_per_rank, p.recipe.act_group
     out.tensor("a2q", FP8, (*lead, ("Ip", ip)), strides=_Strides.K_MAJOR)
-    if p.scale_fmt is ScaleFmt.UE8M0_PACKED and not v.batched:
+    if p.scale_fmt is ScaleFmt.UE8M0_PACKED:
         words = ceil_div(ip // g, 4)
         out.tensor(
             "a2q_scale", torch.int32, (*lead, (f"ceil(Ip/{g}/4)", words)), strides=_Strides.PACKED

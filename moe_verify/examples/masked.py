@@ -13,6 +13,18 @@ contract, by a sort rather than the optimized path's one-hot count:
 - `SortedDispatchFromOne` (wrong): the same with each batch's rows counted from 1, as an
   off-by-one start would. masked_m is right, so every batch's last slot lands on row masked_m,
   past what the GEMM reads, and that token loses an expert. Fails at dispatch.
+
+Which padding bytes matter follows DeepGEMM's read path (docs/stage-contract.md, "Padding rows,
+by who reads them"): with fp32 UE8M0-rounded scales DeepGEMM's packer reads every row of the
+batches, past masked_m too; scales handed over already packed skip the packer, and the masked
+GEMM reads no row past masked_m.
+
+- `PrePackedDispatch` (correct, ue8m0_packed problems): the scales packed into UE8M0 words by
+  the dispatch itself, each batch MN-major with TMA-aligned word columns; the rows past masked_m
+  are left as the buffer held them (0xFF bytes, NaN to a kernel that read them). Passes.
+- `UnwrittenFp32Padding` (wrong, UE8M0 problems with fp32 scales): fp32 scales whose rows past
+  masked_m are left holding 0.3, not a power of two; DeepGEMM's packer reads them and traps.
+  Fails at dispatch ("padding scales").
 """
 
 from __future__ import annotations
@@ -67,6 +79,45 @@ class SortedDispatch(StageDelegate):
             "slot_expert": local.to(torch.int32),
             "expected_m": max(1, -(-int(masked_m.sum()) // max(e_l, 1))),
         }
+
+
+class PrePackedDispatch(SortedDispatch):
+    """The batches' scales packed here (DeepGEMM's packer off), rows past masked_m unwritten."""
+
+    name = "pre-packed-dispatch"
+
+    def dispatch(self, ctx: StageContext) -> Outputs:
+        out = super().dispatch(ctx)
+        scales, masked_m = out["a_scale_batched"], out["masked_m"]
+        e_l, rows, groups = scales.shape
+        words, tma = -(-groups // 4), -(-rows // 4) * 4
+        exponents = torch.zeros(e_l, rows, 4 * words, dtype=torch.int64, device=scales.device)
+        exponents[..., :groups] = (scales.view(torch.int32).long() >> 23) & 0xFF
+        live = torch.arange(rows, device=scales.device)[None, :] < masked_m[:, None]
+        exponents[~live] = 0xFF  # never written: what the buffer held
+        shifted = exponents.view(e_l, rows, words, 4) << torch.arange(
+            0, 32, 8, device=scales.device
+        )
+        packed = shifted.sum(-1)
+        packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+        stored = torch.empty_strided(
+            (e_l, rows, words), (words * tma, 1, tma), dtype=torch.int32, device=scales.device
+        )
+        stored.copy_(packed)
+        return {**out, "a_scale_batched": stored}
+
+
+class UnwrittenFp32Padding(SortedDispatch):
+    """Wrong: fp32 scales whose rows past masked_m hold 0.3, which DeepGEMM's packer reads."""
+
+    name = "unwritten-fp32-padding"
+
+    def dispatch(self, ctx: StageContext) -> Outputs:
+        out = super().dispatch(ctx)
+        scales, masked_m = out["a_scale_batched"].clone(), out["masked_m"]
+        rows = torch.arange(scales.shape[1], device=scales.device)[None, :]
+        scales[rows >= masked_m[:, None]] = 0.3
+        return {**out, "a_scale_batched": scales}
 
 
 class SortedDispatchFromOne(SortedDispatch):

@@ -270,11 +270,11 @@ def _problem_rows() -> list[Bad]:
             "mxfp8",
         ),
         bad(
-            "MoEProblem-ep-ll-packed",
-            lambda: tiny(scale_fmt="ue8m0_packed", topology="ep:2+ll"),
+            "MoEProblem-masked-mxfp8",
+            lambda: tiny(recipe="mxfp8", scale_fmt="ue8m0_packed", grouped_layout="masked"),
             ValueError,
-            "ep+ll",
-            "ue8m0_packed",
+            "masked layout",
+            "mxfp8",
         ),
         bad(
             "MoEProblem-ep-ll-swigluoai",

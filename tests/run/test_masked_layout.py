@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from moe_verify.examples.masked import SortedDispatch, SortedDispatchFromOne
+from moe_verify.examples.masked import (
+    PrePackedDispatch,
+    SortedDispatch,
+    SortedDispatchFromOne,
+    UnwrittenFp32Padding,
+)
 from moe_verify.run.verify import verify
 from moe_verify.spec import (
     BATCHED_STAGES,
@@ -49,8 +54,8 @@ def test_ep_ll_is_always_masked() -> None:
 @pytest.mark.parametrize(
     ("changes", "says"),
     [
-        ({"scale_fmt": "ue8m0_packed"}, "the masked layout .* supports fp8_block with scale_fmt"),
-        ({"recipe": "mxfp8", "scale_fmt": "ue8m0_packed"}, "got recipe mxfp8"),
+        ({"recipe": "mxfp8", "scale_fmt": "ue8m0_packed"}, "masked layout .* got recipe mxfp8"),
+        ({"recipe": "mxfp4_w4a8", "scale_fmt": "ue8m0_packed"}, "got recipe mxfp4_w4a8"),
     ],
 )
 def test_the_masked_layout_refuses_what_it_does_not_run(changes: dict, says: str) -> None:
@@ -90,3 +95,39 @@ def test_a_slot_past_masked_m_fails_at_dispatch(topology: str) -> None:
         if c.name == "expert rows"
     )  # fmt: skip
     assert "which no expert reads" in rows.detail, rows.detail
+
+
+@pytest.mark.parametrize("topology", ["tp:2", "ep:2+ll"])
+def test_packed_scales_run_in_the_batches(topology: str) -> None:
+    """ue8m0_packed in the masked layout: act_quant's scales packed per batch (MN-major, word
+    columns TMA-aligned to the batch's rows), and a dispatch that packs its own."""
+    p = (
+        masked(topology, scale_fmt="ue8m0_packed")
+        if "ll" not in topology
+        else MoEProblem(**SHAPE, topology=topology, scale_fmt="ue8m0_packed")
+    )
+    for backend in (OptimizedBackend(engine="triton"), PrePackedDispatch(engine="triton")):
+        report = verify(p, backend=backend, mode="both")
+        assert report.exit_code == 0, report.failure_messages()
+
+
+def _dispatch_checks(report) -> dict[str, bool]:
+    return {
+        c.name: c.passed for r in report.isolated if r.stage == Stage.DISPATCH for c in r.checks
+    }
+
+
+def test_padding_rows_are_judged_where_deepgemm_reads_them() -> None:
+    """Packed words handed over (no packer): rows past masked_m hold 0xFF and nothing judges
+    them. fp32 scales in a UE8M0 format: DeepGEMM's packer reads every row of the batches, so a
+    row past masked_m that is not a power of two fails; in plain float32 nothing packs them."""
+    packed = verify(masked("tp:2", scale_fmt="ue8m0_packed"), backend=PrePackedDispatch("triton"))
+    assert packed.exit_code == 0 and "padding scales" not in _dispatch_checks(packed)
+    ceil = verify(
+        masked("tp:2", scale_fmt="float32_ceil_ue8m0"), backend=UnwrittenFp32Padding("triton")
+    )
+    assert _dispatch_checks(ceil)["padding scales"] is False
+    first = next(r for r in ceil.isolated if r.status is Status.FAIL)
+    assert first.stage == Stage.DISPATCH
+    plain = verify(masked("tp:2"), backend=UnwrittenFp32Padding("triton"))
+    assert plain.exit_code == 0 and "padding scales" not in _dispatch_checks(plain)

@@ -358,12 +358,17 @@ def padding_m_indices_check(ctx: Ctx, layout: PermuteRows) -> CheckResult:
 def padding_scales_check(
     ctx: Ctx, layout: PermuteRows, scales: PermutedScales
 ) -> CheckResult | None:
-    """What DeepGEMM requires of the scales of rows claimed by no live slot, by format: packed
-    bytes must not be 0xFF (NaN to the kernel); fp32 scales rounded to UE8M0 must pass DeepGEMM's
+    """What DeepGEMM requires of the scales of rows claimed by no live slot, where it reads them,
+    by format: packed bytes must not be 0xFF (NaN to the kernel; a batch's rows past masked_m,
+    never read, are free); fp32 scales rounded to UE8M0 must pass DeepGEMM's
     packer assert, `(bits & 0x807FFFFF) == 0` (a power of two or +0.0), since its SM100 packer
     reads every row and a violation traps the kernel (vLLM issue #49783). Plain fp32 scales reach
     only SM90's 1D2D kernel, which scales each row by its own scale: None, nothing to check."""
     stored, pad, group = scales.stored, layout.padding, scales.group
+    if stored.dtype == torch.int32 and Stage.DISPATCH in ctx.golden:
+        # Batches handed to DeepGEMM packed: its masked GEMM reads rows below masked_m only,
+        # and no packer runs, so nothing reads the rows past it.
+        return None
     if stored.dtype == torch.int32:
         codes = unpack_ue8m0(stored, scales.groups)
         bad = pad[:, None] & (codes == E8M0_NAN)
