@@ -66,6 +66,10 @@ CORRECT = [
     BASE.replace(recipe=Recipe.MXFP8, scale_fmt=ScaleFmt.UE8M0_PACKED),  # 1x32 groups, packed
     BASE.replace(recipe=Recipe.MXFP4_W4A8, scale_fmt=ScaleFmt.FLOAT32_CEIL_UE8M0),  # E2M1 weights
     BASE.replace(topology="ep:2+ll"),  # the masked (batched) layout: its own capture
+    # the masked layout on a plain EP rank, its batches packed UE8M0 (no DeepEP)
+    BASE.replace(
+        topology="ep:2", grouped_layout=GroupedLayout.MASKED, scale_fmt=ScaleFmt.UE8M0_PACKED
+    ),
 ]
 
 
