@@ -2,7 +2,8 @@
 
 vLLM runs one of three kernels here, and they round differently, so the golden models each
 exactly (`ActQuantRecipe`; vLLM 0.32's fp8_utils.py, and csrc activation_kernels.cu), and
-LMDeploy a fourth ("colmajor_amax_reciprocal", below):
+LMDeploy a fourth ("colmajor_amax_reciprocal", below), and TensorRT-LLM's DeepGEMM MoE a fifth
+("colmajor_ceil_packed", below: the colmajor activation, ceil-UE8M0 scales packed four per int32):
 - "packed" (`silu_mul_quant_fp8_packed_triton`, UE8M0_PACKED): clamp and activation in fp32,
   ONE bf16 rounding of the product; scale exponent from amax / 448 floored at 1e-10; int32 packed.
 - "colmajor" (`silu_mul_per_token_group_quant_fp8_colmajor`, FLOAT32 and
@@ -52,6 +53,7 @@ __all__ = [
     "fused_act_quant_recipe",
     "quantize_groups_bf16_steps",
     "quantize_groups_colmajor",
+    "quantize_groups_colmajor_packed",
     "quantize_groups_packed",
     "sglang_sm90_cuda_recipe",
     "sm90_triton_recipe",
@@ -153,6 +155,7 @@ _ROUNDING = {
     ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL: "colmajor",  # LMDeploy's silu_and_mul: the same
     ActQuantRecipe.COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON: "colmajor",
     ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA: "packed",  # SGLang's silu_and_mul
+    ActQuantRecipe.COLMAJOR_CEIL_PACKED: "colmajor",  # TensorRT-LLM: bf16(bf16(silu(g)) * u)
 }
 # The recipes whose activation rounding is not their quantizer's: they quantize the bf16
 # activations with an input quantizer (reference/formats.py `quantize_groups_by_amax_reciprocal`).
@@ -230,6 +233,25 @@ def quantize_groups_colmajor(y: Tensor, group: int, scale_fmt: ScaleFmt) -> tupl
     return cast_to_fp8(groups / scale.unsqueeze(-1)).reshape(y.shape), scale
 
 
+def quantize_groups_colmajor_packed(y: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """TensorRT-LLM's quantization (`_silu_and_mul_post_quant_kernel` with SCALE_UE8M0, docs/
+    tolerance.md#act_quant-recipes): y fp32 [..., I] of bf16 values, per group
+        s = 2^ceil(log2(max(amax, 1e-10) / 448)); q = cast_to_fp8(y / s);
+        byte = exponent of s, four groups per int32 word (byte j of word w is group 4w + j).
+    The kernel divides amax by 448 where the colmajor kernel multiplies by fp32(1/448); for every
+    bf16 amax both quotients have the same power-of-two ceiling (tests), so the scales are
+    `quantize_groups_colmajor`'s FLOAT32_CEIL_UE8M0 ones. The kernel computes all four groups of
+    a word, loading zeros past the row's end, so a partial last word's pad slots hold a zero
+    group's byte, 85 (2^-42): y is padded with zero groups here likewise.
+    Returns (q fp8 [..., I], int32 [..., P] from `pack_ue8m0`, P = ceil(I/group/4)).
+    """
+    width = y.shape[-1]
+    missing = -(width // group) % 4  # groups of zeros that complete the last word
+    padded = torch.cat((y, y.new_zeros((*y.shape[:-1], missing * group))), dim=-1)
+    q, scale = quantize_groups_colmajor(padded, group, ScaleFmt.FLOAT32_CEIL_UE8M0)
+    return q[..., :width].contiguous(), pack_ue8m0(ue8m0_bytes(scale))
+
+
 def _log2_bf16(s: Tensor) -> Tensor:
     """bf16(log2(s)) for positive bf16 s (hlog2: an fp32 log2 rounded to bf16), as fp32.
 
@@ -264,11 +286,31 @@ def quantize_groups_bf16_steps(y: Tensor, group: int, scale_fmt: ScaleFmt) -> tu
     return q, scale
 
 
+def _check_colmajor_ceil_packed(activation: Activation, group: int, fmt: ScaleFmt) -> None:
+    what = (
+        "act_quant recipe 'colmajor_ceil_packed' (TensorRT-LLM's _silu_and_mul_post_quant_kernel)"
+    )
+    if fmt is not ScaleFmt.UE8M0_PACKED:
+        raise ValueError(
+            f"{what} writes packed UE8M0 scales: scale_fmt must be ue8m0_packed, got {fmt}"
+        )
+    if activation.kind != "silu" or activation.limit is not None:
+        raise ValueError(
+            f"{what} computes plain silu only: activation must be silu with no clamp, got "
+            f"{activation.tag}"
+        )
+    if group != 128:
+        raise ValueError(f"{what} packs 128-column groups: group must be 128, got {group}")
+
+
 def _check_recipe(
     recipe: ActQuantRecipe, activation: Activation, group: int, fmt: ScaleFmt
 ) -> None:
     packed = fmt is ScaleFmt.UE8M0_PACKED
     rounding = _ROUNDING[recipe]
+    if recipe is ActQuantRecipe.COLMAJOR_CEIL_PACKED:
+        _check_colmajor_ceil_packed(activation, group, fmt)
+        return
     if recipe is ActQuantRecipe.PACKED_FAST_RECIPROCAL_SM90_CUDA:
         if sglang_sm90_cuda_recipe(activation, fmt) is None:
             raise ValueError(
@@ -337,8 +379,13 @@ def act_quant(
         the H200 Triton table of activation.alpha (`swiglu`'s table;
         reference/hardware/gate_table.py, `gate_table_provenance` names the GPU and versions); a
         ValueError where no table applies (`sm90_triton_recipe` says when one does).
-    Zero groups: byte 94 (2^-33) packed; 1e-10/448 float32 and 2^-42 (byte 85) ceil (colmajor);
-    bf16_steps: bf16(bf16(1e-10) * bf16(1/448)), or 2^-42 for the ue8m0 formats.
+    "colmajor_ceil_packed" (UE8M0_PACKED only; plain silu, group 128; TensorRT-LLM's
+        silu_and_mul_masked_post_quant_fwd with scale_ue8m0=True): y = swiglu(rounding=
+        "colmajor"), `quantize_groups_colmajor_packed`. Scales as packed's (strides included);
+        the pad slots of the last word hold byte 85, a zero group's (the kernel's).
+    Zero groups: byte 94 (2^-33) packed, byte 85 (2^-42) colmajor_ceil_packed; 1e-10/448
+    float32 and 2^-42 (byte 85) ceil (colmajor); bf16_steps: bf16(bf16(1e-10) * bf16(1/448)),
+    or 2^-42 for the ue8m0 formats.
     """
     _check_mm1(mm1, activation)
     group = require_positive_int("group", group)
@@ -358,6 +405,8 @@ def act_quant(
     y = swiglu(mm1, activation, rounding, table)
     if recipe is ActQuantRecipe.BF16_STEPS:
         return quantize_groups_bf16_steps(y, group, scale_fmt)
+    if recipe is ActQuantRecipe.COLMAJOR_CEIL_PACKED:
+        return quantize_groups_colmajor_packed(y, group)
     if recipe in _AMAX_RECIPROCAL_QUANTIZER:
         quantizer = _AMAX_RECIPROCAL_QUANTIZER[recipe]
         q, scale = quantize_groups_by_amax_reciprocal(_groups(y, group), scale_fmt, quantizer)

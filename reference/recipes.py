@@ -38,8 +38,9 @@ __all__ = [
     "routed_scaling_recipes",
 ]
 
-# The one act_quant group size the low-latency CUDA kernel takes.
-_BF16_STEPS_GROUP = 128
+# The one act_quant group size the low-latency CUDA kernel takes, and TensorRT-LLM's packing one
+# (its word loop steps by 128 columns).
+_BF16_STEPS_GROUP = _TRTLLM_GROUP = 128
 
 
 def input_quant_recipes(problem: MoEProblem) -> tuple[InputQuantRecipe, ...]:
@@ -71,8 +72,9 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     `sm90_triton_recipe`); with fp32 scales LMDeploy's (colmajor_amax_reciprocal, and its twin
     compiled for an H200 where the gate table applies); with float32
     scales and silu SGLang's on an H200 (packed_fast_reciprocal_sm90_cuda, where
-    `sglang_sm90_cuda_recipe` models it); on the
-    batched low-latency layout (ep:N+ll) also vLLM's CUDA kernel
+    `sglang_sm90_cuda_recipe` models it); with packed UE8M0 scales, plain silu and
+    128-column groups TensorRT-LLM's silu_and_mul_masked_post_quant_fwd (colmajor_ceil_packed); on
+    the batched low-latency layout (ep:N+ll) also vLLM's CUDA kernel
     persistent_masked_m_silu_mul_quant (bf16_steps), which takes plain silu with 128-column
     groups only."""
     fused = fused_act_quant_recipe(problem.scale_fmt)
@@ -89,6 +91,12 @@ def act_quant_recipes(problem: MoEProblem) -> tuple[ActQuantRecipe, ...]:
     sglang = sglang_sm90_cuda_recipe(problem.activation, problem.scale_fmt)
     if sglang is not None:
         recipes.append(sglang)
+    if (
+        fused is ActQuantRecipe.PACKED
+        and _plain_silu(problem.activation)
+        and problem.recipe.act_group == _TRTLLM_GROUP
+    ):
+        recipes.append(ActQuantRecipe.COLMAJOR_CEIL_PACKED)
     if (
         problem.batched
         and _plain_silu(problem.activation)

@@ -63,8 +63,8 @@ class InputQuantRecipe(enum.StrEnum):
 
 class ActQuantRecipe(enum.StrEnum):
     """vLLM's three SwiGLU + FP8 requant kernels (docs/tolerance.md#act_quant-recipes;
-    reference/activation.py models each), the Triton two with the hardware's gate, and
-    LMDeploy's."""
+    reference/activation.py models each), the Triton two with the hardware's gate, LMDeploy's,
+    SGLang's and TensorRT-LLM's."""
 
     PACKED = "packed"  # silu_mul_quant_fp8_packed_triton: fp32, one bf16 rounding (UE8M0_PACKED)
     COLMAJOR = "colmajor"  # silu_mul_per_token_group_quant_fp8_colmajor: silu_and_mul's roundings
@@ -84,6 +84,11 @@ class ActQuantRecipe(enum.StrEnum):
     # table) times up in fp32, one bf16 rounding (packed's), then its quantizer
     # (InputQuantRecipe.FAST_RECIPROCAL_SM90_CUDA)
     PACKED_FAST_RECIPROCAL_SM90_CUDA = "packed_fast_reciprocal_sm90_cuda"
+    # TensorRT-LLM's DeepGEMM MoE (NVIDIA/TensorRT-LLM at 03857e0888701052edd74d0209559b09e381f7f8:
+    # ops/moe_op_deepgemm.py calls fp8_utils.py silu_and_mul_masked_post_quant_fwd with
+    # scale_ue8m0=True): colmajor's roundings, s = 2^ceil(log2(max(amax, 1e-10) / 448)), UE8M0
+    # bytes packed four per int32 (UE8M0_PACKED, plain silu, 128-column groups)
+    COLMAJOR_CEIL_PACKED = "colmajor_ceil_packed"
 
 
 class GatherRecipe(enum.StrEnum):

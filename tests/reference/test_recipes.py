@@ -45,6 +45,7 @@ LMDEPLOY_ACT_SM90 = "colmajor_amax_reciprocal_sm90_triton"
 FLOAT32, CEIL, PACKED = ScaleFmt.FLOAT32, ScaleFmt.FLOAT32_CEIL_UE8M0, ScaleFmt.UE8M0_PACKED
 SILU = Activation()
 BF16 = torch.bfloat16
+CEIL_PACKED = ActQuantRecipe.COLMAJOR_CEIL_PACKED
 
 
 def every_bf16() -> torch.Tensor:
@@ -265,6 +266,12 @@ def test_bf16_steps_equals_colmajor_activation_for_plain_silu() -> None:
         (ActQuantRecipe.BF16_STEPS, FLOAT32, Activation(limit=7.0), 128, "plain silu"),
         (ActQuantRecipe.BF16_STEPS, FLOAT32, Activation("swigluoai"), 128, "plain silu"),
         (ActQuantRecipe.BF16_STEPS, FLOAT32, SILU, 64, "128-column groups"),
+        # TensorRT-LLM's kernel: packed UE8M0 bytes of 128-column groups, plain silu only
+        (CEIL_PACKED, FLOAT32, SILU, 128, "scale_fmt must be ue8m0_packed, got float32"),
+        (CEIL_PACKED, CEIL, SILU, 128, "scale_fmt must be ue8m0_packed, got float32_ceil"),
+        (CEIL_PACKED, PACKED, Activation(limit=7.0), 128, "activation must be silu with no"),
+        (CEIL_PACKED, PACKED, Activation("swigluoai"), 128, "activation must be silu with no"),
+        (CEIL_PACKED, PACKED, SILU, 32, "group must be 128, got 32"),
     ],
 )
 def test_act_quant_rejects_a_recipe_that_cannot_run(
@@ -316,11 +323,31 @@ COLMAJOR_FP32 = (
             COLMAJOR_FP32[:-1],
             id="silu-off-grid-limit",
         ),
+        # packed UE8M0 with plain silu: TensorRT-LLM's kernel too ...
         pytest.param(
             P.replace(scale_fmt=PACKED),
             (CUDA, TRITON),
-            ("packed", "packed_sm90_triton"),
+            ("packed", "packed_sm90_triton", "colmajor_ceil_packed"),
             id="packed",
+        ),
+        pytest.param(
+            P.replace(recipe=Recipe.MXFP4_W4A8, scale_fmt=PACKED),
+            (CUDA, TRITON),
+            ("packed", "packed_sm90_triton", "colmajor_ceil_packed"),
+            id="mxfp4-packed",
+        ),
+        # ... which takes no clamp, no swigluoai and no 32-column groups
+        pytest.param(
+            P.replace(scale_fmt=PACKED, activation="silu:L7"),
+            (CUDA, TRITON),
+            ("packed", "packed_sm90_triton"),
+            id="packed-clamped",
+        ),
+        pytest.param(
+            P.replace(scale_fmt=PACKED, activation="swigluoai"),
+            (CUDA, TRITON),
+            ("packed", "packed_sm90_triton"),
+            id="packed-swigluoai",
         ),
         pytest.param(
             P.replace(recipe=Recipe.MXFP8, scale_fmt=PACKED),

@@ -64,7 +64,12 @@ LMD_SM90 = R.COLMAJOR_AMAX_RECIPROCAL_SM90_TRITON  # LMDeploy's compiled twin, w
 OFFERS = [
     # plain silu: a table for alpha 1, both Triton roundings get their twin
     Offer("silu-float32", BASE, (R.COLMAJOR, R.COLMAJOR_SM90_TRITON, LMD, LMD_SM90, SGL)),
-    Offer("silu-packed", BASE.replace(scale_fmt="ue8m0_packed"), (R.PACKED, R.PACKED_SM90_TRITON)),
+    # (and TensorRT-LLM's packed kernel for plain silu: no table, not a kernel recorded here)
+    Offer(
+        "silu-packed",
+        BASE.replace(scale_fmt="ue8m0_packed"),
+        (R.PACKED, R.PACKED_SM90_TRITON, R.COLMAJOR_CEIL_PACKED),
+    ),  # fmt: skip
     # gpt-oss swigluoai (alpha 1.702, clamp 7, a bf16 value): tabulated
     Offer(
         "swigluoai-packed",

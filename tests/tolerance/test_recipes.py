@@ -13,6 +13,7 @@ import functools
 import pytest
 import torch
 
+from moe_verify.examples.ceil_packed import silu_and_mul_ceil_packed
 from moe_verify.run.inputs import make_inputs
 from moe_verify.run.runner import run_one_stage
 from moe_verify.spec import (
@@ -212,6 +213,46 @@ def test_act_quant_wrong_scales_fail_against_the_closest_recipe() -> None:
     result = compare_stage(Stage.ACT_QUANT, g, other, LL)
     assert result.status is Status.FAIL and result.recipe is None
     assert any("closest, bf16_steps" in c.detail for c in result.failed_checks)
+
+
+# TensorRT-LLM's act_quant on packed UE8M0 problems: colmajor's roundings, ceil scales, packed.
+CEIL_PACKED, PACKED = ActQuantRecipe.COLMAJOR_CEIL_PACKED.value, ActQuantRecipe.PACKED.value
+PACKED_P = P.replace(scale_fmt="ue8m0_packed")
+
+
+@pytest.mark.parametrize("declare", [None, CEIL_PACKED])
+def test_act_quant_ceil_packed_passes_on_a_packed_problem_and_is_named(declare: str | None) -> None:
+    g = golden(PACKED_P)
+    assert list(g[Stage.ACT_QUANT]["recipe_outputs"]) == [PACKED, "packed_sm90_triton", CEIL_PACKED]
+    other = as_recipe(g, Stage.ACT_QUANT, CEIL_PACKED, declare)
+    assert other[Stage.ACT_QUANT]["a2q_scale"].dtype == torch.int32
+    result = compare_stage(Stage.ACT_QUANT, g, other, PACKED_P)
+    assert result.status is Status.PASS, result.checks
+    assert result.recipe == CEIL_PACKED
+    assert CEIL_PACKED in result.checks[0].detail
+
+
+def test_act_quant_ceil_packed_is_not_the_packed_recipe() -> None:
+    # Held to vLLM's packed recipe alone (as before it was listed), the same outputs fail: the
+    # bf16 rounding after silu moves codes in more than the 0.1% the packed check allows.
+    g = golden(PACKED_P)
+    other = as_recipe(g, Stage.ACT_QUANT, CEIL_PACKED, declare=PACKED)
+    result = compare_stage(Stage.ACT_QUANT, g, other, PACKED_P)
+    assert result.status is Status.FAIL and result.recipe == PACKED
+    assert "code fraction" in {c.name for c in result.failed_checks}
+
+
+def test_act_quant_floor_instead_of_ceil_matches_no_recipe() -> None:
+    # TensorRT-LLM's arithmetic with the scale rounded down: where amax / 448 is not a power of
+    # two (every group but a rare exact one) the scale is half the ceil's, the top codes clip.
+    g = golden(PACKED_P)
+    q, s = silu_and_mul_ceil_packed(g[Stage.GEMM1]["mm1"], ceil=False)
+    other = with_outputs(clone_trace(g), Stage.ACT_QUANT, a2q=q, a2q_scale=s)
+    result = compare_stage(Stage.ACT_QUANT, g, other, PACKED_P)
+    assert result.status is Status.FAIL and result.recipe is None
+    flips = next(c for c in result.failed_checks if c.name == "scale flips")
+    assert "no legitimate recipe matches; against the closest" in flips.detail
+    assert flips.worst is not None and flips.worst.token is not None
 
 
 def test_act_quant_chained_names_the_recipe_too() -> None:
