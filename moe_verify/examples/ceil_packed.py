@@ -41,30 +41,35 @@ FP8_MAX = 448.0
 
 
 def silu_and_mul_ceil_packed(mm1: torch.Tensor, ceil: bool = True) -> tuple:
-    """The kernel's arithmetic on mm1 bf16 [M, 2I] ([gate | up]): per 128-column group
+    """The kernel's arithmetic on mm1 bf16 [..., M, 2I] ([gate | up]; the masked layout's
+    [E_l, M_max, 2I] batch by batch): per 128-column group
     gate_up = up * bf16(gate / (1 + exp(-gate))) in bf16, amax = max(max|gate_up|, 1e-10),
     s = exp2(ceil(log2(amax / 448))) (floor with ceil=False: the wrong variant),
     q = e4m3(clamp(gate_up / s, +-448)); each word packs four groups' exponent bytes
     (s's bits >> 23), byte j at bits 8j, groups past the row's end computed from zeros.
-    Returns (q fp8 [M, I], int32 [M, ceil(I / 512)] with strides (1, round_up(M, 4)))."""
-    rows, width = mm1.shape[0], mm1.shape[1] // 2
+    Returns (q fp8 [..., M, I], int32 [..., M, ceil(I / 512)] with strides (..., 1,
+    round_up(M, 4)) per batch)."""
+    *lead, rows, cols = mm1.shape
+    width = cols // 2
     words = -(-width // (4 * GROUP))
-    gate, up = mm1[:, :width].float(), mm1[:, width:]
+    gate, up = mm1[..., :width].float(), mm1[..., width:]
     gate_up = (gate / (1 + torch.exp(-gate))).to(BF16) * up
-    padded = torch.zeros(rows, words * 4 * GROUP, dtype=BF16, device=mm1.device)
-    padded[:, :width] = gate_up  # the masked loads of the last word: zeros
-    groups = padded.view(rows, words * 4, GROUP)
+    padded = torch.zeros(*lead, rows, words * 4 * GROUP, dtype=BF16, device=mm1.device)
+    padded[..., :width] = gate_up  # the masked loads of the last word: zeros
+    groups = padded.view(*lead, rows, words * 4, GROUP)
     amax = torch.maximum(groups.abs().amax(-1), torch.tensor(1e-10, device=mm1.device).to(BF16))
     log2 = torch.log2(amax.float() / FP8_MAX)
     s = torch.exp2(torch.ceil(log2) if ceil else torch.floor(log2))
     q = (groups.float() / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    exponents = (s.view(torch.int32) >> 23).view(rows, words, 4).to(torch.int64)
+    exponents = (s.view(torch.int32) >> 23).view(*lead, rows, words, 4).to(torch.int64)
     shifts = torch.tensor([0, 8, 16, 24], device=mm1.device)
     packed = (exponents << shifts).sum(-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-    storage = torch.zeros(words, round_up(rows, 4), dtype=torch.int32, device=mm1.device)
-    storage[:, :rows] = packed.T  # MN-major, each word column padded to 16 bytes (TMA)
-    return q.view(rows, -1)[:, :width].contiguous(), storage.T[:rows]
+    # MN-major, each word column padded to 16 bytes (TMA); a batch's columns after each other
+    storage = torch.zeros(*lead, words, round_up(rows, 4), dtype=torch.int32, device=mm1.device)
+    storage[..., :rows] = packed.transpose(-1, -2)
+    codes = q.view(*lead, rows, -1)[..., :width].contiguous()
+    return codes, storage.transpose(-1, -2)[..., :rows, :]
 
 
 class CeilPackedActQuant(StageDelegate):
