@@ -385,3 +385,24 @@ def test_cached_np_dtype_is_the_interpreters_for_every_dtype() -> None:
         assert cached(dtype) == uncached(dtype), dtype
     with pytest.raises(KeyError):
         cached(tl.void)  # not a stored type: the interpreter's own error
+
+
+def test_cached_block_types_have_the_original_fields() -> None:
+    triton_compat.install_interpreter_overhead_cuts()
+    c = tl.constexpr
+    shapes = [[16, 4], [c(16), 4], [c(c(8))], [1], [2, 2, 2], [16, 4]]  # the last: a cached one
+    elements = [tl.float32, tl.bfloat16, tl.int1, tl.pointer_type(tl.float8e4nv)]
+    fields = lambda t: (t.element_ty, list(t.shape), t.numel, t.name)  # noqa: E731
+    cut = tl.block_type.__init__
+    for element in elements:
+        for shape in shapes:
+            cached = tl.block_type(element, shape)
+            with triton_compat.uncut_interpreter_overheads():
+                assert tl.block_type.__init__ is not cut
+                uncut = tl.block_type(element, shape)
+            assert fields(cached) == fields(uncut), (element, shape)
+            assert cached == uncut
+    # What the original refuses is still refused, by the original.
+    for bad, error in (([3], ValueError), ([16.0], TypeError), ([], TypeError)):
+        with pytest.raises(error):
+            tl.block_type(tl.float32, bad)
