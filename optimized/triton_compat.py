@@ -22,6 +22,13 @@ interpreter computes them with numpy, which says so on stderr ("overflow encount
 "All-NaN slice encountered") in the middle of a report whose NaN/Inf check already counts them.
 `install_interpreter_quiet` runs each interpreted launch with those warnings off, and nothing else.
 
+The CPU tier's time is the interpreter's own Python, not numpy's arithmetic (docs/ci.md "CPU main
+tier time"). `install_interpreter_overhead_cuts` removes costs that compute nothing: every
+call of a `@triton.jit` helper inside a kernel re-patched triton.language (inspect.getmembers over
+it, ~0.4 ms, a fifth of a small verification), `_get_np_dtype` rebuilt a dict of 19 dtypes on
+each of its tens of thousands of calls, and every op's result type re-derived the same shape
+tuple, size and name. Every value a kernel computes stays the same.
+
 `prepare_interpreter` is the one setup: without a GPU it selects the interpreter and installs the
 fixes. `optimized/__init__` calls it before any kernel module is imported, so every way into the
 optimized kernels (the CLI, `verify`, a user's `OptimizedBackend` subclass) gets it.
@@ -100,6 +107,7 @@ def prepare_interpreter() -> bool:
     install_interpreter_fp8_fix()
     install_interpreter_bf16_fix()
     install_interpreter_quiet()
+    install_interpreter_overhead_cuts()
     return True
 
 
@@ -142,6 +150,131 @@ def unquiet_interpreter() -> Iterator[None]:
         yield
     finally:
         interp.GridExecutor.__call__ = quiet
+
+
+_OVERHEAD_ORIGINAL = "_moe_verify_overhead_original"
+
+
+def install_interpreter_overhead_cuts() -> None:
+    """Patch triton.language once per helper per launch, memoize `_get_np_dtype` and block types'
+    derived fields (idempotent).
+
+    Under the interpreter, `GridExecutor.__call__` patches triton.language for the launch (a
+    scope it restores when the launch ends), and `InterpretedFunction.__call__`, a `@triton.jit`
+    helper called from a kernel, patches it again on every call, into a scope nobody restores.
+    Its second call in the same launch sets the same attributes to functions that do the same
+    thing, so it is skipped: a helper is patched at its first call after each restore. A launch's
+    own patch always runs (a restore ended the last one), and covers triton.language, which the
+    interpreter's rewrite puts in every kernel's and helper's globals: so a helper whose globals
+    gain it after its first call (at that rewrite) needs no second patch either. `_get_np_dtype`
+    maps a dtype, or a block's element dtype, to a numpy dtype: its answer for a scalar dtype is
+    cached. `block_type(element_ty, shape)`, built for nearly every op's result, derives its
+    shape tuple, element count and name from str(element_ty) and the dims alone: for a list of
+    ints they are computed once per (element type, dims) and shared (triton.language never
+    changes a block type's shape in place; only the compiler's tuple assignment would).
+    """
+    import triton.language.core as core
+    import triton.runtime.interpreter as interp
+
+    if hasattr(interp._patch_lang, _OVERHEAD_ORIGINAL):
+        return
+    scope_type = interp._LangPatchScope
+    restore = scope_type.restore
+    patch_lang = interp._patch_lang
+    get_np_dtype = interp._get_np_dtype
+    generation = [0]  # restores so far: each ends a launch's patches
+    patched_at: dict[object, int] = {}
+
+    def counted_restore(self: object) -> None:
+        generation[0] += 1
+        restore(self)
+
+    def patch_lang_once(fn: object) -> object:
+        if patched_at.get(fn) == generation[0]:
+            return scope_type()  # already patched since the last restore: nothing to change
+        scope = patch_lang(fn)
+        patched_at[fn] = generation[0]
+        return scope
+
+    np_dtypes: dict[object, np.dtype] = {}
+
+    def cached_np_dtype(tt_dtype: object) -> np.dtype:
+        import triton.language as tl
+
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):  # unhashable; always uint64
+            return get_np_dtype(scalar)
+        found = np_dtypes.get(scalar)
+        if found is None:
+            found = np_dtypes[scalar] = get_np_dtype(scalar)
+        return found
+
+    block_init = core.block_type.__init__
+    block_fields: dict[tuple[object, ...], tuple[object, object, str]] = {}
+
+    def cached_block_type_init(self: object, element_ty: object, shape: object) -> None:
+        dims = _int_dims(shape, core.constexpr)
+        if dims is None:  # anything but a list of ints: the original, errors included
+            block_init(self, element_ty, shape)
+            return
+        key = (str(element_ty), *dims)
+        fields = block_fields.get(key)
+        if fields is None:
+            block_init(self, element_ty, shape)
+            block_fields[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = fields
+
+    cuts = _overhead_patches(
+        counted_restore, patch_lang_once, cached_np_dtype, cached_block_type_init
+    )
+    for owner, name, patched in cuts:
+        setattr(patched, _OVERHEAD_ORIGINAL, getattr(owner, name))
+        setattr(owner, name, patched)
+
+
+def _overhead_patches(*patched: object) -> list[tuple[object, str, object]]:
+    """(owner, attribute, value) of the entries `install_interpreter_overhead_cuts` replaces,
+    with their values from `patched` (or the current ones)."""
+    import triton.language.core as core
+    import triton.runtime.interpreter as interp
+
+    owners = [
+        (interp._LangPatchScope, "restore"),
+        (interp, "_patch_lang"),
+        (interp, "_get_np_dtype"),
+        (core.block_type, "__init__"),
+    ]
+    values = patched or tuple(getattr(owner, name) for owner, name in owners)
+    return [(owner, name, value) for (owner, name), value in zip(owners, values, strict=True)]
+
+
+def _int_dims(shape: object, constexpr: type) -> list[int] | None:
+    """The dims of a block shape given as a list of ints (plain or constexpr), else None."""
+    if type(shape) is not list:
+        return None
+    dims = []
+    for dim in shape:
+        value = dim.value if type(dim) is constexpr else dim
+        if type(value) is not int:
+            return None
+        dims.append(value)
+    return dims
+
+
+@contextlib.contextmanager
+def uncut_interpreter_overheads() -> Iterator[None]:
+    """Within the block, the interpreter's own `_patch_lang` and `_get_np_dtype` and triton's own
+    `block_type.__init__` (a test compares kernels' results with and without the cuts)."""
+    current = _overhead_patches()
+    for owner, name, value in current:
+        setattr(owner, name, getattr(value, _OVERHEAD_ORIGINAL, value))
+    try:
+        yield
+    finally:
+        for owner, name, value in current:
+            setattr(owner, name, value)
 
 
 class _TorchConvertFloat:

@@ -318,3 +318,91 @@ def test_interpreted_kernels_compute_inf_and_nan_without_warnings() -> None:
         warnings.simplefilter("error")  # any warning fails the call
         scale = _overflow_and_all_nan()
     assert torch.isfinite(scale[2:]).all()  # the finite rows are computed as before
+
+
+# ------------------------------------------------------------------- interpreter overhead cuts
+
+
+def _grouped_gemm_counting_patches(rows: int) -> tuple[torch.Tensor, int]:
+    """An fp8-block grouped GEMM of `rows` rows (two experts, alignment 32) under the interpreter,
+    and how many times triton.language was really patched (`_patch_builtin` calls) meanwhile."""
+    from optimized.kernels.grouped_gemm import grouped_gemm
+
+    g = torch.Generator().manual_seed(rows)
+    k, n, experts = 256, 64, 2
+    a = (torch.randn(rows, k, generator=g) * 8).to(FP8)
+    a_scale = torch.rand(rows, k // 128, generator=g) + 0.5
+    b = (torch.randn(experts, n, k, generator=g) * 8).to(FP8)
+    b_scale = torch.rand(experts, 1, k // 128, generator=g) + 0.5
+    m_indices = (torch.arange(rows, dtype=torch.int32) // 32) % experts
+    calls = [0]
+    original = interp._patch_builtin
+
+    def counting(*args: object) -> None:
+        calls[0] += 1
+        original(*args)
+
+    interp._patch_builtin = counting
+    try:
+        out = grouped_gemm(a, a_scale, 128, b, b_scale, (128, 128), m_indices, 32)
+    finally:
+        interp._patch_builtin = original
+    return out, calls[0]
+
+
+@pytest.mark.skipif(not triton_compat.interpreter_mode(), reason="the interpreter's overheads")
+def test_overhead_cuts_patch_once_per_launch_and_keep_every_bit() -> None:
+    # Each program of the kernel calls its @triton.jit helpers: the interpreter re-patched
+    # triton.language at every such call, so its patching grew with the grid; cut, it does not.
+    # A helper's first call in the process patches only the modules its globals name; the
+    # interpreter's rewrite of it then adds triton.language there, so warm up first.
+    _grouped_gemm_counting_patches(32)
+    small, small_patches = _grouped_gemm_counting_patches(64)
+    large, large_patches = _grouped_gemm_counting_patches(256)
+    with triton_compat.uncut_interpreter_overheads():
+        small_uncut, small_uncut_patches = _grouped_gemm_counting_patches(64)
+        large_uncut, large_uncut_patches = _grouped_gemm_counting_patches(256)
+    assert small_patches == large_patches, (small_patches, large_patches)
+    assert large_uncut_patches > small_uncut_patches > small_patches
+    assert torch.equal(small.view(torch.int16), small_uncut.view(torch.int16))
+    assert torch.equal(large.view(torch.int16), large_uncut.view(torch.int16))
+
+
+def test_cached_np_dtype_is_the_interpreters_for_every_dtype() -> None:
+    triton_compat.install_interpreter_overhead_cuts()
+    cached = interp._get_np_dtype
+    with triton_compat.uncut_interpreter_overheads():
+        uncached = interp._get_np_dtype
+    assert cached is not uncached
+    scalars = [
+        tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64,
+        tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e5b16,
+        tl.float8e4nv, tl.float8e4b8, tl.float8e4b15,
+    ]  # fmt: skip
+    pointers = [tl.pointer_type(tl.float32), tl.pointer_type(tl.int8)]
+    blocks = [tl.block_type(t, [16, 4]) for t in [*scalars, *pointers]]
+    for dtype in [*scalars, *pointers, *blocks, *scalars]:  # twice: the cached answers too
+        assert cached(dtype) == uncached(dtype), dtype
+    with pytest.raises(KeyError):
+        cached(tl.void)  # not a stored type: the interpreter's own error
+
+
+def test_cached_block_types_have_the_original_fields() -> None:
+    triton_compat.install_interpreter_overhead_cuts()
+    c = tl.constexpr
+    shapes = [[16, 4], [c(16), 4], [c(c(8))], [1], [2, 2, 2], [16, 4]]  # the last: a cached one
+    elements = [tl.float32, tl.bfloat16, tl.int1, tl.pointer_type(tl.float8e4nv)]
+    fields = lambda t: (t.element_ty, list(t.shape), t.numel, t.name)  # noqa: E731
+    cut = tl.block_type.__init__
+    for element in elements:
+        for shape in shapes:
+            cached = tl.block_type(element, shape)
+            with triton_compat.uncut_interpreter_overheads():
+                assert tl.block_type.__init__ is not cut
+                uncut = tl.block_type(element, shape)
+            assert fields(cached) == fields(uncut), (element, shape)
+            assert cached == uncut
+    # What the original refuses is still refused, by the original.
+    for bad, error in (([3], ValueError), ([16.0], TypeError), ([], TypeError)):
+        with pytest.raises(error):
+            tl.block_type(tl.float32, bad)
