@@ -23,6 +23,7 @@ from moe_verify.spec import (
     GroupedLayout,
     MoEProblem,
     Recipe,
+    RouterWeight,
     Routing,
     ScaleFmt,
     Status,
@@ -130,6 +131,14 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="rescale the first N tokens to |max| 2^-119, so every MXFP8 group of them has E8M0 "
         "scale byte 0 (2^-127; Triton #11624 decoded it as zero)",
+    )
+    p.add_argument(
+        "--router-weight",
+        choices=[r.value for r in RouterWeight],
+        default=d.router_weight.value,
+        help="where the top-k router weight is applied: in the gather's weighted sum, or on the "
+        "input before quantization (vLLM's apply_router_weight_on_input; -k 1 with "
+        "--no-renormalize)",
     )
 
 
@@ -331,6 +340,7 @@ def _problem(args: argparse.Namespace, recipe: Recipe) -> MoEProblem:
         grouped_layout=args.grouped_layout,
         ll_capacity=args.ll_capacity,
         tiny_tokens=args.tiny_tokens,
+        router_weight=args.router_weight,
     )
 
 

@@ -27,6 +27,7 @@ from moe_verify.spec import (
     MoEProblem,
     Outputs,  # noqa: E402 - the vocabulary names it once
     Recipe,
+    RouterWeight,
     ScaleFmt,
     Stage,
     StageContext,
@@ -42,7 +43,7 @@ from optimized import deepgemm
 from optimized.deepgemm import EngineChoice, as_engine, choose_engine, choose_grouped_layout
 from optimized.dispatch import batch_m_indices, batched_dispatch
 from optimized.kernels import act_quant, gather, grouped_gemm, quant, scatter, slot_counts
-from optimized.routing import select_experts
+from optimized.routing import apply_router_weight_on_input, select_experts
 from optimized.topology import ShardCache, tp_down_shard, tp_gate_up_shard
 from optimized.triton_compat import interpreter_mode
 
@@ -151,9 +152,11 @@ class OptimizedBackend:
         }
 
     def quant_input(self, ctx: StageContext) -> Outputs:
-        problem, hidden = ctx.problem, ctx.inputs.hidden_states
-        if "token_index" in ctx.upstream["route"]:  # ep:N+ht: the tokens this rank received
-            hidden = hidden[ctx.upstream["route"]["token_index"]]
+        problem, hidden, route = ctx.problem, ctx.inputs.hidden_states, ctx.upstream["route"]
+        if "token_index" in route:  # ep:N+ht: the tokens this rank received
+            hidden = hidden[route["token_index"]]
+        if problem.router_weight is RouterWeight.INPUT:
+            hidden = apply_router_weight_on_input(hidden, route["topk_weights"])
         if problem.recipe is Recipe.MXFP8:
             q, s = quant.quantize_mxfp8(hidden, problem.recipe.act_group)
         else:
@@ -250,13 +253,16 @@ class OptimizedBackend:
     def gather(self, ctx: StageContext) -> Outputs:
         up = ctx.upstream
         route = up["route"]
+        weights = route["topk_weights"]
+        if ctx.problem.router_weight is RouterWeight.INPUT:  # applied on the input already
+            weights = torch.ones_like(weights)
         if "dispatch" in up:  # LL combine: weighted fp32 sum over each slot's batched row
             mm2, d = up["gemm2"]["mm2"], up["dispatch"]
             rows = torch.where(d["slot"] >= 0, d["slot_expert"] * mm2.shape[1] + d["slot"], -1)
             out = gather.ep_gather(
                 mm2.reshape(-1, mm2.shape[-1]),
                 d["slot_expert"],
-                route["topk_weights"],
+                weights,
                 rows.to(torch.int32),
                 validate=ctx.validate,
             )
@@ -265,7 +271,7 @@ class OptimizedBackend:
         out = gather.ep_gather(
             mm2,
             ids,
-            route["topk_weights"],
+            weights,
             up["permute"]["inv_perm"],
             ctx.shard.expert_map,
             validate=ctx.validate,

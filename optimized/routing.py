@@ -56,3 +56,17 @@ def _to_physical(problem: MoEProblem, ids: torch.Tensor) -> torch.Tensor:
     replica = ((token * 2654435769) % (1 << 32)) % counts[safe]
     physical = table[safe, replica]
     return torch.where(ids < 0, -1, physical)
+
+
+def apply_router_weight_on_input(hidden: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """hidden [M, H] times each token's one router weight (top-1: topk_weights [M, 1]), in the
+    hidden states' dtype, as vLLM 0.32.0's prepare does before quantizing
+    (fused_moe/prepare_finalize/no_dp_ep.py: `a1 * topk_weights.to(a1.dtype)`); the gather then
+    sums with weight 1 (docs/stage-contract.md#router-weight)."""
+    if topk_weights.dim() != 2 or topk_weights.shape != (hidden.shape[0], 1):
+        raise ValueError(
+            f"apply_router_weight_on_input: topk_weights must be [M, 1] = [{hidden.shape[0]}, 1] "
+            f"(the weight goes on the input for top-1 routing only), got "
+            f"{tuple(topk_weights.shape)}"
+        )
+    return hidden * topk_weights.to(hidden.dtype)

@@ -24,6 +24,7 @@ from moe_verify.spec import (
     QuantizedWeight,
     Recipe,
     RoutedScalingRecipe,
+    RouterWeight,
     Routing,
     Stage,
     StageContext,
@@ -54,6 +55,7 @@ from reference.recipes import (
     input_quant_recipes,
     recipe_outputs,
     routed_scaling_recipes,
+    router_weight_outputs,
 )
 from reference.topology import (
     Shard,
@@ -161,10 +163,26 @@ class ReferenceBackend:
         return recipe_outputs(by_recipe, ("topk_weights",))
 
     def quant_input(self, ctx: StageContext) -> Outputs:
+        """The hidden states quantized, each row times its router weight first where the problem
+        applies the weight on the input (`router_weighted_input`). For top-1 problems the other
+        router-weight convention's outputs come beside (`router_weight_outputs`), so the
+        comparison can say a quant_input applies the weight where the problem does not."""
         p, x, up = ctx.problem, ctx.inputs, ctx.upstream
         hidden = x.hidden_states
         if p.topology.kind is TopologyKind.EP_HT:
             hidden = hidden[up["route"]["token_index"]]
+        if p.topk != 1:
+            return self._quantized_input(p, hidden)
+        weighted = routing.router_weighted_input(hidden, up["route"]["topk_weights"])
+        on_input = p.router_weight is RouterWeight.INPUT
+        own, other = (weighted, hidden) if on_input else (hidden, weighted)
+        other_way = RouterWeight.GATHER if on_input else RouterWeight.INPUT
+        outputs = self._quantized_input(p, own)
+        return {**outputs, **router_weight_outputs(other_way, self._quantized_input(p, other))}
+
+    @staticmethod
+    def _quantized_input(p: MoEProblem, hidden: torch.Tensor) -> Outputs:
+        """quant_input's outputs for `hidden` [M, H], once per legitimate recipe."""
         if p.recipe is Recipe.MXFP8:
             q, s = formats.quantize_mxfp8(hidden, 32)
             return {"a1q": q, "a1q_scale": s}
@@ -397,22 +415,26 @@ class ReferenceBackend:
         return result
 
     def gather(self, ctx: StageContext) -> Outputs:
-        """The weighted fp32 sum per token, once per legitimate recipe (gather_recipes); with a
+        """The weighted fp32 sum per token (weight 1 where the problem applies the router weight on
+        the input), once per legitimate recipe (gather_recipes); with a
         routed_scaling_factor other than 1 once more per recipe in the scale_on_output reading
         (the route's unscaled weights, the sum times the factor), listed by reading in
         "routed_scaling_recipes" (reference/recipes.py gather_reading_recipes)."""
         p, x, up, rank = ctx.problem, ctx.inputs, ctx.upstream, ctx.rank
         route = up["route"]
+        weights = route["topk_weights"]
+        if p.router_weight is RouterWeight.INPUT:  # already in the input: each row counts once
+            weights = torch.ones_like(weights)
         if "dispatch" in up:  # LL combine: the same weighted fp32 sum over the batched rows
             mm2 = up["gemm2"]["mm2"]
             d = up["dispatch"]
             rows = torch.where(d["slot"] >= 0, d["slot_expert"] * mm2.shape[1] + d["slot"], -1)
-            args = (mm2.reshape(-1, mm2.shape[-1]), d["slot_expert"], route["topk_weights"], rows)
+            args = (mm2.reshape(-1, mm2.shape[-1]), d["slot_expert"], weights, rows)
         else:
             args = (
                 up["gemm2"]["mm2"],
                 route["topk_ids"],
-                route["topk_weights"],
+                weights,
                 up["permute"]["inv_perm"],
                 self.shard(p, x, rank).expert_map,
             )

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from torch import Tensor
 
 from moe_verify.spec import (
+    ROUTER_WEIGHT_OUTPUTS,
     Activation,
     ActQuantRecipe,
     GatherRecipe,
@@ -21,6 +22,7 @@ from moe_verify.spec import (
     MoEProblem,
     Recipe,
     RoutedScalingRecipe,
+    RouterWeight,
     ScaleFmt,
 )
 from reference.activation import (
@@ -36,6 +38,7 @@ __all__ = [
     "input_quant_recipes",
     "recipe_outputs",
     "routed_scaling_recipes",
+    "router_weight_outputs",
 ]
 
 # The one act_quant group size the low-latency CUDA kernel takes, and TensorRT-LLM's packing one
@@ -116,8 +119,10 @@ def routed_scaling_recipes(problem: MoEProblem) -> tuple[RoutedScalingRecipe, ..
     """The route's readings of routed_scaling_factor, the golden's own first: the factor in the
     route's weights (scale_in_routing) and on the gather's fp32 sum (scale_on_output), where
     the problem has a factor other than 1 (grouped routing only, moe_verify/spec/routing.py);
-    none otherwise, where the two readings are the same numbers."""
-    if problem.routed_scaling_factor == 1.0:
+    none otherwise, where the two readings are the same numbers, and none where the weight is
+    applied on the input (MoEProblem.router_weight): the factor then travels in the weight
+    multiplied into the input, and a sum times the factor would apply it twice."""
+    if problem.routed_scaling_factor == 1.0 or problem.router_weight is RouterWeight.INPUT:
         return ()
     return (RoutedScalingRecipe.SCALE_IN_ROUTING, RoutedScalingRecipe.SCALE_ON_OUTPUT)
 
@@ -152,3 +157,21 @@ def recipe_outputs(
     out["recipe"] = next(iter(keys))
     out["recipe_outputs"] = keys
     return out
+
+
+def router_weight_outputs(convention: RouterWeight, outputs: Mapping[str, object]) -> dict:
+    """quant_input's `outputs` computed in the router-weight `convention` the problem does not
+    follow, beside the stage's own: each tensor under "<key>@router_weight_<convention>", and the
+    host entry ROUTER_WEIGHT_OUTPUTS {convention: {key: that key}}. Its other recipes are the
+    stage's own, so "recipe" and "recipe_outputs" read the same; the comparison binds the keys to
+    name a quant_input that matches them (tolerance/stages/router_weight.py)."""
+    convention = RouterWeight(convention)
+    keys = {
+        k: f"{k}@router_weight_{convention.value}"
+        for k, v in outputs.items()
+        if isinstance(v, Tensor)
+    }
+    return {
+        **{keys[k]: outputs[k] for k in keys},
+        ROUTER_WEIGHT_OUTPUTS: {convention.value: keys},
+    }

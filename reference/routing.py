@@ -70,3 +70,20 @@ def grouped_topk(
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
     return ids.to(torch.int32), weights.float()
+
+
+def router_weighted_input(hidden: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """hidden [M, H] with each row multiplied by its token's one router weight (top-1), in the
+    hidden states' dtype: out = fl(x · fl(w)), w rounded to that dtype first and the product of
+    the two rounded once (for bf16, exact in fp32 before that rounding). vLLM 0.32.0 applies the
+    weight on the input so (`a1 * topk_weights.to(a1.dtype)`, fused_moe/prepare_finalize/
+    no_dp_ep.py, deepep_ht.py, deepep_ll.py; docs/stage-contract.md#router-weight)."""
+    require(hidden.dim() == 2, "hidden", "[M, H]", f"shape {tuple(hidden.shape)}")
+    require(
+        topk_weights.shape == (hidden.shape[0], 1),
+        "topk_weights",
+        f"[M, 1] = [{hidden.shape[0]}, 1] (the weight on the input is top-1 only)",
+        f"shape {tuple(topk_weights.shape)}",
+    )
+    w = topk_weights.to(hidden.dtype).float()
+    return (hidden.float() * w).to(hidden.dtype)

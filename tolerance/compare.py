@@ -36,7 +36,7 @@ from moe_verify.spec import (
 )
 from tolerance.policy import COLUMN_ORDER_REASON, CONTRACT_REASON, policy_for
 from tolerance.results import CheckResult, ContractError, StageResult, Worst
-from tolerance.stages import columns
+from tolerance.stages import columns, router_weight
 from tolerance.stages.bounded import (
     act_quant_checks,
     bounded_values,
@@ -152,7 +152,41 @@ def compare_stage(
             Status.PASS
         ):
             result.checks.insert(0, column_order_check(declared_order))  # named first
+    if stage == Stage.QUANT_INPUT:
+        result = _router_weight_judged(result, golden, other, problem, mode, device, fed_own)
     return result
+
+
+def _router_weight_judged(
+    result: StageResult,
+    golden: Trace,
+    other: Trace,
+    problem: MoEProblem,
+    mode: Mode,
+    device: torch.device | None,
+    fed_own: bool,
+) -> StageResult:
+    """quant_input's `result`, failed with a "router weight" check named first where the tested
+    quant_input applies the weight elsewhere than the problem says: it declares so, or it fails
+    and matches the golden's outputs in the other convention (tolerance/stages/router_weight.py).
+    """
+    wanted, said = problem.router_weight, router_weight.declared(other)
+    if result.status not in (Status.PASS, Status.FAIL):  # the comparison itself raised
+        return result
+    if said is not None and said is not wanted:
+        check = router_weight.router_weight_check(wanted, said, said=True)
+    elif result.status is Status.FAIL:
+        applied = router_weight.other_than(wanted)
+        alt = router_weight.golden_in(golden, applied)
+        if alt is None:
+            return result
+        rerun = _compare_stage(Stage.QUANT_INPUT, alt, other, problem, mode, device, fed_own)
+        if rerun.status is not Status.PASS:
+            return result
+        check = router_weight.router_weight_check(wanted, applied, said=False)
+    else:
+        return result
+    return dataclasses.replace(result, status=Status.FAIL, checks=[check, *result.checks])
 
 
 def column_order_check(declared_order: Gemm1Columns) -> CheckResult:

@@ -26,11 +26,13 @@ import torch
 
 from moe_verify.spec import (
     COLUMN_ORDER,
+    ROUTER_WEIGHT,
     Gemm1Columns,
     GroupedLayout,
     MoEProblem,
     Placement,
     Recipe,
+    RouterWeight,
     ScaleFmt,
     Stage,
     TopologyKind,
@@ -274,6 +276,7 @@ def _quant_input(v: _View, out: _Outputs) -> None:
         "a1q_scale", scale_dtype, (v.tokens, (f"H/{g}", p.hidden // g)), strides=_Strides.CONTIGUOUS
     )
     out.host_str("recipe")
+    out.host_str(ROUTER_WEIGHT, [r.value for r in RouterWeight])
 
 
 def _align(v: _View, out: _Outputs) -> None:

@@ -125,6 +125,10 @@ COLUMN_ORDER_REASON = (
     "gemm1's column order (docs/stage-contract.md#gemm1-column-order): [gate | up] unless the "
     "backend declares up_first"
 )
+ROUTER_WEIGHT_REASON = (
+    "where the top-k router weight is applied is the problem's convention "
+    "(docs/stage-contract.md#router-weight): in the gather, or on the input before quantization"
+)
 LAYOUT_REASON = (
     "the grouped layout a GEMM reads (m_indices, or psum expert_ends) defines which rows it "
     "computes: a live slot on a row it leaves to no expert (a -1 row, a psum gap) or gives "

@@ -28,7 +28,7 @@ from moe_verify.spec.checks import (
 )
 from moe_verify.spec.recipes import LL_BLOCK_ROWS, GroupedLayout, Recipe, ScaleFmt
 from moe_verify.spec.routing import Routing, check_routing
-from moe_verify.spec.stages import BATCHED_STAGES, STAGES, Stage
+from moe_verify.spec.stages import BATCHED_STAGES, STAGES, RouterWeight, Stage
 from moe_verify.spec.topology import Placement, Topology, TopologyKind, explicit_lists
 
 
@@ -51,7 +51,9 @@ class MoEProblem:
     row names the token and expert it came from. `grouped_layout` "masked" runs the batched
     layout (`dispatch`) in any topology, as ep:N+ll always does; `ll_capacity` sizes its batches
     (`ll_max_tokens`); `tiny_tokens` makes the first tokens tiny enough that every MXFP8
-    group of them gets E8M0 byte 0 (moe_verify/run/inputs.py).
+    group of them gets E8M0 byte 0 (moe_verify/run/inputs.py). `router_weight` says where the
+    top-k weight is applied: the gather's sum, or the input before quantization (top-1 only;
+    docs/stage-contract.md#router-weight).
     """
 
     tokens: int = 64
@@ -75,6 +77,7 @@ class MoEProblem:
     grouped_layout: GroupedLayout = GroupedLayout.AUTO
     ll_capacity: int = 0  # ep:N+ll rows per expert batch (DeepEP's max_tokens); 0: ll_max_tokens
     tiny_tokens: int = 0  # the first N tokens rescaled to |max| 2^-119 (inputs.py TINY_AMAX)
+    router_weight: RouterWeight = RouterWeight.GATHER  # where the top-k weight is applied
 
     def __post_init__(self) -> None:
         # Enum fields also take their exact strings (CLI, JSON round trips).
@@ -83,6 +86,7 @@ class MoEProblem:
             ("scale_fmt", ScaleFmt),
             ("routing", Routing),
             ("grouped_layout", GroupedLayout),
+            ("router_weight", RouterWeight),
         ):
             object.__setattr__(
                 self, name, check_enum(f"MoEProblem.{name}", getattr(self, name), typ)
@@ -251,6 +255,8 @@ class MoEProblem:
             f"tiny_tokens={self.tiny_tokens} with provenance: rescaling a token to 2^-119 would "
             "erase the tags that name it",
         )
+        if self.router_weight is RouterWeight.INPUT:
+            self._validate_router_weight()
         if self.topology.placement is Placement.EXPLICIT:
             hosted = {e for r in self.topology.explicit or () for e in r}
             missing = sorted(set(range(self.num_experts)) - hosted)
@@ -261,6 +267,26 @@ class MoEProblem:
                 f"and no other, got {list(self.topology.explicit or ())} (missing {missing}, "
                 f"beyond num_experts {extra})",
             )
+
+    def _validate_router_weight(self) -> None:
+        """The weight on the input (docs/stage-contract.md#router-weight): one weight per token
+        (top-1, as vLLM asserts), not 1 by construction (else there is nothing to verify), and
+        no provenance tags (the weight would rescale them)."""
+        what = "MoEProblem.router_weight: 'input' (the weight multiplied into the input)"
+        if self.topk != 1:
+            raise ValueError(
+                f"{what} is defined for topk=1 only: a token's one input row cannot carry "
+                f"{self.topk} weights (vLLM asserts the same); got topk={self.topk}"
+            )
+        if self.renormalize and self.routed_scaling_factor == 1.0:
+            raise ValueError(
+                f"{what} with topk=1 and renormalize=True gives every token the weight 1.0 "
+                f"(routing {self.routing.value!r}), so where it is applied changes nothing: turn "
+                "renormalization off (MoEProblem.renormalize) with a router-driven routing "
+                "(softmax, skew, empty_*, grouped)"
+            )
+        if self.provenance:
+            raise ValueError(f"{what} with provenance: the weight would rescale the tags")
 
     def _validate_ll_capacity(self) -> None:
         """A given batch capacity: the masked layout only, whole 128-row blocks, room for every
@@ -356,6 +382,8 @@ class MoEProblem:
             parts.append(f"cap{self.ll_capacity}")
         if self.tiny_tokens:
             parts.append(f"tiny{self.tiny_tokens}")
+        if self.router_weight is RouterWeight.INPUT:
+            parts.append("weight_on_input")
         if self.provenance:
             parts.append("prov")
         if self.seed:
@@ -394,6 +422,7 @@ class MoEProblem:
             "grouped_layout": self.grouped_layout.value,
             "ll_capacity": self.ll_capacity,
             "tiny_tokens": self.tiny_tokens,
+            "router_weight": self.router_weight.value,
         }
 
     @staticmethod
@@ -422,5 +451,5 @@ class MoEProblem:
 
 
 _TOPOLOGY_KEYS = ("kind", "size", "placement", "explicit")
-_LATER_KEYS: dict[str, object] = {"ll_capacity": 0, "tiny_tokens": 0}
+_LATER_KEYS: dict[str, object] = {"ll_capacity": 0, "tiny_tokens": 0, "router_weight": "gather"}
 _ACTIVATION_KEYS = tuple(f.name for f in dataclasses.fields(Activation))

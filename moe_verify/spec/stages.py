@@ -80,6 +80,25 @@ class Gemm1Columns(enum.StrEnum):
 # gemm1's optional host entry naming its Gemm1Columns.
 COLUMN_ORDER = "column_order"
 
+
+class RouterWeight(enum.StrEnum):
+    """Where a token's top-k router weight is applied (DeepGEMM does not care; the stages around
+    it do): in the gather's weighted sum, or multiplied into the bf16 hidden states before
+    quant_input, after which the gather sums with weight 1 (vLLM's and TensorRT-LLM's
+    `apply_router_weight_on_input`, top-1 routing only). The problem says which
+    (`MoEProblem.router_weight`), the golden follows it, and a quant_input may declare the one it
+    applies in its `router_weight` entry (docs/stage-contract.md#router-weight)."""
+
+    GATHER = "gather"  # the weighted sum over k: the default
+    INPUT = "input"  # bf16(x * bf16(w)) quantized, the gather's weights all 1; topk == 1 only
+
+
+# quant_input's optional host entry naming its RouterWeight; and the golden quant_input's map
+# {other convention: {trace key: the same output's key in that convention}} (top-1 problems),
+# from which the comparison names a quant_input that applies the weight where the problem does not.
+ROUTER_WEIGHT = "router_weight"
+ROUTER_WEIGHT_OUTPUTS = "router_weight_outputs"
+
 # The `engine` entry a stage reports where an adapter ran the suite's own code in the engine's
 # place (its router, DeepEP's count): the report's stage column then reads "align [suite]", so a
 # pass there is not mistaken for the engine's.

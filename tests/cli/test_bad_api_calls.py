@@ -18,9 +18,11 @@ import tolerance
 from moe_verify.run.inputs import make_inputs
 from moe_verify.spec import Mode, MoEInputs, MoEProblem, Trace
 from optimized import OptimizedBackend
+from optimized.routing import apply_router_weight_on_input
 from reference import formats, layout
 from reference import gather as gather_ref
 from reference import gemm as gemm_ref
+from reference.routing import router_weighted_input
 from tests.cli.bad_input import TINY, Bad, bad, check_refused_clearly, params
 
 pytestmark = pytest.mark.cpu
@@ -339,6 +341,26 @@ def _public_api_rows() -> list[Bad]:
             ValueError,
             "expert_map",
             "float32",
+        ),
+        bad(
+            "reference.router_weighted_input-top2",
+            lambda: router_weighted_input(
+                torch.zeros(4, 128, dtype=torch.bfloat16), torch.ones(4, 2)
+            ),
+            ValueError,
+            "topk_weights",
+            "[M, 1] = [4, 1]",
+            "(4, 2)",
+        ),
+        bad(
+            "optimized.apply_router_weight_on_input-top2",
+            lambda: apply_router_weight_on_input(
+                torch.zeros(4, 128, dtype=torch.bfloat16), torch.ones(4, 2)
+            ),
+            ValueError,
+            "topk_weights",
+            "[M, 1] = [4, 1]",
+            "(4, 2)",
         ),
         bad(
             "reference.gather-topk_weights-int",

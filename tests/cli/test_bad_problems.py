@@ -142,6 +142,7 @@ def _problem_rows() -> list[Bad]:
                 ("routing", "topk"),
                 ("routing", "Softmax"),
                 ("grouped_layout", "psums"),
+                ("router_weight", "inputs"),
             )
         ),
         *(
@@ -158,6 +159,7 @@ def _problem_rows() -> list[Bad]:
                 ("scale_fmt", None),
                 ("routing", 1),
                 ("grouped_layout", True),
+                ("router_weight", 1),
                 ("topology", 4),
                 ("topology", None),
                 ("activation", 3),
@@ -282,6 +284,29 @@ def _problem_rows() -> list[Bad]:
             ValueError,
             "ep+ll",
             "swigluoai",
+        ),
+        # the router weight on the input: top-1 only, weights other than 1, no provenance tags
+        bad(
+            "MoEProblem-router_weight-input-top2",
+            lambda: tiny(router_weight="input", renormalize=False),
+            ValueError,
+            "MoEProblem.router_weight",
+            "topk=2",
+        ),
+        bad(
+            "MoEProblem-router_weight-input-weights-all-one",
+            lambda: tiny(router_weight="input", topk=1),
+            ValueError,
+            "MoEProblem.router_weight",
+            "weight 1.0",
+            "MoEProblem.renormalize",
+        ),
+        bad(
+            "MoEProblem-router_weight-input-provenance",
+            lambda: tiny(router_weight="input", topk=1, renormalize=False, provenance=True),
+            ValueError,
+            "MoEProblem.router_weight",
+            "provenance",
         ),
         bad(
             "MoEProblem-explicit-missing-expert",

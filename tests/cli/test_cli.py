@@ -67,6 +67,22 @@ def test_an_empty_problem_is_refused_naming_the_flag(
     assert "got 0 (an empty problem: nothing to verify)" in err and not out
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--router-weight", "input", "--no-renormalize"], "got topk=2"),  # TINY is top-2
+        (["--router-weight", "input", "-k", "1"], "renormalization off (--no-renormalize)"),
+    ],
+    ids=["top2", "weights-all-one"],
+)
+def test_the_weight_on_the_input_is_refused_naming_the_flags(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *TINY, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-verify: error: --router-weight: 'input'") and named in err
+
+
 def test_an_empty_problem_is_refused_from_python() -> None:
     with pytest.raises(ValueError, match=r"MoEProblem\.tokens: .* got 0 \(an empty problem"):
         MoEProblem(tokens=0)
@@ -553,11 +569,12 @@ def test_run_flags_reach_verify(
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        ([], {"ll_capacity": 0, "tiny_tokens": 0}),
+        ([], {"ll_capacity": 0, "tiny_tokens": 0, "router_weight": "gather"}),
         (["--tiny-tokens", "2"], {"tiny_tokens": 2}),
         (["--topology", "ep:2+ll", "--ll-capacity", "256"], {"ll_capacity": 256}),
+        (["-k", "1", "--no-renormalize", "--router-weight", "input"], {"router_weight": "input"}),
     ],
-    ids=["defaults", "tiny-tokens", "ll-capacity"],
+    ids=["defaults", "tiny-tokens", "ll-capacity", "router-weight"],
 )
 def test_run_problem_flags_reach_the_problem(
     flags: list[str], expected: dict, monkeypatch: pytest.MonkeyPatch
