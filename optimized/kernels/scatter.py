@@ -17,9 +17,9 @@ out of bounds.
 
 Differences from vLLM, on purpose: `inv_perm` is -1 for skipped slots (vLLM leaves it
 uninitialised), fp32 scales are copied honouring both strides (vLLM ignores stride(1)), padding
-rows of `a_perm` are zero (vLLM leaves garbage, possibly NaN patterns, which DeepGEMM then
-multiplies), packed UE8M0 pad bytes and padding rows are 0, and every offset that scales with
-rows is 64-bit.
+rows of `a_perm` are zero for the m_indices layout (vLLM leaves garbage, possibly NaN patterns,
+which DeepGEMM then multiplies; the psum layout's consumers skip them, and so may we), packed
+UE8M0 pad bytes and padding rows are 0, and every offset that scales with rows is 64-bit.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def _segments_kernel(
     m_sum,
     num_local,
     ALIGN: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -82,11 +83,11 @@ def _segments_kernel(
     # Program e < E_l writes expert e's start, psum end (start + count) and row cursor. Program
     # E_l + j lays out rows [j * BLOCK_R, (j + 1) * BLOCK_R): the m_indices of each (the expert
     # whose live rows hold it, else -1) and zeros for the dead ones (segment padding and the
-    # tail past the last segment) in a_perm and in the MN-major scale storage (int32 words,
-    # [scale_cols, lead]: its TMA tail rows m_sum..lead-1 too). Spreading the rows over
-    # programs keeps one expert's padding (up to A - 1 rows of H bytes) off a single program's
-    # critical path. Every program recomputes the prefix sum from the counts: none reads what
-    # another one writes.
+    # tail past the last segment) in the MN-major scale storage (int32 words, [scale_cols,
+    # lead]: its TMA tail rows m_sum..lead-1 too) and, with ZERO_ROWS, in a_perm. Spreading the
+    # rows over programs keeps one expert's padding (up to A - 1 rows of H bytes) off a single
+    # program's critical path. Every program recomputes the prefix sum from the counts: none
+    # reads what another one writes.
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     real = experts < num_local
@@ -115,7 +116,7 @@ def _segments_kernel(
             zeros = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
             tl.store(words, zeros, mask=scale_dead[:, None] & (c < scale_cols)[None, :])
         dead = in_buf & (expert < 0)
-        if tl.max(dead.to(tl.int32), 0) > 0:
+        if ZERO_ROWS and tl.max(dead.to(tl.int32), 0) > 0:
             zero = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.uint8)
             row_base = out_ptr + rows.to(tl.int64)[:, None] * stride_om
             for h0 in range(0, H, BLOCK_H):
@@ -332,7 +333,7 @@ class Scattered:
     """What `ep_scatter` returns: the permuted rows and where each slot went. The layout fields
     are named and meant as in the golden's permute plan (`reference.layout.PermutePlan`).
 
-    a_perm        fp8 [m_sum, H]; padding rows are zero.
+    a_perm        fp8 [m_sum, H]; padding rows are zero (unwritten with zero_padding=False).
     a_scale_perm  fp32 [m_sum, H/G] with strides (1, round_up(m_sum, 4)) (MN-major, TMA-aligned,
                   as DeepGEMM reads it), padding rows 0.0; or, for E8M0 input, int32
                   [m_sum, ceil(H/32/4)] with strides (1, round_up(m_sum, 4)), byte j of word p =
@@ -365,6 +366,7 @@ def ep_scatter(
     *,
     validate: bool = True,
     a_perm_out: torch.Tensor | None = None,
+    zero_padding: bool = True,
 ) -> Scattered:
     """Scatter token rows into per-expert segments aligned to `alignment` rows.
 
@@ -378,6 +380,12 @@ def ep_scatter(
     validate: run the host value checks: id range, counts against topk_ids, m_sum against the
               counts (device syncs and one extra count kernel; pass False under CUDA-graph
               capture). Shape, dtype and stride checks always run.
+    zero_padding: write zeros into a_perm's padding rows. The m_indices layout needs it (its
+              GEMM multiplies every row of a tile, padding included, and garbage bytes there can
+              be NaN patterns); the psum layout's consumers skip those rows, so False leaves them
+              as they were (1/9 of the rows at DeepSeek-V3 EP8-local T=4096, all but a few at
+              decode sizes). Padding scales are written either way (DeepGEMM's SM100 packer
+              reads every row's).
     """
     _check_scatter_inputs(
         a1q, a1q_scale, topk_ids, counts, num_local_experts, alignment, m_sum, expert_map, validate
@@ -398,7 +406,8 @@ def ep_scatter(
     if m_sum == 0 or num_local_experts == 0:
         # No rows, or only padding rows (a rank that hosts no expert): every slot is skipped.
         storage = torch.zeros((scale_cols, lead), dtype=storage_dtype, device=device)
-        a_perm.view(torch.uint8).zero_()
+        if zero_padding:
+            a_perm.view(torch.uint8).zero_()
         return Scattered(
             a_perm,
             storage.t()[:m_sum],
@@ -410,7 +419,8 @@ def ep_scatter(
 
     # Written in full by the kernels: the segments kernel every m_indices entry, every start and
     # end, and the scales of every dead row (padding, tail, TMA tail); the scatter kernel every
-    # inv_perm entry and the scales of every live row. No prefill launch.
+    # inv_perm entry and the scales of every live row. No prefill launch. a_perm's padding rows
+    # only with zero_padding.
     storage = torch.empty((scale_cols, lead), dtype=storage_dtype, device=device)
     a_scale_perm = storage.t()[:m_sum]
     m_indices = torch.empty((m_sum,), dtype=torch.int32, device=device)
@@ -440,6 +450,7 @@ def ep_scatter(
         m_sum,
         num_local_experts,
         ALIGN=alignment,
+        ZERO_ROWS=bool(zero_padding),
         BLOCK_E=max(16, triton.next_power_of_2(num_local_experts)),
         BLOCK_R=block_r,
         BLOCK_H=zero_cols,

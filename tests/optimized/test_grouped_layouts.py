@@ -107,7 +107,8 @@ def test_psum_leaves_gap_rows_unwritten_and_the_comparison_does_not_read_them() 
     )
     assert report.passed
     gap = traces[0]["permute"]["m_indices"] == -1
-    for stage, name in (("gemm1", "mm1"), ("act_quant", "a2q"), ("gemm2", "mm2")):
+    stages = (("permute", "a_perm"), ("gemm1", "mm1"), ("act_quant", "a2q"), ("gemm2", "mm2"))
+    for stage, name in stages:
         a, b = (t[stage][name][gap].view(torch.uint8) for t in traces)
         assert bool((a != b).all()), f"{stage}.{name}: psum gap rows were written"
 

@@ -372,6 +372,26 @@ def test_m_sum_exact_counts() -> None:
     assert aligned_m_sum_exact([], 128) == 0
 
 
+@pytest.mark.parametrize("zero", [True, False], ids=["zero_padding", "padding_left"])
+def test_padding_rows_zeroed_only_when_asked(zero: bool) -> None:
+    """zero_padding=False (the psum layout) leaves a_perm's padding rows as they were; the live
+    rows, m_indices, inv_perm and every scale row (padding scales zeroed either way) are the
+    same as with zero_padding=True."""
+    topk_ids = torch.tensor([[0, 1], [1, -1], [0, 1]], dtype=torch.int32)
+    counts = torch.tensor([2, 3], dtype=torch.int32)
+    a1q = torch.full((3, 128), 2.0).to(torch.float8_e4m3fn)
+    scale = torch.full((3, 1), 0.5)
+    buf = torch.full((64, 128), 0x55, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out = ep_scatter(a1q, scale, topk_ids, counts, 2, 32, 64, a_perm_out=buf, zero_padding=zero)
+    live = out.m_indices >= 0
+    assert live.tolist() == [True] * 2 + [False] * 30 + [True] * 3 + [False] * 29
+    rows = out.a_perm.view(torch.uint8)
+    assert bool((rows[live] == a1q.view(torch.uint8)[0]).all())
+    assert bool((rows[~live] == (0 if zero else 0x55)).all())
+    assert out.a_scale_perm[live].flatten().tolist() == [0.5] * 5
+    assert out.a_scale_perm[~live].abs().sum() == 0
+
+
 def test_unvalidated_out_of_range_ids_are_skipped_not_written() -> None:
     """validate=False (graph capture) must stay memory-safe: an id past E_l is skipped."""
     topk_ids = torch.tensor([[0, 7], [1, -3]], dtype=torch.int32)
