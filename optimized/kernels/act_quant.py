@@ -22,8 +22,7 @@ Exact arithmetic everywhere except the activation itself: `tl.exp` and the gate 
 exp) are the GPU's approximate instructions natively (div.full.f32, as in vLLM's kernels; an IEEE
 division there made the kernel 1.6x slower on the H200), correctly rounded under the interpreter.
 The policy bounds their effect (docs/tolerance.md#act_quant-codes-and-scales). Scale divisions
-are IEEE, and y / s gives IEEE division's e4m3 codes (`quant.divide_by_scale`: a reciprocal per
-group and an FMA correction per element).
+and y / s are IEEE.
 """
 
 from __future__ import annotations

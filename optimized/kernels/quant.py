@@ -46,36 +46,19 @@ _GROUPS = (32, 64, 128)
 # ----------------------------------------------------------------------------------- jit helpers
 
 
-# Below this scale Markstein's residual x - q*s can underflow (it is about x * 2^-24, and x
-# reaches 448 * s): such tiles take the IEEE division instead.
-_MARKSTEIN_MIN_SCALE = tl.constexpr(2.0**-90)
-
-
 @triton.jit
 def divide_by_scale(x, s, POW2: tl.constexpr):
-    """x / s for a [BLOCK_M, G, GROUP] tile and its [BLOCK_M, G] scales, as the e4m3 cast sees
-    it: the fp8 code of the result is that of the correctly rounded quotient.
+    """x / s for a [BLOCK_M, G, GROUP] tile and its [BLOCK_M, G] scales, rounded to nearest even.
 
-    A power-of-two s (2^-126..2^126) divides exactly as a multiply by 2^-e built from its bits.
-    Any other s: one IEEE reciprocal r per group, then per element q = x*r, the exact residual
-    e = x - q*s (an FMA) and q + e*r (another), Markstein's correction: the correctly rounded
-    quotient wherever the residual does not underflow, in three instructions where an IEEE
-    division takes about ten with a branch (the act_quant stage spends its time here). A
-    subnormal quotient may differ in its last bits, below what any e4m3 code resolves (2^-9);
-    a tile with a scale under 2^-90 divides exactly instead. tests/optimized/test_divide.py
-    checks the codes against IEEE division over every bf16 x and scales across the range."""
+    A power-of-two s (2^-126..2^126) divides exactly as a multiply by 2^-e built from its bits
+    (cheap); any other s needs the IEEE division, several instructions per element. One IEEE
+    reciprocal per group and Markstein's FMA correction per element give the same e4m3 codes
+    (tests/optimized/test_divide.py), but with its fallback for tiny scales that form made
+    act_quant slower on an H100 (docs/perf.md, 2026-12-06), so it is not used."""
     if POW2:
         inv = pow2_from_byte(254 - ue8m0_byte(s))
         return x * inv[:, :, None]
-    s3 = s[:, :, None] + tl.zeros_like(x)
-    if tl.min(s) < _MARKSTEIN_MIN_SCALE:
-        return div_rn(x, s3)
-    r = div_rn(1.0 + tl.zeros_like(s), s)[:, :, None] + tl.zeros_like(x)
-    q = x * r
-    e = tl.fma(-q, s3, x)
-    # e == 0: q is exact (and keeps a zero x's sign, which q + 0 would lose); r == 0 (s = inf)
-    # or NaN: q already is the quotient (0 or NaN)
-    return tl.where((tl.abs(e) > 0.0) & (r > 0.0), tl.fma(e, r, q), q)
+    return div_rn(x, s[:, :, None])
 
 
 @triton.jit

@@ -14,9 +14,10 @@ output rows, so the MN-major scale stores coalesce); a plain copy of the live by
 
 act_quant (optimized/kernels/act_quant.py): the kernel as shipped, under the psum and the
 m_indices layouts; launch shapes (rows and groups per program, warps), their codes compared with
-the shipped kernel's; and copies of the module whose division is changed (IEEE `div_rn` per
-element, as before Markstein's correction; a bare multiply by the reciprocal; no exp and no
-division at all), with how many codes each changes. Diagnostic variants are not correct kernels:
+the shipped kernel's; and copies of the module whose y / s is not the IEEE division per element
+(a reciprocal per group and Markstein's FMA correction, with and without a fallback for tiny
+scales; a bare multiply by the reciprocal; no exp and no division at all), with how many codes
+each changes. Diagnostic variants are not correct kernels:
 they say what a piece costs.
 
 Without CUDA it runs the same code on tiny shapes under the Triton interpreter (times 0), which
@@ -245,18 +246,50 @@ def permute(r: Results, tokens: int = 4096, hidden: int = 7168, k: int = 8, expe
 # -- act_quant --------------------------------------------------------------------------------
 
 _DIVISION = "q = to_fp8_satfinite(divide_by_scale(y, s, PACKED or CEIL_UE8M0))"
+_EXACT = "PACKED or CEIL_UE8M0"  # power-of-two scales: a multiply already, left alone
+_MARKSTEIN = """
+@triton.jit
+def _markstein(x, s, FALLBACK: tl.constexpr):
+    # one IEEE reciprocal per group, then q = x*r and q + (x - q*s)*r, both FMAs exact
+    s3 = s[:, :, None] + tl.zeros_like(x)
+    if FALLBACK:
+        if tl.min(s) < 2.0**-90:  # the residual could underflow: divide exactly
+            return div_rn(x, s3)
+    r = div_rn(1.0 + tl.zeros_like(s), s)[:, :, None] + tl.zeros_like(x)
+    q = x * r
+    e = tl.fma(-q, s3, x)
+    return tl.where((tl.abs(e) > 0.0) & (r > 0.0), tl.fma(e, r, q), q)
+
+
+@triton.jit
+def _bf16(x):"""
+
+
+def _division(expr: str) -> str:
+    return f"q = to_fp8_satfinite(divide_by_scale(y, s, True) if {_EXACT} else {expr})"
+
+
+# name: (source replacements, whether its codes must equal the shipped kernel's)
 _DIVISION_VARIANTS = {
-    "IEEE div_rn per element (before Markstein's correction)": {
-        _DIVISION: "q = to_fp8_satfinite(div_rn(y, s[:, :, None]) if not (PACKED or CEIL_UE8M0)"
-        " else divide_by_scale(y, s, True))"
-    },
-    "multiply by the reciprocal (not exact)": {
-        _DIVISION: "q = to_fp8_satfinite(y * (1.0 / s)[:, :, None])"
-    },
-    "no exp, no division (diagnostic)": {
-        "return g / (1.0 + tl.exp(-g * alpha))": "return g * alpha",
-        _DIVISION: "q = to_fp8_satfinite(y * (1.0 / s)[:, :, None])",
-    },
+    "reciprocal + Markstein's correction, tile fallback for tiny scales (tried 2026-12-06)": (
+        {"@triton.jit\ndef _bf16(x):": _MARKSTEIN, _DIVISION: _division("_markstein(y, s, True)")},
+        True,
+    ),
+    "reciprocal + Markstein's correction, no fallback (act_quant's scales are >= 2^-42)": (
+        {"@triton.jit\ndef _bf16(x):": _MARKSTEIN, _DIVISION: _division("_markstein(y, s, False)")},
+        True,
+    ),
+    "multiply by the reciprocal (not exact)": (
+        {_DIVISION: _division("y * (1.0 / s)[:, :, None]")},
+        False,
+    ),
+    "no exp, no division (diagnostic)": (
+        {
+            "return g / (1.0 + tl.exp(-g * alpha))": "return g * alpha",
+            _DIVISION: _division("y * (1.0 / s)[:, :, None]"),
+        },
+        False,
+    ),
 }
 
 
@@ -327,8 +360,9 @@ def act_quant(r: Results, rows_per_expert: int = 1024, experts: int = 32, inter:
         ).to(torch.bfloat16),
     }
     with tempfile.TemporaryDirectory() as where:
-        for name, replacements in _DIVISION_VARIANTS.items():
+        for name, (replacements, exact) in _DIVISION_VARIANTS.items():
             module = _module_variant(name, replacements, Path(where))
+            r[f"act_quant float32, {name}: meant to be exact"] = exact
             r[f"act_quant float32, {name}"] = time_us(shipped(fmt, module=module))
             q1, _ = shipped(fmt, module=module)()
             differ = q1.view(torch.uint8)[live] != q0.view(torch.uint8)[live]

@@ -1,6 +1,8 @@
-"""`divide_by_scale`, the quantizers' x / s: the e4m3 codes of its result are those of IEEE
-division for every finite bf16 x under scales across the range (the act_quant and quant_input
-kernels divide this way; optimized/kernels/quant.py says why not by an IEEE division each)."""
+"""`divide_by_scale`, the quantizers' x / s (act_quant and quant_input): the e4m3 codes of its
+result are those of IEEE division for every finite bf16 x under scales across the range, on
+rounding midpoints, under tiny scales and for special values. It is the IEEE division today; any
+faster form (a reciprocal per group and Markstein's correction was tried, docs/perf.md) must keep
+these codes: each test below failed for a form that got its case wrong."""
 
 from __future__ import annotations
 
