@@ -96,6 +96,15 @@ def _describe(major: int | None) -> str:
     return "no GPU" if major is None else f"compute capability {major}.x"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """`-n N` alone schedules with xdist's work stealing: a worker that runs out takes half of
+    the other's queue, so the two workers of the CPU tier end together (the tier's tests take
+    0.01 to 30 s; docs/ci.md). An explicit --dist is kept."""
+    explicit = any(a == "--dist" or a.startswith("--dist=") for a in config.invocation_params.args)
+    if getattr(config.option, "dist", "no") == "load" and not explicit:
+        config.option.dist = "worksteal"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         reason = _gate_reason(item, config)

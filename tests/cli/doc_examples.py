@@ -3,18 +3,22 @@ both: its fenced blocks; the ```python blocks whose first line is `# NAME.py`, f
 saves; the commands of a ```bash block, each with the exit code it must give (0, or the `# exit N`
 its line ends with) or the reason it is not run here (a trailing `# gpu`, `# setup`, ...); and the
 environment they run in, a user's: the installed package's scripts on PATH, no PYTHONPATH, no
-progress bars.
+progress bars; and how a page's commands run: the first in bash as written (the console script
+itself), the others in one interpreter (tests/cli/one_interpreter.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+ONE_INTERPRETER = Path(__file__).with_name("one_interpreter.py")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 FILE_LINE = re.compile(r"# ([\w.]+\.py)")
 
@@ -69,3 +73,42 @@ def user_env() -> dict[str, str]:
     env["MOE_VERIFY_PROGRESS"] = "0"
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
+
+
+def run_lines(
+    lines: list[str], cwd: Path, env: Mapping[str, str], timeout_s: float
+) -> list[subprocess.CompletedProcess[str]]:
+    """Each line's exit code and output, run in order in `cwd`: the first in bash, as written,
+    so the installed console script itself runs; the rest in one interpreter
+    (tests/cli/one_interpreter.py: `moe_verify.cli.main` per plain `moe-verify` line, bash for
+    any other), which saves a fresh interpreter importing torch per command."""
+    if not lines:
+        return []
+    first = subprocess.run(
+        ["bash", "-c", lines[0]],
+        cwd=cwd,
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if len(lines) == 1:
+        return [first]
+    io = cwd.parent / f".{cwd.name}-one-interpreter"
+    io.mkdir()
+    (io / "lines.json").write_text(json.dumps(lines[1:]))
+    driver = subprocess.run(
+        [sys.executable, str(ONE_INTERPRETER), str(io / "lines.json"), str(io / "results.json")],
+        cwd=cwd,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s * (len(lines) - 1),
+    )
+    assert driver.returncode == 0, f"{ONE_INTERPRETER.name} failed:\n{driver.stderr[-3000:]}"
+    results = json.loads((io / "results.json").read_text())
+    return [first] + [
+        subprocess.CompletedProcess(r["line"], r["returncode"], r["stdout"], r["stderr"])
+        for r in results
+    ]

@@ -1,10 +1,12 @@
 """Every shell example in the README runs as written: each ```bash block is one item, its commands
-run in order (one bash per line) from a fresh, empty scratch directory outside the checkout, with
+run in order from a fresh, empty scratch directory outside the checkout, with
 the package installed and no PYTHONPATH (as a user runs them: `tests/` is not importable there),
 each exiting 0 or with the `# exit N` its line says; the transcript of the example report
 (```console, `$ ` lines) must exit as its `echo $?` says and print its header and verdict lines.
 
-A trailing `# gpu`, `# vllm`, `# setup` or `# suite` comment marks a command not run here (a GPU,
+A block's first command runs in bash, the console script itself; the others run in one
+interpreter, each as `moe_verify.cli.main` (tests/cli/doc_examples.py `run_lines`). A trailing
+`# gpu`, `# vllm`, `# setup` or `# suite` comment marks a command not run here (a GPU,
 vLLM, an install, the test suite itself); python blocks whose first line is `# NAME.py` are written
 to the scratch directory first, as the README tells its reader to save them. The CLI summary
 (the README's "The CLI" block) must name every flag its examples pass, under the command they
@@ -89,8 +91,10 @@ def test_readme_shell_block_runs_as_written(block: str, tmp_path: Path) -> None:
     if not runnable:
         pytest.skip("; ".join(sorted({f"{c.line.split()[0]}... {c.why}" for c in cmds})))
     cwd = _scratch(tmp_path)
-    for cmd in runnable:
-        proc = _run(cmd.line, cwd)
+    env = user_env()
+    assert "PYTHONPATH" not in env and ROOT not in cwd.resolve().parents
+    procs = doc_examples.run_lines([c.line for c in runnable], cwd, env, timeout_s=300)
+    for cmd, proc in zip(runnable, procs, strict=True):
         assert proc.returncode == cmd.exit_code, (
             f"{cmd.line!r} exited {proc.returncode}, the README says {cmd.exit_code}\n"
             f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"

@@ -7,9 +7,11 @@ How the test reads the doc's code blocks:
 - every other ```python block runs, in the doc's order, in one interpreter and one namespace (the
   blocks joined), with the scratch directory as the working directory and on sys.path, so a
   block uses what an earlier one defined and imports the saved module;
-- in ```bash blocks every line that starts with `moe-verify` runs (bash, in the doc's order, in
-  a scratch directory of its own holding the saved files) and must exit 0, or the `# exit N` it
-  ends with; a line ending in `# gpu` needs a GPU and is not run here. Other lines are not run;
+- in ```bash blocks every line that starts with `moe-verify` runs (in the doc's order, in a
+  scratch directory of its own holding the saved files: the first in bash, the console script
+  itself, the others in one interpreter as `moe_verify.cli.main`, tests/cli/doc_examples.py
+  `run_lines`) and must exit 0, or the `# exit N` it ends with; a line ending in `# gpu` needs
+  a GPU and is not run here. Other lines are not run;
 - ```text blocks are sample output for the reader; EXPECT below names what each command must
   print, and PYTHON_EXPECT what the Python blocks must.
 The glossary must name every check the comparison can emit (a check added to tolerance/ without
@@ -116,15 +118,8 @@ def test_the_shell_commands_run_as_written(tmp_path: Path) -> None:
     assert len(runnable) >= len(EXPECT)
     unexpected = [k for k in EXPECT if not any(k in c.line for c in runnable)]
     assert not unexpected, f"EXPECT names commands the doc no longer has: {unexpected}"
-    for cmd in runnable:
-        proc = subprocess.run(
-            ["bash", "-c", cmd.line],
-            cwd=cwd,
-            env=user_env(),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
+    procs = doc_examples.run_lines([c.line for c in runnable], cwd, user_env(), TIMEOUT_S)
+    for cmd, proc in zip(runnable, procs, strict=True):
         said = f"{cmd.line!r}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         assert proc.returncode == cmd.exit_code, (
             f"exited {proc.returncode}, not {cmd.exit_code}, {said}"

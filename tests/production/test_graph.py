@@ -55,6 +55,12 @@ BOUND = BASE.tokens
 REPLAYS = {r.name: r for r in default_replays(BOUND, BASE.seed)}
 TINY = ["-T", "8", "-H", "128", "-I", "128", "-E", "4", "-k", "2", "--alignment", "32"]
 CLI = ["graph", *TINY, "--engine", "triton"]
+# `graph` runs in a child by default and passes on its stdout, stderr and exit code verbatim
+# (moe_verify/cli.py graph_contained): the CLI tests below that read only what is printed run
+# in process, saving a child's start (torch's import) each; the child's path is read by
+# test_cli_graph_passes_the_correct_backend (stdout), ..._writes_json (exit 1, --json) and
+# test_a_backend_error_in_a_replay_names_it_with_rank_stage_and_type[ValueError-contained].
+PRINTS = [*CLI, "--in-process"]
 GUARDS = ("golden-not-degenerate", "replays-differ", "no-stale-writes")
 
 CORRECT = [
@@ -357,11 +363,11 @@ def test_cli_graph_v_prints_every_check_of_a_failing_replay(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     backend = "tests.tester.production_wrong:StaleCounts"
-    assert main([*CLI, "--replays", "skew", "--backend", backend, "-v"]) == 1
+    assert main([*PRINTS, "--replays", "skew", "--backend", backend, "-v"]) == 1
     out = capsys.readouterr().out
     assert "FAIL at permute" in out
     assert "docs/tolerance.md#" in out  # the limits' reasons, which only -v prints
-    assert main([*CLI, "--replays", "skew", "--backend", backend]) == 1
+    assert main([*PRINTS, "--replays", "skew", "--backend", backend]) == 1
     assert "docs/tolerance.md#" not in capsys.readouterr().out.split("FAIL at permute")[0]
 
 
@@ -369,7 +375,7 @@ def test_cli_graph_v_prints_every_check_of_every_replay(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`graph -v` means what `run -v` does: every check of every rank, passing replays too."""
-    assert main([*CLI, "--topology", "ep:2", "--replays", "skew", "-v"]) == 0
+    assert main([*PRINTS, "--topology", "ep:2", "--replays", "skew", "-v"]) == 0
     out = capsys.readouterr().out
     blocks = out.split("\n      case ")[1:]  # each replay's table, under its replay's line
     tables = {b.split("(graph replay ")[1].split(")")[0]: b for b in blocks}
@@ -381,7 +387,7 @@ def test_cli_graph_v_prints_every_check_of_every_replay(
 
 
 def test_cli_graph_refuses_unknown_replay_names(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*CLI, "--replays", "skew,nope"]) == 2
+    assert main([*PRINTS, "--replays", "skew,nope"]) == 2
     err = capsys.readouterr().err
     assert "--replays: unknown ['nope']" in err and "half-live" in err
 
@@ -399,7 +405,7 @@ def test_one_class_fails_run_and_graph_at_the_same_stage(
     spec = "tests.tester.wrong_backends:TopkWeightsIgnored"
     assert main(["run", *TINY, "--engine", "triton", "--backend", spec]) == 1
     assert "first failure: gather" in capsys.readouterr().out
-    assert main([*CLI, "--replays", "skew", "--backend", spec]) == 1
+    assert main([*PRINTS, "--replays", "skew", "--backend", spec]) == 1
     out = capsys.readouterr().out
     assert "FAIL at gather" in out and "0 of 2 replays agree" in out
 

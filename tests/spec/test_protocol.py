@@ -33,6 +33,9 @@ pytestmark = pytest.mark.cpu
 WRAPPED = "moe_verify.examples.wrapped:HalvesOneToken"
 CLEAN = "tests.spec.test_protocol:CleanWrapper"
 TINY = ["-T", "8", "-H", "128", "-I", "128", "-E", "4", "-k", "2", "--alignment", "32"]
+# graph in this process: what is read here is the wrapper's verdict, not the child that contains
+# a crash (tests/production/test_graph.py reads that), whose start is torch's import again
+IN_PROCESS = {"run": [], "graph": ["--in-process"]}
 
 
 class CleanWrapper(StageDelegate):
@@ -69,7 +72,7 @@ def test_run_and_graph_fail_the_wrapper_at_gather(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "report.json"
-    args = [command, *TINY, "--backend", WRAPPED, "--json", str(out)]
+    args = [command, *TINY, *IN_PROCESS[command], "--backend", WRAPPED, "--json", str(out)]
     assert main(args) == 1
     report = json.loads(out.read_text())
     text = json.dumps(report)
@@ -82,7 +85,7 @@ def test_run_and_graph_fail_the_wrapper_at_gather(
 def test_run_and_graph_pass_the_clean_wrapper(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main([command, *TINY, "--backend", CLEAN]) == 0
+    assert main([command, *TINY, *IN_PROCESS[command], "--backend", CLEAN]) == 0
 
 
 def test_bench_production_runs_the_wrapper(
