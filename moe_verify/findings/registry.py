@@ -91,8 +91,9 @@ FINDINGS: tuple[Finding, ...] = (
         "vLLM's own tests/kernels/moe/test_expert_map_bounds.py asks; `moe-verify graph` plants "
         "stale ids (123456789 and 2071690107, beside in-range ones) in the padding rows of a "
         "half-live replay, and under the Triton interpreter the out-of-bounds access is a "
-        "segfault (on a GPU an illegal memory access, or a silent wrong count where it lands in "
-        "mapped memory). The stages after "
+        "segfault. On a GPU (an H100, vLLM 0.34.0's kernel compiled by Triton, through "
+        "`moe-verify repro --finding 1`) an id one past the map gives a silently wrong count "
+        "(10 for 2) and the large stale ids an illegal memory access. The stages after "
         "them index by the same ids as read in the code (ep_scatter's and ep_gather's "
         "`apply_expert_map`, masked by `expert_id != -1`); the replay never reaches them.",
         where=(
@@ -106,7 +107,7 @@ FINDINGS: tuple[Finding, ...] = (
         action="Never let stale ids reach these kernels: fill the padded rows of the topk_ids "
         "buffer with -1 (or run the router over every padded row) before a captured MoE layer "
         "runs, or use a release whose kernels bound ids by the expert count (the open pull "
-        "request below). Not measured on a GPU.",
+        "request below).",
         upstream=Upstream(
             "vllm-project/vllm",
             50845,
