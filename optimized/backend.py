@@ -194,10 +194,19 @@ class OptimizedBackend:
             sh.expert_map,
             validate=ctx.validate,
             a_perm_out=ctx.buffers.get("a_perm", (m_sum, a1q.shape[1]), a1q.dtype, a1q.device),
-            # psum's GEMMs and act_quant skip the gap rows: zeroing them is bytes for nothing
-            zero_padding=choose_grouped_layout(ctx.problem).layout is not GroupedLayout.PSUM,
+            zero_padding=self._zero_padding(ctx),
         )
         return permute_outputs(ctx, out)
+
+    @staticmethod
+    def _zero_padding(ctx: StageContext) -> bool:
+        """Whether permute zeroes a_perm's padding rows. The psum layout's GEMMs and act_quant
+        skip them, so production mode leaves them as the buffer held them (16 of 143 us at
+        DeepSeek-V3 EP8-local T=4096 on an H100, docs/perf.md), as vLLM does; verification zeroes
+        them, so that a chained run does not depend on what a fresh buffer held (`--poison`
+        fills the workspaces to test that on purpose)."""
+        psum = choose_grouped_layout(ctx.problem).layout is GroupedLayout.PSUM
+        return not (psum and ctx.graph_safe)
 
     @staticmethod
     def grouped_layout(problem: MoEProblem, upstream: Trace) -> tuple[GroupedLayout, torch.Tensor]:

@@ -31,6 +31,7 @@ from moe_verify.spec import (
 )
 from optimized import deepgemm
 from optimized.backend import OptimizedBackend
+from optimized.topology import ShardCache
 from tolerance.stages.context import live_slots
 
 pytestmark = pytest.mark.cpu
@@ -107,10 +108,33 @@ def test_psum_leaves_gap_rows_unwritten_and_the_comparison_does_not_read_them() 
     )
     assert report.passed
     gap = traces[0]["permute"]["m_indices"] == -1
-    stages = (("permute", "a_perm"), ("gemm1", "mm1"), ("act_quant", "a2q"), ("gemm2", "mm2"))
-    for stage, name in stages:
+    for stage, name in (("gemm1", "mm1"), ("act_quant", "a2q"), ("gemm2", "mm2")):
         a, b = (t[stage][name][gap].view(torch.uint8) for t in traces)
         assert bool((a != b).all()), f"{stage}.{name}: psum gap rows were written"
+
+
+@pytest.mark.parametrize("production", [False, True], ids=["verification", "production"])
+def test_permute_zeroes_psum_padding_in_verification_only(production: bool) -> None:
+    """Production mode's permute leaves the psum layout's padding rows as the workspace held
+    them (nothing reads them; bytes saved); verification zeroes them, so a chained run does not
+    depend on a fresh buffer's bytes. The live rows are the same either way."""
+    problem = BASE.replace(grouped_layout=PSUM)
+    inputs = make_inputs(problem, "cpu")
+    backend = OptimizedBackend(engine="triton")
+    up = run_chained(Side(backend, Workspaces()), problem, inputs, 0)
+    upstream = {s: up[s] for s in ("route", "quant_input", "align")}
+    ctx = StageContext(
+        problem, inputs, upstream, buffers=Workspaces(True, 0x55), validate=not production,
+        graph_safe=production, shard_of=ShardCache(),
+    )  # fmt: skip
+    out = backend.permute(ctx)
+    dead = out["m_indices"] < 0
+    assert bool(dead.any()) and bool((~dead).any())
+    rows = out["a_perm"].view(torch.uint8)
+    assert bool((rows[dead] == (0x55 if production else 0)).all())
+    live = up["permute"]["inv_perm"] >= 0
+    want = up["permute"]["a_perm"][up["permute"]["inv_perm"][live].long()].view(torch.uint8)
+    assert torch.equal(rows[out["inv_perm"][live].long()], want)
 
 
 class AllExpertsBoundAlign(OptimizedBackend):
