@@ -17,9 +17,10 @@ out of bounds.
 
 Differences from vLLM, on purpose: `inv_perm` is -1 for skipped slots (vLLM leaves it
 uninitialised), fp32 scales are copied honouring both strides (vLLM ignores stride(1)), padding
-rows of `a_perm` are zero for the m_indices layout (vLLM leaves garbage, possibly NaN patterns,
-which DeepGEMM then multiplies; the psum layout's consumers skip them, and so may we), packed
-UE8M0 pad bytes and padding rows are 0, and every offset that scales with rows is 64-bit.
+rows of `a_perm` are zero (vLLM leaves garbage, possibly NaN patterns, which DeepGEMM then
+multiplies) unless the caller asks otherwise (`zero_padding=False`: production mode's psum layout,
+whose consumers skip them), packed UE8M0 pad bytes and padding rows are 0, and every offset that
+scales with rows is 64-bit.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import triton.language as tl
 
 from moe_verify.spec import round_up
 from optimized.kernels._validate import (
+    check_flag,
     check_inner_contiguous,
     check_multiple,
     check_same_device,
@@ -390,6 +392,7 @@ def ep_scatter(
     _check_scatter_inputs(
         a1q, a1q_scale, topk_ids, counts, num_local_experts, alignment, m_sum, expert_map, validate
     )
+    check_flag("ep_scatter", "zero_padding", zero_padding)
     device = a1q.device
     m, h = a1q.shape
     topk = topk_ids.shape[1]
@@ -450,7 +453,7 @@ def ep_scatter(
         m_sum,
         num_local_experts,
         ALIGN=alignment,
-        ZERO_ROWS=bool(zero_padding),
+        ZERO_ROWS=zero_padding,
         BLOCK_E=max(16, triton.next_power_of_2(num_local_experts)),
         BLOCK_R=block_r,
         BLOCK_H=zero_cols,

@@ -491,3 +491,9 @@ def test_expert_map_past_local_experts_is_refused() -> None:
     emap = torch.tensor([0, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match="expert_map"):
         count_expert_tokens(torch.tensor([[1]], dtype=torch.int32), 2, emap)
+
+
+def test_zero_padding_must_be_a_bool() -> None:
+    """A string such as "no" is truthy: it would silently mean zeroing."""
+    with pytest.raises(TypeError, match="zero_padding"):
+        ep_scatter(**_good(), zero_padding="no")
