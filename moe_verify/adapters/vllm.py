@@ -4,7 +4,7 @@ Every stage vLLM owns calls the installed vLLM; none of its code is copied (docs
 
 | stage       | vLLM                                                                           |
 | ----------- | ------------------------------------------------------------------------------ |
-| quant_input | fp8_utils.per_token_group_quant_fp8 (CUDA kernel on a GPU, Triton fallback)     |
+| quant_input | fp8_utils.per_token_group_quant_fp8 (compiled CUDA op on a GPU, else its Triton) |
 | align       | fused_moe.utils.count_expert_num_tokens + deep_gemm_utils.compute_aligned_M... |
 | permute     | deep_gemm_utils.deepgemm_moe_permute (ExpertTokensMetadata, use_psum_layout)   |
 | gemm1/gemm2 | vllm.utils.deep_gemm.m_grouped_fp8_gemm_nt_contiguous where DeepGEMM runs      |
@@ -30,6 +30,12 @@ only there: vLLM's HAS_TRITON (it disables Triton when triton has no CPU backend
 its kernel modules are imported, and while a vLLM stage runs without DeepGEMM,
 `get_mk_alignment_for_contiguous_layout` (which raises without DeepGEMM) answers DeepGEMM's
 default, 128.
+
+On a GPU whose vLLM lacks its compiled ops library (the 88 MB `_C` is built for one torch; a carried
+vLLM may have only its Python files), `per_token_group_quant_fp8` would call the missing
+`torch.ops._C.per_token_group_fp8_quant`. There the adapter lets vLLM take its own Triton
+fallback, the branch vLLM runs for non-contiguous input or off CUDA, and says so: in the kernel
+record, in the switches, and in the report's stage column ("quant_input [vllm triton]").
 """
 
 from __future__ import annotations
@@ -69,6 +75,12 @@ from moe_verify.spec import (
 from optimized.backend import Outputs
 from optimized.deepgemm import choose_grouped_layout
 from optimized.triton_compat import interpreter_mode
+
+# The compiled op per_token_group_quant_fp8 calls on a CUDA platform for contiguous input.
+COMPILED_QUANT_OP = "per_token_group_fp8_quant"
+# The stage column's engine for a quant_input vLLM ran through its Triton fallback on a GPU
+# because its compiled op is missing (a vLLM path, but not the one vLLM takes there when whole).
+TRITON_FALLBACK = "vllm triton"
 
 # DeepGEMM 2.6's get_mk_alignment_for_contiguous_layout(): BLOCK_M of the contiguous layout, and
 # the K block deepgemm_moe_permute takes as the activation-scale group.
@@ -146,6 +158,8 @@ class VllmKernels:
     deep_gemm: ModuleType
     has_deep_gemm: bool
     on_cuda: bool  # vLLM's platform runs its CUDA kernels (not the Triton fallbacks)
+    # vLLM's compiled per_token_group_fp8_quant is loaded (what on_cuda would call)
+    compiled_quant: bool
     switches: tuple[str, ...]
 
     @property
@@ -231,11 +245,19 @@ def load() -> VllmKernels:
             f"[{DEEPGEMM_CONTIGUOUS_ALIGNMENT}, {DEEPGEMM_CONTIGUOUS_ALIGNMENT}] (no DeepGEMM)"
         )
     platform = _import("vllm.platforms").current_platform
+    on_cuda = bool(platform.is_cuda_alike() or platform.is_xpu())
+    compiled_quant = hasattr(torch.ops._C, COMPILED_QUANT_OP)
+    if on_cuda and not compiled_quant:
+        switches.append(
+            f"torch.ops._C.{COMPILED_QUANT_OP} is not loaded (vLLM's compiled library is "
+            "missing): per_token_group_quant_fp8 runs its Triton fallback"
+        )
     return VllmKernels(
         version=version,
         evidence=evidence,
         has_deep_gemm=has_dg,
-        on_cuda=bool(platform.is_cuda_alike() or platform.is_xpu()),
+        on_cuda=on_cuda,
+        compiled_quant=compiled_quant,
         switches=tuple(switches),
         **modules,
     )
@@ -244,6 +266,24 @@ def load() -> VllmKernels:
 def availability() -> tuple[bool, str]:
     """(usable, why): whether the adapter can load the installed vLLM here."""
     return common.availability(load, VllmUnavailable, "vLLM")
+
+
+class _PlatformWithoutCompiledOps:
+    """vLLM's current_platform as fp8_utils sees it while the compiled quant op is missing: not
+    CUDA-alike, so per_token_group_quant_fp8 takes its Triton fallback; all else is the
+    platform's own (fp8_dtype, the fp8 range)."""
+
+    def __init__(self, platform: Any) -> None:
+        self._platform = platform
+
+    def is_cuda_alike(self) -> bool:
+        return False
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._platform, name)
 
 
 def _require_layout(
@@ -324,21 +364,38 @@ class VllmBackend(AdaptedBackend):
         if problem.topology.kind is TopologyKind.EP_HT:
             hidden = hidden[upstream["route"]["token_index"]]
         group = problem.recipe.act_group
-        q, s = self.vllm.fp8_utils.per_token_group_quant_fp8(
-            hidden, group, use_ue8m0=problem.scale_fmt.is_ue8m0
-        )
+        v = self.vllm
+        # per_token_group_quant_fp8 takes its CUDA kernel on a CUDA platform for contiguous input
+        wants_cuda = v.on_cuda and hidden.is_contiguous()
+        missing = wants_cuda and not v.compiled_quant
+        with self._without_compiled_ops() if missing else contextlib.nullcontext():
+            q, s = v.fp8_utils.per_token_group_quant_fp8(
+                hidden, group, use_ue8m0=problem.scale_fmt.is_ue8m0
+            )
         rows, groups = hidden.shape[0], hidden.shape[1] // group
         _require_layout("per_token_group_quant_fp8 scales", s, (rows, groups), (groups, 1))
-        # per_token_group_quant_fp8 takes its CUDA kernel on a CUDA platform for contiguous input
-        cuda = self.vllm.on_cuda and hidden.is_contiguous()
+        cuda = wants_cuda and not missing
         recipe = InputQuantRecipe.CUDA_DIVISION if cuda else InputQuantRecipe.TRITON_RECIPROCAL
         path = "CUDA kernel" if cuda else "Triton fallback"
+        if missing:
+            path += f"; torch.ops._C.{COMPILED_QUANT_OP} is not loaded"
         out = {
             "a1q": q,
             "a1q_scale": s,
             "kernel": self._kernel(f"per_token_group_quant_fp8 ({path})"),
         }
+        if missing:
+            out["engine"] = TRITON_FALLBACK
         return self._declare(out, recipe.value)
+
+    @contextlib.contextmanager
+    def _without_compiled_ops(self) -> Iterator[None]:
+        """While quant_input runs: fp8_utils sees a platform that is not CUDA-alike, so vLLM's
+        own branch for that case (its Triton kernel) runs in place of the missing compiled op."""
+        fp8_utils = self.vllm.fp8_utils
+        shown = _PlatformWithoutCompiledOps(fp8_utils.current_platform)
+        with mock.patch.object(fp8_utils, "current_platform", shown):
+            yield
 
     def align(self, ctx: StageContext) -> Outputs:
         """count_expert_num_tokens (the count deepgemm_moe_permute makes without metadata) and

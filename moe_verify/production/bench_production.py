@@ -41,6 +41,7 @@ from moe_verify.common import progress
 from moe_verify.common.device import default_device
 from moe_verify.common.timing import median_seconds, replay_seconds
 from moe_verify.production.bench import copy_bandwidth
+from moe_verify.production.host_reads import HostReads
 from moe_verify.production.report import DecodeBench, Environment, ProductionBench, VerificationRow
 from moe_verify.production.targets import (
     CALLS_PER_GRAPH,
@@ -304,7 +305,8 @@ def _verification(
 ) -> tuple[VerificationRow, ...]:
     """Verification mode's stages, each fed the backend's own upstream (chained), on the
     production engine: eager calls of the registered backend's methods with every host check it
-    runs (a verification context: validation on, no workspaces)."""
+    runs (a verification context: validation on, no workspaces); beside each, the same call with
+    validation off and the host reads the checked call made (what the checks cost, and why)."""
     backend = op.registered_backend(name)
     shard_of = ShardCache()
     trace = run_stages(backend, problem, inputs, rank, shard_of=shard_of, engine=engine)
@@ -315,8 +317,19 @@ def _verification(
         ctx = StageContext(
             problem, inputs, trace.upto(stage), rank, engine=engine, shard_of=shard_of
         )
-        run = functools.partial(call_stage, backend, stage, ctx)
-        rows.append(VerificationRow(stage.value, median_seconds(run, repeats) * 1e6))
+        unchecked = dataclasses.replace(ctx, validate=False)
+        reads = HostReads()
+        with reads.counting():
+            call_stage(backend, stage, ctx)
+        rows.append(
+            VerificationRow(
+                stage.value,
+                median_seconds(functools.partial(call_stage, backend, stage, ctx), repeats) * 1e6,
+                median_seconds(functools.partial(call_stage, backend, stage, unchecked), repeats)
+                * 1e6,
+                len(reads.found),
+            )
+        )
     return tuple(rows)
 
 

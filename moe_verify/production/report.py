@@ -29,10 +29,14 @@ from optimized import deepgemm
 
 @dataclass(frozen=True)
 class VerificationRow:
-    """A stage of verification mode: `OptimizedBackend` eager, with host validation."""
+    """A stage of verification mode: the stage method eager, with its host validation
+    (`median_us`); the same call with validation off (`unchecked_us`: what eager launching alone
+    costs, so the difference is the checks); and the host reads the checked call made."""
 
     stage: str
     median_us: float
+    unchecked_us: float | None = None
+    host_reads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -171,17 +175,21 @@ class ProductionBench:
                 "Verification mode (the same stage methods called eagerly, with host "
                 "validation; not what production runs, timed apart):",
                 "",
-                "| stage | median us | vs production |",
-                "| --- | --- | --- |",
+                "| stage | median us | vs production | without host checks us | host reads |",
+                "| --- | --- | --- | --- | --- |",
             ]
             for v in self.verification:
                 prod = self.stage_us(v.stage)
                 lines.append(
                     f"| {v.stage} | {_num(v.median_us)} | "
-                    f"{_ratio(v.median_us / prod if prod else None)} |"
+                    f"{_ratio(v.median_us / prod if prod else None)} | "
+                    f"{_num(v.unchecked_us)} | {_count(v.host_reads)} |"
                 )
+            unchecked = _total([v.unchecked_us for v in self.verification])
+            reads = _total([v.host_reads for v in self.verification])
             lines.append(
-                f"| total | {_num(total)} | {_ratio(total / self.forward_us)} (vs the forward) |"
+                f"| total | {_num(total)} | {_ratio(total / self.forward_us)} (vs the forward) | "
+                f"{_num(unchecked)} | {_count(None if reads is None else int(reads))} |"
             )
         return "\n".join(lines) + "\n"
 
@@ -244,6 +252,12 @@ def _pct(x: float | None) -> str:
 
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
+
+
+def _total(values: list[float | None] | list[int | None]) -> float | None:
+    """The sum, or None where any row lacks the number."""
+    known = [v for v in values if v is not None]
+    return sum(known) if len(known) == len(values) else None
 
 
 def _count(x: int | None) -> str:

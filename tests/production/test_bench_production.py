@@ -71,13 +71,17 @@ def test_tiny_problem_end_to_end_on_the_cpu() -> None:
     assert bench.gemms_alone_us is None and bench.forward_vs_bound is None
 
     assert [v.stage for v in bench.verification] == stages
-    assert all(v.median_us > 0 for v in bench.verification)
+    assert all(v.median_us > 0 and v.unchecked_us > 0 for v in bench.verification)
+    reads = {v.stage: v.host_reads for v in bench.verification}
+    # align's id-range check reads once on the host; quant_input has no value check to read
+    assert reads["align"] >= 1 and reads["quant_input"] == 0, reads
 
     text = bench.to_markdown()
     assert TINY.id in text and CPU_TIMING in text
     assert bench.environment.date in text and f"torch {torch.__version__}" in text
     assert all(f"| {stage} |" in text for stage in stages)
     assert "| whole forward |" in text and "Verification mode" in text
+    assert "| without host checks us | host reads |" in text
     assert MEMORY_BANDWIDTH.text in text and GEMM_VS_DEEPGEMM.text in text
 
 
