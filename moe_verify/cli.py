@@ -266,7 +266,12 @@ def cmd_graph(args: argparse.Namespace) -> int:
         )
     problem = problem_from_args(args)
     require_engine(args.engine)
-    from moe_verify.production.graph import default_replays, verify_graph
+    from moe_verify.production.graph import (
+        default_replays,
+        describe_fault,
+        is_kernel_fault,
+        verify_graph,
+    )
     from moe_verify.run.runner import production_backend
 
     if not args.in_process:
@@ -280,14 +285,22 @@ def cmd_graph(args: argparse.Namespace) -> int:
         if unknown:
             raise ValueError(f"--replays: unknown {unknown}; known: {list(known)}")
         replays = [replays[0]] + [known[n] for n in wanted if n != replays[0].name]
-    report = verify_graph(
-        problem,
-        bound=bound,
-        replays=replays,
-        engine=args.engine,
-        backend=production_backend(args.backend, args.engine),
-        capture=False if args.no_capture else None,
-    )
+    try:
+        report = verify_graph(
+            problem,
+            bound=bound,
+            replays=replays,
+            engine=args.engine,
+            backend=production_backend(args.backend, args.engine),
+            capture=False if args.no_capture else None,
+        )
+    except Exception as exc:
+        if not is_kernel_fault(exc):
+            raise
+        line, fault_json = describe_fault(problem.id, exc)
+        print(line)
+        write_output("--json", args.json, lambda: fault_json)
+        return EXIT_FAIL
     print(report.to_summary(verbose=args.verbose))
     write_output("--json", args.json, report.to_json)
     return report.exit_code

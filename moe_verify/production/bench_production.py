@@ -294,15 +294,17 @@ def _measure(
         launches=kernels,
         memops=memops,
         launch_note=launch_note,
-        verification=_verification(problem, inputs, rank, cfg.engine, repeats, backend)
-        if verification
-        else (),
+        **(
+            _verification(problem, inputs, rank, cfg.engine, repeats, backend)
+            if verification
+            else {}
+        ),
     )
 
 
 def _verification(
     problem: MoEProblem, inputs: MoEInputs, rank: int, engine: Engine, repeats: int, name: str
-) -> tuple[VerificationRow, ...]:
+) -> dict[str, object]:
     """Verification mode's stages, each fed the backend's own upstream (chained), on the
     production engine: eager calls of the registered backend's methods with every host check it
     runs (a verification context: validation on, no workspaces); beside each, the same call with
@@ -330,7 +332,33 @@ def _verification(
                 len(reads.found),
             )
         )
-    return tuple(rows)
+    forward = functools.partial(
+        _verification_forward, backend, problem, inputs, rank, engine, shard_of, trace
+    )
+    return {
+        "verification": tuple(rows),
+        "verification_forward_us": median_seconds(forward, repeats) * 1e6,
+    }
+
+
+def _verification_forward(
+    backend: object,
+    problem: MoEProblem,
+    inputs: MoEInputs,
+    rank: int,
+    engine: Engine,
+    shard_of: ShardCache,
+    routed: Trace,
+) -> None:
+    """Verification mode's forward as a run makes it: every stage after the routing called
+    eagerly in turn, chained, with its host checks, and nothing waited for in between but what
+    the checks read (the per-stage rows time each call alone, each ending in a sync)."""
+    trace = routed.upto(next(s.value for s in problem.stages if s is not Stage.ROUTE))
+    for stage in problem.stages:
+        if stage is Stage.ROUTE:
+            continue
+        ctx = StageContext(problem, inputs, trace, rank, engine=engine, shard_of=shard_of)
+        trace.add(stage.value, call_stage(backend, stage, ctx))
 
 
 def _checked(

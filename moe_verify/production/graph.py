@@ -109,11 +109,56 @@ def breadcrumb(case: str, replay: str, rank: int) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        stage = f", stage {entered[-1]}" if entered else ", before the first stage"
+        # A replay of the captured graph calls no stage method, so no stage is entered there.
+        stage = f", stage {entered[-1]}" if entered else f", {STAGE_UNKNOWN}"
         exc.add_note(f"raised in graph {case}: replay {replay}, rank {rank}{stage}")
+        with contextlib.suppress(AttributeError, TypeError):  # a C type may refuse attributes
+            exc.graph_at = {  # type: ignore[attr-defined]
+                "case": case,
+                "replay": replay,
+                "rank": rank,
+                "stage": entered[-1] if entered else None,
+            }
         raise
     finally:
         production.stage_listeners.remove(write)
+
+
+STAGE_UNKNOWN = "stage unknown (inside a captured graph, or before the first stage)"
+
+
+def is_kernel_fault(exc: BaseException) -> bool:
+    """A CUDA error torch raised: a kernel faulted on the GPU (an illegal address, a trap), found
+    at the next sync. Raised in a replay, it is the backend's kernels' fault: the only kernels a
+    replay runs before its first sync are the captured graph's."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and str(exc).startswith("CUDA error")
+
+
+def describe_fault(case: str, exc: BaseException) -> tuple[str, str]:
+    """The line `graph` prints for a kernel fault raised in its own process (a CUDA error at a
+    sync; a segfault ends the child instead, `Contained`) and its JSON report."""
+    at = getattr(exc, "graph_at", None)
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    c = at or {}
+    where = ", ".join(
+        f"{name} {c[name]}" for name in ("replay", "rank", "stage") if c.get(name) is not None
+    )
+    if c.get("replay") and c.get("stage") is None:
+        where += f", {STAGE_UNKNOWN}"
+    line = (
+        f"FAULT graph {case}: {type(exc).__name__}: {message} "
+        f"({where or 'before the first replay'}); a kernel faulted on the GPU, not this run. "
+        "The CUDA context is lost, so no later replay ran: `moe-verify run` on the same problem "
+        "locates the stage eagerly"
+    )
+    report = json.dumps(
+        {"case": case, "passed": False, "faulted": f"{type(exc).__name__}: {message}", "at": at},
+        indent=2,
+    )
+    return line, report
 
 
 @dataclass(frozen=True)
@@ -592,7 +637,7 @@ class Contained:
             f"{name} {c[name]}" for name in ("replay", "rank", "stage") if c.get(name) is not None
         )
         if c.get("replay") and c.get("stage") is None:
-            where += ", stage unknown (inside a captured graph, or before the first stage)"
+            where += f", {STAGE_UNKNOWN}"
         return (
             f"CRASH graph {case}: the child process was {self.done.exit_text} "
             f"({where or 'before the first replay'}); a kernel fault ended it, not this run"

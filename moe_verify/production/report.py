@@ -106,6 +106,8 @@ class ProductionBench:
     memops: int | None
     launch_note: str
     verification: tuple[VerificationRow, ...] = ()
+    # verification mode's whole forward: the stages chained eagerly with their checks
+    verification_forward_us: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -191,6 +193,15 @@ class ProductionBench:
                 f"| total | {_num(total)} | {_ratio(total / self.forward_us)} (vs the forward) | "
                 f"{_num(unchecked)} | {_count(None if reads is None else int(reads))} |"
             )
+            if self.verification_forward_us is not None:
+                ratio = self.verification_forward_us / self.forward_us
+                lines += [
+                    "",
+                    "The verification-mode forward, the stages chained eagerly with their host "
+                    "checks (the rows above each end in a sync; a run does not): "
+                    f"{_num(self.verification_forward_us)} us, **{_ratio(ratio)}** the "
+                    "production forward.",
+                ]
         return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,7 @@ import torch
 
 from moe_verify.spec import LL_BLOCK_ROWS, QuantizedWeight, round_up
 from optimized.deepgemm import sm100_ue8m0 as sm100
-from optimized.kernels._validate import check_flag, check_range, fail
+from optimized.kernels._validate import any_true, check_flag, check_range, fail, unexplained
 
 
 def validate_contiguous_call(
@@ -30,8 +30,12 @@ def validate_contiguous_call(
     reads must be finite and >= 0, and on SM100 (which packs them to UE8M0) powers of two: every
     row with m_indices, the live rows only with psum (the packer skips gap rows, gemm.hpp).
     """
-    from optimized.kernels.grouped_gemm import _check_m_indices
-    from optimized.kernels.psum import check_expert_ends, psum_live_rows
+    from optimized.kernels.grouped_gemm import explain_m_indices, m_indices_violations
+    from optimized.kernels.psum import (
+        expert_ends_violations,
+        explain_expert_ends,
+        psum_live_rows,
+    )
 
     fn = "deepgemm.m_grouped_gemm"
     check_flag(fn, "use_ue8m0", use_ue8m0)
@@ -54,22 +58,33 @@ def validate_contiguous_call(
                 f"expert_ends has shape {tuple(grouped_layout.shape)}; the psum layout holds "
                 f"one end per expert, [{num_experts}] (DeepGEMM asserts it)",
             )
-        check_expert_ends(fn, grouped_layout, m_sum, alignment)
+        layout_rules = expert_ends_violations(grouped_layout, m_sum, alignment)
         live = psum_live_rows(grouped_layout, m_sum, alignment)
     else:
         if grouped_layout.numel() != m_sum:
             fail(fn, f"m_indices has {grouped_layout.numel()} rows for M_sum={m_sum}")
-        _check_m_indices(fn, grouped_layout, num_experts, alignment)
+        layout_rules = m_indices_violations(grouped_layout, num_experts, alignment)
         live = None
-    if a_scale.dtype == torch.float32:
+    fp32 = a_scale.dtype == torch.float32
+    scale_rules = []
+    if fp32:
+        bad = ~torch.isfinite(a_scale) | (a_scale < 0)
+        scale_rules.append(bad if live is None else bad & live[:, None])
+    # Every rule above in one host read; only a violation reads more, to name it.
+    if any_true(*layout_rules, *scale_rules):
+        if any_true(*layout_rules):
+            if use_psum_layout:
+                explain_expert_ends(fn, grouped_layout, m_sum, alignment)
+            explain_m_indices(fn, grouped_layout, num_experts, alignment)
         scales = a_scale if live is None else a_scale[live]
         bad = ~torch.isfinite(scales) | (scales < 0)
         if bool(bad.any()):
             r, g = (int(i) for i in bad.nonzero()[0])
             what = f"a_scale[{r}, {g}]" if live is None else f"a_scale (live row {r}, group {g})"
             fail(fn, f"{what} = {float(scales[r, g])} is not a finite scale >= 0")
-        if use_ue8m0:
-            sm100.check_packable_scales(fn, "a_scale", scales)
+        unexplained(fn)
+    if fp32 and use_ue8m0:  # SM100 packs the fp32 scales: the live rows' must be powers of two
+        sm100.check_packable_scales(fn, "a_scale", a_scale if live is None else a_scale[live])
 
 
 # The largest BLOCK_M DeepGEMM picks for the masked GEMM (SM90 heuristics: 64 or 128); the LL

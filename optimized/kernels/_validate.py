@@ -149,6 +149,33 @@ def first_true(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(reversed(coords))
 
 
+def any_true(*masks: torch.Tensor) -> bool:
+    """Whether any element of `masks` is True, in one host read for them all (a device sync).
+    A call's value checks queue their violation masks on the device and read them together;
+    only when one is set do the checks run again one by one to say which and where
+    (`unexplained` after them, in case none does)."""
+    flags = [m.any().reshape(1) for m in masks if m.numel()]
+    if not flags:
+        return False
+    return bool(torch.cat(flags).any())
+
+
+def unexplained(fn: str) -> NoReturn:
+    """A violation the batched device read flagged that no check then named: the two disagree
+    (a defect of the checks, never of the input alone), so say so rather than launch."""
+    raise AssertionError(
+        f"{fn}: the batched input check flagged a violation that no single check found again"
+    )
+
+
+def range_violations(
+    t: torch.Tensor, low: int, high: int, where: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bool like `t`: the elements outside [low, high) (only where `where` is True)."""
+    bad = (t < low) | (t >= high)
+    return bad if where is None else bad & where
+
+
 def check_range(
     fn: str,
     name: str,
@@ -159,9 +186,7 @@ def check_range(
     where: torch.Tensor | None = None,
 ) -> None:
     """low <= t < high for every element (or every element where `where` is True)."""
-    bad = (t < low) | (t >= high)
-    if where is not None:
-        bad &= where
+    bad = range_violations(t, low, high, where)
     if bool(bad.any()):
         at = first_true(bad)
         count = int(bad.sum())

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from optimized.kernels._validate import (
+    any_true,
     check_flag,
     check_inner_contiguous,
     check_range,
@@ -22,6 +23,8 @@ from optimized.kernels._validate import (
     check_signed_ids,
     check_tensor,
     output_buffer,
+    range_violations,
+    unexplained,
 )
 from optimized.triton_compat import interpreter_mode
 
@@ -131,23 +134,34 @@ def ep_gather(
     m_sum, h = mm2.shape
 
     if validate and m * topk:
+        num_global = expert_map.shape[0] if expert_map is not None else 0
         if expert_map is not None:
-            num_global = expert_map.shape[0]
-            check_range(
-                fn, "topk_ids", topk_ids, -1, num_global,
-                f"with an expert_map of {num_global} global experts an id must be -1 (no expert) "
-                "or a global expert in [0, E_g); any other id reads expert_map out of bounds",
-            )  # fmt: skip
-            mapped = expert_map[topk_ids.clamp(min=0).long()]
-            live = (topk_ids >= 0) & (mapped >= 0)
+            # clamped, so an id out of range (named below) reads no memory outside the map
+            in_map = (topk_ids >= 0) & (topk_ids < num_global)
+            if num_global:
+                mapped = expert_map[topk_ids.clamp(min=0, max=num_global - 1).long()]
+                live = in_map & (mapped >= 0)
+            else:
+                live = in_map
+            id_rule = [range_violations(topk_ids, -1, num_global)]
         else:
-            live = topk_ids >= 0
-        check_range(
-            fn, "inv_perm", inv_perm, 0, m_sum,
-            f"a live slot's inv_perm must be a row of mm2 (M_sum = {m_sum}); the kernel would "
-            "read outside mm2",
-            where=live,
-        )  # fmt: skip
+            live, id_rule = topk_ids >= 0, []
+        # Both rules in one host read; only a violation reads more, to name it.
+        if any_true(*id_rule, range_violations(inv_perm, 0, m_sum, where=live)):
+            if expert_map is not None:
+                check_range(
+                    fn, "topk_ids", topk_ids, -1, num_global,
+                    f"with an expert_map of {num_global} global experts an id must be -1 (no "
+                    "expert) or a global expert in [0, E_g); any other id reads expert_map out "
+                    "of bounds",
+                )  # fmt: skip
+            check_range(
+                fn, "inv_perm", inv_perm, 0, m_sum,
+                f"a live slot's inv_perm must be a row of mm2 (M_sum = {m_sum}); the kernel "
+                "would read outside mm2",
+                where=live,
+            )  # fmt: skip
+            unexplained(fn)
 
     out = output_buffer("ep_gather", "out", out, (m, h), torch.bfloat16, mm2.device)
     if m == 0 or h == 0:

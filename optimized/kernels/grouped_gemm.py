@@ -45,12 +45,14 @@ Math per weight format:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import triton
 import triton.language as tl
 
 from optimized.kernels._validate import (
+    any_true,
     check_flag,
     check_group,
     check_inner_contiguous,
@@ -61,6 +63,8 @@ from optimized.kernels._validate import (
     check_tensor,
     fail,
     output_buffer,
+    range_violations,
+    unexplained,
 )
 from optimized.kernels.e8m0 import e8m0_to_fp32, word_byte
 from optimized.kernels.psum import block_experts, check_expert_ends, psum_row_experts
@@ -351,10 +355,30 @@ def default_block_m(alignment: int) -> int:
     return max(block, 16)
 
 
-def _check_m_indices(fn: str, m_indices: torch.Tensor, num_experts: int, alignment: int) -> None:
-    """Values in [-1, E) and DeepGEMM's segment rule (syncs with the device)."""
+def m_indices_violations(
+    m_indices: torch.Tensor, num_experts: int, alignment: int
+) -> list[torch.Tensor]:
+    """The m_indices rules `_check_m_indices` names, as device masks for a batched read: a value
+    outside [-1, E), and an aligned block that is not one expert on a prefix of rows then -1."""
     if m_indices.numel() == 0:
-        return
+        return []
+    blocks = m_indices.view(-1, alignment)
+    live = blocks != -1
+    broken = (live & (blocks != blocks[:, :1])).any(1)
+    broken |= (live[:, 1:] & ~live[:, :-1]).any(1)
+    return [range_violations(m_indices, -1, num_experts), broken]
+
+
+def _check_m_indices(fn: str, m_indices: torch.Tensor, num_experts: int, alignment: int) -> None:
+    """Values in [-1, E) and DeepGEMM's segment rule (one device sync)."""
+    if any_true(*m_indices_violations(m_indices, num_experts, alignment)):
+        explain_m_indices(fn, m_indices, num_experts, alignment)
+
+
+def explain_m_indices(
+    fn: str, m_indices: torch.Tensor, num_experts: int, alignment: int
+) -> NoReturn:
+    """Raise naming the m_indices rule broken (after `m_indices_violations` flagged one)."""
     check_range(
         fn, "m_indices", m_indices, -1, num_experts,
         f"a row's expert must be in [0, E={num_experts}) or -1 (padding); another value would "
@@ -377,6 +401,7 @@ def _check_m_indices(fn: str, m_indices: torch.Tensor, num_experts: int, alignme
             f"found experts {experts} (first row {int(first[b, 0])}). Every expert segment must "
             "start at a multiple of the alignment, or DeepGEMM computes rows with the wrong expert",
         )
+    unexplained(fn)
 
 
 def _check_inputs(

@@ -10,12 +10,14 @@ unspecified, as DeepGEMM and vLLM 0.32's act_quant kernels do.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 import triton
 import triton.language as tl
 
 from moe_verify.spec import round_up
-from optimized.kernels._validate import fail
+from optimized.kernels._validate import any_true, fail, unexplained
 
 
 @triton.jit
@@ -39,11 +41,27 @@ def block_experts(num_experts: int) -> int:
     return max(16, triton.next_power_of_2(max(num_experts, 1)))
 
 
-def check_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignment: int) -> None:
-    """The psum rule (a device sync): end_e >= start_e (DeepGEMM's block count underflows on a
-    smaller end), and the last segment, rounded up to A, fits in M_sum."""
+def expert_ends_violations(
+    expert_ends: torch.Tensor, m_sum: int, alignment: int
+) -> list[torch.Tensor]:
+    """The psum rules `check_expert_ends` names, as device masks for a caller's batched read:
+    an end below its expert's start, and a last segment, rounded up to A, past M_sum."""
     if expert_ends.numel() == 0:
-        return
+        return []
+    ends = expert_ends.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), round_up(ends[:-1], alignment)])
+    return [ends < starts, (round_up(ends[-1:], alignment) > m_sum)]
+
+
+def check_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignment: int) -> None:
+    """The psum rule (one device sync): end_e >= start_e (DeepGEMM's block count underflows on
+    a smaller end), and the last segment, rounded up to A, fits in M_sum."""
+    if any_true(*expert_ends_violations(expert_ends, m_sum, alignment)):
+        explain_expert_ends(fn, expert_ends, m_sum, alignment)
+
+
+def explain_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignment: int) -> NoReturn:
+    """Raise naming the psum rule broken (after `expert_ends_violations` flagged one)."""
     ends = expert_ends.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), round_up(ends[:-1], alignment)])
     bad = ends < starts
@@ -63,6 +81,7 @@ def check_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignment:
             f"expert_ends[-1] = {int(ends[-1])}, rounded up to the alignment {alignment}, is "
             f"{last} > M_sum = {m_sum}: the last expert's rows would run past the buffer",
         )
+    unexplained(fn)
 
 
 def psum_live_rows(expert_ends: torch.Tensor, m_sum: int, alignment: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ scales with rows is 64-bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import triton
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from moe_verify.spec import round_up
 from optimized.kernels._validate import (
+    any_true,
     check_flag,
     check_inner_contiguous,
     check_multiple,
@@ -41,11 +43,15 @@ from optimized.kernels._validate import (
     check_tensor,
     fail,
     output_buffer,
+    unexplained,
 )
 from optimized.kernels.e8m0 import pack_word
 from optimized.kernels.slot_counts import (
+    INT32_MAX,
     aligned_m_sum_exact,
     check_ids,
+    explain_ids,
+    id_violations,
     launch_count,
     local_expert_ids,
 )
@@ -250,7 +256,8 @@ def _check_scatter_inputs(
     validate: bool,
 ) -> None:
     fn = "ep_scatter"
-    check_ids(fn, topk_ids, num_local_experts, expert_map, validate)
+    validate = check_flag(fn, "validate", validate)
+    check_ids(fn, topk_ids, num_local_experts, expert_map, validate=False)  # the values: below
     check_tensor(fn, "a1q", a1q, (torch.float8_e4m3fn,), 2)
     check_inner_contiguous(fn, "a1q", a1q)
     m, h = a1q.shape
@@ -286,6 +293,26 @@ def _check_scatter_inputs(
         )
     if not validate:
         return
+    # Every value rule on the device, read back once; only a violation reads more, to name it.
+    actual = torch.zeros_like(counts)
+    launch_count(topk_ids, num_local_experts, expert_map, actual)  # skips ids it cannot place
+    rows = (counts.clamp(min=0).to(torch.int64) + alignment - 1) // alignment * alignment
+    violations = [
+        *id_violations(topk_ids, num_local_experts, expert_map),
+        counts < 0,
+        (rows.sum() > min(m_sum, INT32_MAX)).reshape(1),  # aligned_m_sum_exact's two limits
+        actual != counts,
+    ]
+    if any_true(*violations):
+        if any_true(*id_violations(topk_ids, num_local_experts, expert_map)):
+            explain_ids(fn, topk_ids, num_local_experts, expert_map)
+        _explain_counts(fn, counts, actual, alignment, m_sum)
+
+
+def _explain_counts(
+    fn: str, counts: torch.Tensor, actual: torch.Tensor, alignment: int, m_sum: int
+) -> NoReturn:
+    """Raise naming the first counts rule broken (after the batched read flagged one)."""
     host_counts = counts.tolist()
     if any(c < 0 for c in host_counts):
         fail(fn, f"counts must be >= 0, got {host_counts}")
@@ -296,8 +323,6 @@ def _check_scatter_inputs(
             f"m_sum={m_sum} is smaller than sum_e round_up(counts[e], alignment={alignment}) = "
             f"{need}: the expert segments would not fit",
         )
-    actual = torch.zeros_like(counts)
-    launch_count(topk_ids, num_local_experts, expert_map, actual)
     if not torch.equal(actual, counts):
         diff = (actual != counts).nonzero().flatten().tolist()
         e = diff[0]
@@ -308,6 +333,7 @@ def _check_scatter_inputs(
             f"{e}; the row cursor would run past the segment (misrouting, or an out-of-bounds "
             "write)",
         )
+    unexplained(fn)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ can make them access memory out of bounds.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 import triton
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from moe_verify.spec import round_up
 from optimized.kernels._validate import (
+    any_true,
     check_flag,
     check_inner_contiguous,
     check_range,
@@ -27,6 +29,8 @@ from optimized.kernels._validate import (
     check_signed_ids,
     check_tensor,
     fail,
+    range_violations,
+    unexplained,
 )
 from optimized.triton_compat import interpreter_mode
 
@@ -164,16 +168,32 @@ def check_ids(
         check_tensor(fn, "expert_map", expert_map, (torch.int32,), 1)
         check_inner_contiguous(fn, "expert_map", expert_map)
         check_same_device(fn, "topk_ids", topk_ids, expert_map=expert_map)
-    if not validate:
-        return
+    if validate and any_true(*id_violations(topk_ids, num_local_experts, expert_map)):
+        explain_ids(fn, topk_ids, num_local_experts, expert_map)
+
+
+def id_violations(
+    topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """The id-range rules `explain_ids` names, as device masks for a caller's batched read."""
+    masks = []
+    if expert_map is not None:
+        masks.append(range_violations(expert_map, -1, num_local_experts))
+    bound = expert_map.numel() if expert_map is not None else num_local_experts
+    masks.append(range_violations(topk_ids, -1, bound))
+    return masks
+
+
+def explain_ids(
+    fn: str, topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None
+) -> NoReturn:
+    """Raise naming the first id-range rule broken (after `id_violations` flagged one)."""
     if expert_map is not None and expert_map.numel():
         check_range(
             fn, "expert_map", expert_map, -1, num_local_experts,
             f"a global expert maps to a local expert in [0, num_local_experts="
             f"{num_local_experts}) or to -1 (hosted on another rank)",
         )  # fmt: skip
-    if topk_ids.numel() == 0:
-        return
     if expert_map is not None:
         num_global = expert_map.numel()
         check_range(
@@ -188,6 +208,7 @@ def check_ids(
             f"[0, num_local_experts={num_local_experts}); a larger id would bump a row cursor "
             "out of bounds",
         )  # fmt: skip
+    unexplained(fn)
 
 
 def launch_count(

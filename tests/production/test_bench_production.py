@@ -82,6 +82,8 @@ def test_tiny_problem_end_to_end_on_the_cpu() -> None:
     assert all(f"| {stage} |" in text for stage in stages)
     assert "| whole forward |" in text and "Verification mode" in text
     assert "| without host checks us | host reads |" in text
+    assert bench.verification_forward_us > 0
+    assert "The verification-mode forward" in text and "the production forward." in text
     assert MEMORY_BANDWIDTH.text in text and GEMM_VS_DEEPGEMM.text in text
 
 

@@ -481,3 +481,45 @@ def test_a_backend_error_in_a_replay_names_it_with_rank_stage_and_type(
     said = f"moe-verify: error: {type(raised).__name__}: {raised}; raised in graph {case}"
     assert said in err, err
     assert f"raised in graph {case}: replay half-live, rank 1, stage gemm1" in err, err
+
+
+class FaultsOnHalfLive(RaisesOnHalfLive):
+    """What torch raises at the sync after a kernel faulted on the GPU (older torch: a
+    RuntimeError whose message starts "CUDA error"), here from gemm1 of rank 1 in half-live."""
+
+    @staticmethod
+    def error(message: str) -> Exception:
+        return RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize("where", ["--in-process", "contained"])
+def test_a_kernel_fault_in_a_replay_is_a_finding_naming_the_replay(
+    where: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA error in a replay is the backend's kernel faulting (exit 1, "FAULT"), not an error
+    of the run (exit 2): on a GPU finding 1 surfaces so, inside the captured graph, where the
+    stage is unknown; here the replay is eager, so the stage is named too."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the child imports this module
+    spec = f"{__name__}:FaultsOnHalfLive"
+    report = tmp_path / "graph.json"
+    flags = ["--topology", "ep:2", "--replays", "half-live", "--backend", spec]
+    flags += ["--json", str(report)]
+    assert main([*CLI, *flags, *([where] if where != "contained" else [])]) == 1
+    out = capsys.readouterr().out
+    case = BASE.replace(topology="ep:2").id
+    assert f"FAULT graph {case}: RuntimeError: CUDA error: an illegal memory access" in out, out
+    assert "(replay half-live, rank 1, stage gemm1)" in out, out
+    saved = json.loads(report.read_text())
+    assert saved["passed"] is False and saved["faulted"].startswith("RuntimeError: CUDA error")
+    assert saved["at"] == {"case": case, "replay": "half-live", "rank": 1, "stage": "gemm1"}
+
+
+def test_an_ordinary_runtime_error_is_not_taken_for_a_kernel_fault() -> None:
+    from moe_verify.production.graph import is_kernel_fault
+
+    assert is_kernel_fault(RuntimeError("CUDA error: operation not supported"))
+    assert not is_kernel_fault(RuntimeError("my gemm2: workspace too small"))
+    assert not is_kernel_fault(ValueError("CUDA error: a ValueError is the backend's own"))
