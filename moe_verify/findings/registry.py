@@ -93,7 +93,9 @@ FINDINGS: tuple[Finding, ...] = (
         "half-live replay, and under the Triton interpreter the out-of-bounds access is a "
         "segfault. On a GPU (an H100, vLLM 0.34.0's kernel compiled by Triton, through "
         "`moe-verify repro --finding 1`) an id one past the map gives a silently wrong count "
-        "(10 for 2) and the large stale ids an illegal memory access. The stages after "
+        "(10 for 2) and the large stale ids an illegal memory access; through `moe-verify "
+        "graph --backend vllm --replays half-live` the captured replay faults (FAULT, exit 1) "
+        "on ep:2 and tp:1 while full replays pass. The stages after "
         "them index by the same ids as read in the code (ep_scatter's and ep_gather's "
         "`apply_expert_map`, masked by `expert_id != -1`); the replay never reaches them.",
         where=(
