@@ -104,6 +104,7 @@ def test_an_opted_in_vllm_declares_no_recipe(monkeypatch: pytest.MonkeyPatch) ->
             evidence=evidence,
             has_deep_gemm=False,
             on_cuda=False,
+            compiled_quant=False,
             switches=(),
             **kernels,
         )
