@@ -36,10 +36,9 @@ class _CudaAlike:
         return getattr(self._platform, name)
 
 
-@pytest.fixture
-def gpu_without_compiled_ops(monkeypatch: pytest.MonkeyPatch):
-    """A VllmBackend that believes it runs on CUDA with no compiled quant op, and fp8_utils
-    seeing a CUDA-alike platform; returns (backend, kernels as loaded)."""
+def _on_a_cuda_alike_platform(monkeypatch: pytest.MonkeyPatch, compiled_quant: bool):
+    """A VllmBackend that believes it runs on CUDA (with the compiled quant op or without), and
+    fp8_utils seeing a CUDA-alike platform; returns (backend, kernels as loaded)."""
     from moe_verify.adapters import vllm as adapter
 
     loaded = adapter.load()
@@ -48,8 +47,13 @@ def gpu_without_compiled_ops(monkeypatch: pytest.MonkeyPatch):
     fp8_utils = loaded.fp8_utils
     monkeypatch.setattr(fp8_utils, "current_platform", _CudaAlike(fp8_utils.current_platform))
     backend = adapter.VllmBackend()
-    backend.vllm = dataclasses.replace(loaded, on_cuda=True, compiled_quant=False)
+    backend.vllm = dataclasses.replace(loaded, on_cuda=True, compiled_quant=compiled_quant)
     return backend, loaded
+
+
+@pytest.fixture
+def gpu_without_compiled_ops(monkeypatch: pytest.MonkeyPatch):
+    return _on_a_cuda_alike_platform(monkeypatch, compiled_quant=False)
 
 
 def test_the_stand_in_reaches_vllms_compiled_branch(gpu_without_compiled_ops) -> None:
@@ -78,15 +82,7 @@ def test_quant_input_runs_vllms_triton_fallback_and_says_so(gpu_without_compiled
 def test_a_whole_vllm_keeps_its_compiled_branch_unmarked(monkeypatch) -> None:
     """With the op present (as recorded in the kernels), the adapter does not switch: the call
     reaches vLLM's compiled branch, here the CPU's missing op, and fails loudly."""
-    from moe_verify.adapters import vllm as adapter
-
-    loaded = adapter.load()
-    if hasattr(torch.ops._C, adapter.COMPILED_QUANT_OP):
-        pytest.skip("this vLLM registers the compiled quant op")
-    fp8_utils = loaded.fp8_utils
-    monkeypatch.setattr(fp8_utils, "current_platform", _CudaAlike(fp8_utils.current_platform))
-    backend = adapter.VllmBackend()
-    backend.vllm = dataclasses.replace(loaded, on_cuda=True, compiled_quant=True)
+    backend, _ = _on_a_cuda_alike_platform(monkeypatch, compiled_quant=True)
     report = verify(PROBLEM, backend=backend, mode="isolated")
     assert not report.passed
     assert report.engine("quant_input") is None
