@@ -364,6 +364,7 @@ def m_indices_violations(
         return []
     blocks = m_indices.view(-1, alignment)
     live = blocks != -1
+    # Each aligned block: one expert (its first row's) on a prefix of rows, then only -1.
     broken = (live & (blocks != blocks[:, :1])).any(1)
     broken |= (live[:, 1:] & ~live[:, :-1]).any(1)
     return [range_violations(m_indices, -1, num_experts), broken]
@@ -384,13 +385,10 @@ def explain_m_indices(
         f"a row's expert must be in [0, E={num_experts}) or -1 (padding); another value would "
         "select a weight outside b",
     )  # fmt: skip
-    blocks = m_indices.view(-1, alignment)
-    first = blocks[:, :1]
-    live = blocks != -1
-    # Each aligned block: one expert (its first row's) on a prefix of rows, then only -1.
-    broken = (live & (blocks != first)).any(1)
-    broken |= (live[:, 1:] & ~live[:, :-1]).any(1)
+    _, broken = m_indices_violations(m_indices, num_experts, alignment)
     if bool(broken.any()):
+        blocks = m_indices.view(-1, alignment)
+        first, live = blocks[:, :1], blocks != -1
         b = int(broken.nonzero()[0])
         lo = b * alignment
         experts = sorted(set(blocks[b][live[b]].tolist()))

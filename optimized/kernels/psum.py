@@ -41,6 +41,11 @@ def block_experts(num_experts: int) -> int:
     return max(16, triton.next_power_of_2(max(num_experts, 1)))
 
 
+def segment_starts(ends: torch.Tensor, alignment: int) -> torch.Tensor:
+    """Each expert's first row under the psum layout: 0, then the previous end rounded up to A."""
+    return torch.cat([ends.new_zeros(1), round_up(ends[:-1], alignment)])
+
+
 def expert_ends_violations(
     expert_ends: torch.Tensor, m_sum: int, alignment: int
 ) -> list[torch.Tensor]:
@@ -49,7 +54,7 @@ def expert_ends_violations(
     if expert_ends.numel() == 0:
         return []
     ends = expert_ends.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), round_up(ends[:-1], alignment)])
+    starts = segment_starts(ends, alignment)
     return [ends < starts, (round_up(ends[-1:], alignment) > m_sum)]
 
 
@@ -63,7 +68,7 @@ def check_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignment:
 def explain_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignment: int) -> NoReturn:
     """Raise naming the psum rule broken (after `expert_ends_violations` flagged one)."""
     ends = expert_ends.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), round_up(ends[:-1], alignment)])
+    starts = segment_starts(ends, alignment)
     bad = ends < starts
     if bool(bad.any()):
         e = int(bad.nonzero()[0])
@@ -87,6 +92,6 @@ def explain_expert_ends(fn: str, expert_ends: torch.Tensor, m_sum: int, alignmen
 def psum_live_rows(expert_ends: torch.Tensor, m_sum: int, alignment: int) -> torch.Tensor:
     """bool [m_sum]: the rows some expert owns (gap and tail rows False), on the host side."""
     ends = expert_ends.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), round_up(ends[:-1], alignment)])
+    starts = segment_starts(ends, alignment)
     row = torch.arange(m_sum, device=ends.device)[:, None]
     return ((row >= starts[None, :]) & (row < ends[None, :])).any(dim=1)
